@@ -1,0 +1,11 @@
+"""Recurrent kernels (WKV) behind plain-tensor APIs.
+
+Each kernel has a naive recurrent twin that is its specification and test oracle:
+    wkv4.py   RWKV-4 WKV in log-space (numerically stable for any decay)
+    wkv5.py   RWKV-5/6 matrix-valued state with per-key-channel decay (constant or data-dependent)
+"""
+
+from .wkv4 import wkv4, wkv4_reference
+from .wkv5 import wkv5, wkv5_chunked, wkv5_naive
+
+__all__ = ["wkv4", "wkv4_reference", "wkv5", "wkv5_chunked", "wkv5_naive"]

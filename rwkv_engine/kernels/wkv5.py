@@ -1,0 +1,111 @@
+"""RWKV-5/6 WKV: a matrix-valued state per head with a per-key-channel decay.
+
+For each head, with key index i and value index j, token t:
+
+    y_t[j]    = sum_i r_t[i] * (u[i] * k_t[i] * v_t[j] + S[i, j])
+    S[i, j]  <- w_t[i] * S[i, j] + k_t[i] * v_t[j]
+
+RWKV-5 has one constant decay w[h, i] per head and key channel; RWKV-6 has a data-dependent
+w_t[h, i]. Both kernels take the decay in log space, log_w = log(w) <= 0, either as [H, N]
+(constant) or as [B, T, H, N] (per token), so one mechanism serves both versions.
+
+`wkv5_naive` is the specification: the recurrence, one token at a time.
+`wkv5_chunked` is the parallel form for prefill: inside a chunk of c tokens the contributions
+are an attention-like matrix, and the state is carried between chunks. Every exponent it
+evaluates is a sum of log-decays over a forward time interval, hence <= 0, so it stays finite
+for decays at 0 and at 1 and for any length.
+
+Shapes: r, k, v [B, T, H, N] fp32; u [H, N] fp32; state [B, H, N, N] fp32 laid out [key][value].
+Both return (y [B, T, H, N], new state) and never modify their inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _decay_per_token(log_w: Tensor, B: int, T: int) -> Tensor:
+    """log_w as [B, T, H, N] (a broadcast view when it is constant)."""
+    if log_w.dim() == 2:
+        return log_w.expand(B, T, *log_w.shape)
+    return log_w
+
+
+def wkv5_naive(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """The recurrence, token by token (the spec, and the decode path for T = 1)."""
+    B, T, H, N = r.shape
+    w = torch.exp(_decay_per_token(log_w, B, T))
+    S = state
+    ys = []
+    for t in range(T):
+        kv = k[:, t, :, :, None] * v[:, t, :, None, :]  # [B, H, N, N]
+        y = torch.einsum("bhi,bhij->bhj", r[:, t], u[..., None] * kv + S)
+        S = w[:, t, :, :, None] * S + kv
+        ys.append(y)
+    return torch.stack(ys, dim=1), S
+
+
+def wkv5_chunked(
+    r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor, state: Tensor, chunk: int = 32
+) -> tuple[Tensor, Tensor]:
+    """The chunked parallel form (same result as `wkv5_naive`)."""
+    B, T, H, N = r.shape
+    c = chunk
+    constant = log_w.dim() == 2
+    if constant and T % c:
+        # A constant decay would also act on padding; run the ragged tail through the recurrence.
+        T0 = T - T % c
+        if T0 == 0:
+            return wkv5_naive(r, k, v, log_w, u, state)
+        y0, S = wkv5_chunked(r[:, :T0], k[:, :T0], v[:, :T0], log_w, u, state, chunk)
+        y1, S = wkv5_naive(r[:, T0:], k[:, T0:], v[:, T0:], log_w, u, S)
+        return torch.cat([y0, y1], dim=1), S
+    n = (T + c - 1) // c
+    pad = n * c - T
+
+    def blocks(x: Tensor) -> Tensor:  # [B, T, H, N] -> [B, H, n, c, N]
+        if pad:
+            x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))  # zero k, v: padding adds nothing
+        return x.view(B, n, c, H, N).permute(0, 3, 1, 2, 4)
+
+    rb, kb, vb = blocks(r), blocks(k), blocks(v)
+    if constant:
+        # Inclusive cumulative log-decay inside a chunk, the same for every chunk: b[t] = (t+1) log_w.
+        steps = torch.arange(1, c + 1, dtype=r.dtype, device=r.device)
+        b = (steps[:, None, None] * log_w[None]).permute(1, 0, 2)[None, :, None]  # [1, H, 1, c, N]
+        lw = log_w[None, :, None, None, :]
+    else:
+        lw = blocks(log_w)  # padded tokens get log_w = 0: no decay, the state passes unchanged
+        b = lw.cumsum(dim=3)  # [B, H, n, c, N]
+    b_prev = b - lw  # exclusive cumulative log-decay
+    b_last = b[..., -1:, :]
+
+    # Inside each chunk: A[t, s] = sum_i r[t, i] k[s, i] exp(b_prev[t, i] - b[s, i]) for s < t,
+    # built one lag (t - s) at a time so that every tensor stays contiguous; the bonus on s = t.
+    A = torch.zeros(B, H, n, c, c, dtype=r.dtype, device=r.device)
+    for lag in range(1, c):
+        decay = torch.exp(b_prev[..., lag:, :] - b[..., : c - lag, :])
+        A.diagonal(offset=-lag, dim1=-2, dim2=-1).copy_((rb[..., lag:, :] * decay * kb[..., : c - lag, :]).sum(-1))
+    A.diagonal(dim1=-2, dim2=-1).copy_((rb * u[None, :, None, None, :] * kb).sum(-1))
+    y = A @ vb  # [B, H, n, c, N]
+
+    # Between chunks: the state entering chunk m, decayed to each position, read by r.
+    r_decayed = rb * torch.exp(b_prev)  # [B, H, n, c, N]
+    k_to_end = kb * torch.exp(b_last - b)  # k_s decayed from s to the chunk end
+    w_chunk = torch.exp(b_last).squeeze(-2)  # [., H, ., N]: decay over a whole chunk
+    S = state
+    for m in range(n):
+        y[:, :, m] += r_decayed[:, :, m] @ S
+        wm = w_chunk[:, :, 0] if constant else w_chunk[:, :, m]
+        S = wm[..., :, None] * S + k_to_end[:, :, m].transpose(-1, -2) @ vb[:, :, m]
+    y = y.permute(0, 2, 3, 1, 4).reshape(B, n * c, H, N)[:, :T]
+    return y, S
+
+
+def wkv5(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """The one call site that picks the recurrent or the chunked form by sequence length."""
+    if r.shape[1] < 4:
+        return wkv5_naive(r, k, v, log_w, u, state)
+    return wkv5_chunked(r, k, v, log_w, u, state)

@@ -1,0 +1,52 @@
+"""Pieces shared by every RWKV version: token shift, the channel mix, the head group norm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+
+
+def token_shift(xx: Tensor, x_prev: Tensor) -> Tensor:
+    """The previous token's input for each position: [B, T, C] from xx [B, T, C] and x_prev [B, C]."""
+    if xx.shape[1] == 1:
+        return x_prev[:, None]
+    return torch.cat([x_prev[:, None], xx[:, :-1]], dim=1)
+
+
+def mix(xx: Tensor, sx: Tensor, m: Tensor) -> Tensor:
+    """xx * m + sx * (1 - m): RWKV-4/5's interpolation between this token and the previous one.
+
+    RWKV-6/7 write it x + (prev - x) * m'; the loader stores m = 1 - m' so one form serves all.
+    """
+    return sx + (xx - sx) * m
+
+
+def head_group_norm(y: Tensor, n_head: int, weight: Tensor, bias: Tensor) -> Tensor:
+    """GroupNorm over each head's channels (eps 64e-5, see FORMATS A.8): y [B, T, A] fp32."""
+    B, T, A = y.shape
+    return F.group_norm(y.reshape(B * T, A), n_head, weight, bias, eps=64e-5).view(B, T, A)
+
+
+class ChannelMix(nn.Module):
+    """out = sigmoid(rx @ Wr) * (relu(kx @ Wk)^2 @ Wv), with token-shift mixes for k and r."""
+
+    def __init__(self, n_embd: int, ffn_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.mix_k = nn.Parameter(torch.empty(n_embd), requires_grad=False)
+        self.mix_r = nn.Parameter(torch.empty(n_embd), requires_grad=False)
+        self.key = nn.Linear(n_embd, ffn_dim, bias=False, dtype=dtype)
+        self.receptance = nn.Linear(n_embd, n_embd, bias=False, dtype=dtype)
+        self.value = nn.Linear(ffn_dim, n_embd, bias=False, dtype=dtype)
+        self.dtype = dtype
+
+    def forward(self, xx: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor]:
+        """xx [B, T, C] fp32 (post-LN), x_prev [B, C] fp32 -> (out [B, T, C] fp32, new x_prev)."""
+        sx = token_shift(xx, x_prev)
+        kx = mix(xx, sx, self.mix_k).to(self.dtype)
+        rx = mix(xx, sx, self.mix_r).to(self.dtype)
+        k = torch.relu(self.key(kx)).square()
+        out = torch.sigmoid(self.receptance(rx).float()) * self.value(k).float()
+        return out, xx[:, -1]

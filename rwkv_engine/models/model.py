@@ -1,0 +1,164 @@
+"""The RWKV model: embedding, blocks of time mix + channel mix, head; prefill and decode.
+
+One class serves every version; the version picks the time-mix module. The residual stream, the
+LayerNorms and the recurrent state are fp32; the big matrices (nn.Linear, swappable for quantized
+modules) run in the model dtype. With fp16 weights the loader divides each block's output
+matrices by 2**(layer // rescale_every) and the forward halves the residual every
+`rescale_every` blocks, so fp16 matmul outputs stay in range; the LayerNorms make it exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import InputError, StateError
+from ..state import State
+from .layers import ChannelMix
+from .rwkv4 import TimeMix4
+from .rwkv5 import TimeMix5
+
+Tensor = torch.Tensor
+
+TIME_MIX = {4: TimeMix4, 5: TimeMix5}
+
+# Tokens per prefill step for one sequence; memory of a forward is bounded by this, not by T.
+PREFILL_CHUNK = 512
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.att = TIME_MIX[cfg.family](cfg, dtype)
+        self.ffn = ChannelMix(cfg.n_embd, cfg.ffn_dim, dtype)
+
+    def forward(self, x: Tensor, st: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """x [B, T, C] fp32; st: this layer's state fields [B, ...] -> (x, new fields)."""
+        att_state = {k: v for k, v in st.items() if k not in ("att_x_prev", "ffn_x_prev")}
+        dx, att_x_prev, att_state = self.att(self.ln1(x), st["att_x_prev"], att_state)
+        x = x + dx
+        dx, ffn_x_prev = self.ffn(self.ln2(x), st["ffn_x_prev"])
+        return x + dx, {"att_x_prev": att_x_prev, **att_state, "ffn_x_prev": ffn_x_prev}
+
+
+class RWKV(nn.Module):
+    """An RWKV language model. Build it with `rwkv_engine.load`."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, rescale_every: int = 0):
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.rescale_every = rescale_every
+        self.path: Path | None = None
+        self.emb = nn.Embedding(cfg.vocab_size, cfg.n_embd, dtype=dtype)  # LayerNorm ln0 folded in
+        self.blocks = nn.ModuleList(Block(cfg, dtype) for _ in range(cfg.n_layer))
+        self.ln_out = nn.LayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=dtype)
+        self._state_shapes = {
+            "att_x_prev": ((cfg.n_embd,), 0.0),
+            **TIME_MIX[cfg.family].state_shapes(cfg),
+            "ffn_x_prev": ((cfg.n_embd,), 0.0),
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device if hasattr(self.head, "weight") else next(self.buffers()).device
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"RWKV(version={c.version}, n_layer={c.n_layer}, n_embd={c.n_embd}, vocab_size={c.vocab_size}, "
+            f"dtype={str(self.dtype).replace('torch.', '')}, device={self.device})"
+        )
+
+    # --- state ------------------------------------------------------------------------------
+
+    def new_state(self, batch_size: int = 1) -> State:
+        """The initial state of `batch_size` sequences."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
+        L = self.config.n_layer
+        tensors = {
+            name: torch.full((batch_size, L, *shape), init, dtype=torch.float32, device=self.device)
+            for name, (shape, init) in self._state_shapes.items()
+        }
+        return State(tensors, self.config.state_signature())
+
+    def _check_state(self, state: State, batch_size: int) -> None:
+        if not isinstance(state, State):
+            raise StateError(f"state must be an rwkv_engine.State, got {type(state).__name__}")
+        if state.signature != self.config.state_signature():
+            raise StateError(
+                f"state belongs to another model ({state.signature}); this model is {self.config.state_signature()}"
+            )
+        if state.batch_size != batch_size:
+            raise StateError(f"state has batch size {state.batch_size} but the tokens have {batch_size} rows")
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def _check_tokens(self, tokens) -> tuple[Tensor, bool]:
+        """tokens -> (LongTensor [B, T] on the model's device, whether the input was 1-D)."""
+        if isinstance(tokens, Tensor):
+            if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+                raise InputError(f"tokens must be integers, got a tensor of {tokens.dtype}")
+            t = tokens.to(dtype=torch.long)
+        else:
+            try:
+                t = torch.as_tensor(list(tokens), dtype=torch.long)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                raise InputError(f"tokens must be a list of ints or an integer tensor ({e})") from None
+            if t.dim() != 1:
+                raise InputError("tokens as a list must be flat: a list of ints")
+        if t.dim() not in (1, 2):
+            raise InputError(f"tokens must have shape [T] or [B, T], got {list(t.shape)}")
+        if t.numel() == 0:
+            raise InputError("tokens is empty: give at least one token")
+        V = self.config.vocab_size
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= V:
+            bad = lo if lo < 0 else hi
+            raise InputError(f"token id {bad} is outside the vocabulary [0, {V})")
+        one_d = t.dim() == 1
+        return (t[None] if one_d else t).to(self.device), one_d
+
+    def _logits(self, x: Tensor) -> Tensor:
+        return self.head(self.ln_out(x).to(self.dtype)).float()
+
+    @torch.no_grad()
+    def forward(self, tokens, state: State | None = None, all_logits: bool = False) -> tuple[Tensor, State]:
+        """Run the model over `tokens`, starting from `state` (a fresh one if None).
+
+        tokens: list[int] | LongTensor [T] | LongTensor [B, T].
+        Returns (logits, new_state). logits are fp32: [V] for a 1-D input and [B, V] for [B, T]
+        (the last position), or [T, V] / [B, T, V] with all_logits=True. The given state is
+        never modified. Any length runs in bounded memory: the sequence is processed in chunks
+        of PREFILL_CHUNK tokens with the state carried between them.
+        """
+        ids, one_d = self._check_tokens(tokens)
+        B, T = ids.shape
+        if state is None:
+            state = self.new_state(B)
+        else:
+            self._check_state(state, B)
+        state = state.to(self.device) if state.device != self.device else state
+        L = self.config.n_layer
+        layers = [{k: v[:, i] for k, v in state.items()} for i in range(L)]
+        chunk = max(16, PREFILL_CHUNK // B)
+        outs = []
+        for start in range(0, T, chunk):
+            x = self.emb(ids[:, start : start + chunk]).float()
+            for i, block in enumerate(self.blocks):
+                x, layers[i] = block(x, layers[i])
+                if self.rescale_every and (i + 1) % self.rescale_every == 0:
+                    x = x / 2
+            if all_logits:
+                outs.append(self._logits(x))
+        logits = torch.cat(outs, dim=1) if all_logits else self._logits(x[:, -1])
+        new_state = State({k: torch.stack([ls[k] for ls in layers], dim=1) for k in state.fields}, state.signature)
+        return (logits[0] if one_d else logits), new_state

@@ -1,0 +1,144 @@
+"""The recurrent state of a batch of sequences.
+
+A `State` holds named tensors, each batch-first with the layer on the second axis:
+
+    RWKV-4:   att_x_prev [B, L, C], att_num / att_den / att_max [B, L, A], ffn_x_prev [B, L, C]
+    RWKV-5:   att_x_prev [B, L, C], att_kv [B, L, H, N, N] (laid out [key][value]), ffn_x_prev [B, L, C]
+
+Every tensor is fp32 whatever the weight dtype. `x_prev` is the post-LayerNorm input of the
+previous token (token shift); att_num / att_den / att_max is RWKV-4's log-space WKV accumulator.
+A state is tied to a model by its `signature` (version and sizes): using it with a model of a
+different signature raises StateError.
+
+States are values: the model's forward never modifies the state it is given. They can be
+cloned, indexed by batch row, concatenated along the batch, moved, and saved to a safetensors
+file (no pickle) that `State.load` reads back.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from .errors import StateError
+
+Tensor = torch.Tensor
+
+_FORMAT = "rwkv-engine-state/1"
+
+
+class State:
+    def __init__(self, tensors: dict[str, Tensor], signature: str):
+        if not tensors:
+            raise StateError("a state needs at least one tensor")
+        sizes = {t.shape[0] for t in tensors.values()}
+        if len(sizes) != 1:
+            raise StateError(f"state tensors disagree on the batch size: {sorted(sizes)}")
+        self._tensors = dict(tensors)
+        self.signature = signature
+
+    # --- access -----------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Tensor:
+        tensors = self.__dict__.get("_tensors")
+        if tensors is not None and name in tensors:
+            return tensors[name]
+        raise AttributeError(f"State has no field {name!r}")
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    def items(self):
+        return self._tensors.items()
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self._tensors.values())).shape[0]
+
+    def __len__(self) -> int:
+        return self.batch_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._tensors.values())).device
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self._tensors.items())
+        return f"State({self.signature}, {shapes})"
+
+    # --- value operations -------------------------------------------------------------------
+
+    def clone(self) -> "State":
+        return State({k: v.clone() for k, v in self._tensors.items()}, self.signature)
+
+    def to(self, device) -> "State":
+        return State({k: v.to(device) for k, v in self._tensors.items()}, self.signature)
+
+    def __getitem__(self, index) -> "State":
+        """Rows of the batch: an int keeps a batch axis of 1; slices, lists and tensors select rows."""
+        if isinstance(index, int):
+            B = self.batch_size
+            if not -B <= index < B:
+                raise IndexError(f"state row {index} out of range for batch size {B}")
+            index = slice(index % B, index % B + 1)
+        return State({k: v[index] for k, v in self._tensors.items()}, self.signature)
+
+    @staticmethod
+    def cat(states: Sequence["State"]) -> "State":
+        states = list(states)
+        if not states:
+            raise StateError("State.cat needs at least one state")
+        first = states[0]
+        for s in states[1:]:
+            if s.signature != first.signature or s.fields != first.fields:
+                raise StateError(f"cannot concatenate states of different models: {first.signature} and {s.signature}")
+        return State({k: torch.cat([s._tensors[k] for s in states]) for k in first.fields}, first.signature)
+
+    def allclose(self, other: "State", rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+        return self.signature == other.signature and all(
+            torch.allclose(v, other._tensors[k], rtol=rtol, atol=atol) for k, v in self._tensors.items()
+        )
+
+    # --- files ------------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the state to a safetensors file (atomically: a partial file never appears)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self._tensors.items()}
+        save_file(tensors, str(tmp), metadata={"format": _FORMAT, "signature": self.signature})
+        os.replace(tmp, path)
+        return path
+
+    @staticmethod
+    def load(path: str | os.PathLike, device="cpu") -> "State":
+        """Read a state written by `State.save`."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise StateError(f"{path}: no such state file")
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                meta = f.metadata() or {}
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # safetensors raises several types for bad headers
+            raise StateError(f"{path}: not a state file ({e})") from None
+        if meta.get("format") != _FORMAT or "signature" not in meta:
+            raise StateError(f"{path}: not an rwkv-engine state file")
+        return State(tensors, meta["signature"])
+
+
+def stack_layers(per_layer: dict[str, Iterable[Tensor]], signature: str) -> State:
+    """Build a State from per-layer tensors [B, ...] (stacked on axis 1)."""
+    return State({k: torch.stack(list(v), dim=1) for k, v in per_layer.items()}, signature)

@@ -24,3 +24,7 @@ class InputError(RWKVEngineError):
 
 class StateError(RWKVEngineError):
     """A recurrent state does not belong to the model it is used with, or its file is bad."""
+
+
+class TokenizerError(RWKVEngineError):
+    """A tokenizer file is bad or does not fit the model, or token ids / bytes cannot be converted."""

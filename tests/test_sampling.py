@@ -1,0 +1,234 @@
+"""The sampler against the `rwkv` pip package's PIPELINE (the reference every RWKV front end copies).
+
+The reference draws with numpy's global RNG, so the comparisons capture the probability vector
+it passes to `np.random.choice` and compare it with ours, step by step, feeding both the same
+token so that the penalty counts evolve together.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rwkv_engine.errors import InputError
+from rwkv_engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    draw,
+    rwkv_probs,
+    update_counts,
+)
+
+rwkv_utils = pytest.importorskip("rwkv.utils")
+
+
+def reference_probs(logits, temperature, top_p, top_k, monkeypatch):
+    """The distribution the pip's sample_logits draws from."""
+    seen = {}
+
+    def choice(a, p):
+        seen["p"] = np.array(p, dtype=np.float64)
+        return 0
+
+    monkeypatch.setattr(np.random, "choice", choice)
+    rwkv_utils.PIPELINE.sample_logits(None, logits.clone(), temperature=temperature, top_p=top_p, top_k=top_k)
+    return torch.from_numpy(seen["p"])
+
+
+# --- parameters --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
+    dict(top_p=0.0), dict(top_p=1.01), dict(top_p=-1), dict(top_k=-1), dict(top_k=2.5),
+    dict(penalty_decay=1.5), dict(penalty_decay=-0.1), dict(presence_penalty=float("inf")),
+    dict(frequency_penalty="x"), dict(max_tokens=-1), dict(seed=-3), dict(stop=[""]), dict(stop=[3]),
+    dict(logit_bias={-1: 1.0}), dict(logit_bias={5: float("inf")}), dict(logit_bias=[1, 2]),
+    dict(banned_token_ids=["a"]), dict(stop_token_ids=[-2]), dict(temperature=True),
+])
+def test_bad_params_raise_input_error(bad):
+    with pytest.raises(InputError):
+        SamplingParams(**bad)
+
+
+def test_params_normalise_and_replace():
+    p = SamplingParams(stop="\n\n", stop_token_ids=[0, 0, 5], logit_bias={"7": -math.inf}, top_k=3.0)
+    assert p.stop == ("\n\n",) and p.stop_token_ids == (0, 5) and p.logit_bias == {7: -math.inf}
+    assert p.top_k == 3 and isinstance(p.top_k, int)
+    q = p.replace(temperature=0)
+    assert q.greedy and not p.greedy
+    with pytest.raises(InputError):
+        p.replace(top_p=0)
+    with pytest.raises(InputError):
+        p.replace(nonsense=1)
+    with pytest.raises(InputError):
+        SamplingParams(banned_token_ids=[100]).check_vocab(100)
+    SamplingParams(banned_token_ids=[99]).check_vocab(100)
+    with pytest.raises(InputError):
+        Sampler(SamplingParams(banned_token_ids=range(10)), 10)
+
+
+# --- the distribution --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [
+    (1.0, 0.85, 0), (1.0, 0.3, 0), (0.6, 0.5, 0), (1.7, 0.9, 0), (1.0, 0.95, 7), (2.5, 0.99, 3), (0.8, 0.6, 1),
+])
+def test_probs_match_reference(temperature, top_p, top_k, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        logits = torch.randn(300, generator=gen) * 3
+        ref = reference_probs(logits, temperature, top_p, top_k, monkeypatch)
+        ours = rwkv_probs(logits, temperature, top_p, top_k).double()
+        torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-7)
+        assert (ours > 0).sum() == (ref > 0).sum()
+
+
+def test_probs_batched_rows_equal_single_rows():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(2)) * 2
+    t, p, k = [1.0, 0.5, 2.0, 1.2], [1.0, 0.4, 0.9, 0.7], [0, 0, 5, 2]
+    batched = rwkv_probs(logits, t, p, k)
+    for b in range(4):
+        torch.testing.assert_close(batched[b], rwkv_probs(logits[b], t[b], p[b], k[b]))
+    assert torch.allclose(batched.sum(-1), torch.ones(4))
+
+
+def test_cut_keeps_ties_and_top_p_one_keeps_all():
+    logits = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.1, 0.1]))
+    # running sum reaches 0.5 at the first 0.2: its tie is kept too, the 0.1s are dropped
+    probs = rwkv_probs(logits, 1.0, 0.5)
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.25, 0.25, 0.0, 0.0]))
+    assert (rwkv_probs(logits, 1.0, 1.0) > 0).all()
+
+
+def test_small_temperature_does_not_underflow():
+    logits = torch.randn(65536, generator=torch.Generator().manual_seed(3))
+    probs = rwkv_probs(logits, 0.01, 1.0)
+    assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+    assert probs.argmax() == logits.argmax() and probs.max() > 0.99
+
+
+def test_draw_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    gen = torch.Generator().manual_seed(4)
+    tokens = draw(probs.expand(20000, 5).contiguous(), gen)
+    freq = torch.bincount(tokens, minlength=5).double() / 20000
+    assert (freq - probs.double()).abs().max() < 0.015
+    assert freq[4] == 0
+
+
+# --- penalties and whole sampling runs ---------------------------------------------------------
+
+
+def test_penalty_functions():
+    logits = torch.zeros(2, 4)
+    counts = torch.tensor([[0.0, 1.0, 2.5, 0.0], [3.0, 0.0, 0.0, 0.0]])
+    out = apply_penalties(logits, counts, [0.5, 1.0], [0.25, 0.0])
+    torch.testing.assert_close(out, torch.tensor([[0.0, -0.75, -1.125, 0.0], [-1.0, 0.0, 0.0, 0.0]]))
+    new = update_counts(counts, torch.tensor([3, 0]), [0.5, 1.0])
+    torch.testing.assert_close(new, torch.tensor([[0.0, 0.5, 1.25, 1.0], [4.0, 0.0, 0.0, 0.0]]))
+
+
+class _FakeModel:
+    """Deterministic logits that depend on the whole token history (its 'state')."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size = vocab_size
+
+    def forward(self, tokens, state):
+        state = (state or 0) * 1000003 + sum((i + 1) * t for i, t in enumerate(tokens)) + len(tokens)
+        gen = torch.Generator().manual_seed(state % (2**62))
+        return torch.randn(self.vocab_size, generator=gen) * 2, state
+
+
+class _FakeVocab:
+    def encode(self, text):
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)  # never a digit/space string: no pip penalty exemption
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,presence,frequency,decay,ban", [
+    (0.0, 0.85, 0, 0.7, 0.4, 0.996, []),          # greedy: penalties decide the tokens
+    (1.0, 0.85, 0, 0.2, 0.2, 0.996, [3]),
+    (1.3, 0.5, 4, 0.5, 0.5, 0.9, [0, 7]),
+    (0.7, 0.95, 0, 0.0, 1.0, 0.5, []),
+])
+def test_sampler_matches_reference_pipeline(temperature, top_p, top_k, presence, frequency, decay, ban, monkeypatch):
+    V, steps = 24, 40
+    pipe = rwkv_utils.PIPELINE.__new__(rwkv_utils.PIPELINE)
+    pipe.model, pipe.tokenizer = _FakeModel(V), _FakeVocab()
+    rng = np.random.default_rng(5)
+    seen_logits, seen_p, picked = [], [], []
+    orig_sample = rwkv_utils.PIPELINE.sample_logits
+
+    def sample_logits(self, logits, **kw):
+        seen_logits.append(logits.clone())
+        return orig_sample(self, logits, **kw)
+
+    def choice(a, p):
+        seen_p.append(np.array(p, dtype=np.float64))
+        q = np.asarray(p, dtype=np.float64)
+        tok = int(rng.choice(a, p=q / q.sum()))
+        picked.append(tok)
+        return tok
+
+    monkeypatch.setattr(rwkv_utils.PIPELINE, "sample_logits", sample_logits)
+    monkeypatch.setattr(np.random, "choice", choice)
+    args = rwkv_utils.PIPELINE_ARGS(temperature=temperature, top_p=top_p, top_k=top_k, alpha_frequency=frequency,
+                                    alpha_presence=presence, alpha_decay=decay, token_ban=ban, token_stop=[])
+    text = pipe.generate("1 2 3", token_count=steps, args=args)
+    ref_tokens = [int(x) for x in text.strip("<>").split("><")]
+    assert len(ref_tokens) == steps
+
+    # Replay: the same raw logits (the fake model's, recomputed) through our sampler.
+    model = _FakeModel(V)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence,
+                            frequency_penalty=frequency, penalty_decay=decay, banned_token_ids=ban, seed=0)
+    sampler = Sampler(params, V)
+    logits, state = model.forward([1, 2, 3], None)
+    ours = []
+    for i, ref_token in enumerate(ref_tokens):
+        adjusted = sampler.adjusted_logits(logits)
+        if temperature == 0:
+            token = sampler(logits)  # greedy: must pick what the reference picked
+            assert token == ref_token, f"step {i}"
+        else:
+            probs = rwkv_probs(adjusted, temperature, top_p, top_k).double()
+            torch.testing.assert_close(probs, torch.from_numpy(seen_p[i]), rtol=1e-4, atol=1e-7)
+            sampler.accept(ref_token)
+        ours.append(ref_token)
+        logits, state = model.forward([ref_token], state)
+    assert len(set(ours)) < len(ours)  # tokens repeated, so the penalties were exercised
+
+
+def test_same_seed_same_tokens_and_batch_equals_single():
+    V = 1000
+    logits = torch.randn(30, V, generator=torch.Generator().manual_seed(6))
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=11, presence_penalty=0.3),
+              SamplingParams(temperature=0.0, frequency_penalty=0.5),
+              SamplingParams(temperature=1.5, top_k=20, seed=12, logit_bias={5: 3.0}, banned_token_ids=[6])]
+
+    def run_alone(p):
+        s = Sampler(p, V)
+        return [s(row) for row in logits]
+
+    alone = [run_alone(p) for p in params]
+    assert alone[0] == run_alone(params[0])  # same seed, same tokens
+    assert alone[0] != run_alone(params[0].replace(seed=13))
+    assert 6 not in alone[2]
+    samplers = [Sampler(p, V) for p in params]
+    batched = [Sampler.sample_batch(samplers, torch.stack([row] * 3)) for row in logits]
+    assert [[b[i] for b in batched] for i in range(3)] == alone
+
+
+def test_shared_generator_overrides_seed():
+    V = 500
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(7))
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a = [Sampler(SamplingParams(seed=1), V, generator=g1)(logits) for _ in range(20)]
+    b = [Sampler(SamplingParams(seed=2), V, generator=g2)(logits) for _ in range(20)]
+    assert a == b and len(set(a)) > 1

@@ -198,12 +198,13 @@ class _PythonTrie:
                 parent[1][prefix[-1]] = (tok, kids)
         self._root = root
         self._table = [b"" if t is None else t for t in tokens]
-        self._cache: dict[bytes, tuple[list[int], frozenset[int]]] = {}
+        self._cache: dict[bytes, tuple[list[int], frozenset[int]] | None] = {}
         self.vocab_size = len(tokens)
         self.n_nodes = len(nodes) + 1
 
-    def _match_piece(self, piece: bytes) -> tuple[list[int], frozenset[int]]:
-        """Ids of `piece` alone, and the bytes that would extend a walk cut off by its end."""
+    def _match_piece(self, piece: bytes) -> tuple[list[int], frozenset[int]] | None:
+        """Ids of `piece` alone and the bytes that would extend a walk cut off by its end;
+        None when the piece alone does not tokenize (a vocab without some single bytes)."""
         root = self._root
         out: list[int] = []
         cont: set[int] = set()
@@ -212,7 +213,7 @@ class _PythonTrie:
         while i < n:
             node = root[piece[i]]
             if node is None:
-                raise ValueError(f"byte 0x{piece[i]:02x} starts no token")
+                return None
             best, kids = node
             end = j = i + 1
             while kids is not None:
@@ -228,7 +229,7 @@ class _PythonTrie:
                     best = tok
                     end = j
             if best < 0:
-                raise ValueError(f"byte 0x{piece[i]:02x} starts no token")
+                return None
             out.append(best)
             i = end
         return out, frozenset(cont)
@@ -236,28 +237,27 @@ class _PythonTrie:
     def encode(self, data) -> list[int]:
         data = bytes(data)
         n = len(data)
+        # pieces[k] starts at pos, a token boundary; each piece is either taken whole from the
+        # cache (fast path) or walked byte by byte until the walk lands on a piece start.
         pieces = self._PIECES.findall(data)
         cache = self._cache
-        if len(cache) > self._CACHE_MAX_ENTRIES:
-            cache.clear()
         get = cache.get
         max_cached = self._CACHE_MAX_PIECE
         root = self._root
         out: list[int] = []
         n_pieces = len(pieces)
-        k = pos = 0  # pieces[k] starts at pos, which is a token boundary
+        k = pos = 0
         while k < n_pieces:
             piece = pieces[k]
             end = pos + len(piece)
-            entry = get(piece)
-            if entry is None:
-                try:
-                    entry = self._match_piece(piece)
-                except ValueError as e:
-                    raise ValueError(f"{e} (at offset {pos} or after)") from None
+            entry = get(piece, False)
+            if entry is False:
+                entry = self._match_piece(piece)
                 if len(piece) <= max_cached:
+                    if len(cache) >= self._CACHE_MAX_ENTRIES:
+                        cache.clear()
                     cache[piece] = entry
-            if end == n or data[end] not in entry[1]:
+            if entry is not None and (end == n or data[end] not in entry[1]):
                 out += entry[0]
                 pos = end
                 k += 1

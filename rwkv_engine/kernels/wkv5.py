@@ -22,6 +22,7 @@ Both return (y [B, T, H, N], new state) and never modify their inputs.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
@@ -71,30 +72,42 @@ def wkv5_chunked(
         return x.view(B, n, c, H, N).permute(0, 3, 1, 2, 4)
 
     rb, kb, vb = blocks(r), blocks(k), blocks(v)
+    # Log-decays inside a chunk, each summed over exactly the tokens it spans (never as a difference
+    # of two long prefix sums, which would cancel catastrophically for fast decays):
+    #   before[t] = sum_{tau < t} lw,  after[s] = sum_{tau > s} lw,  total = sum of the chunk.
     if constant:
-        # Inclusive cumulative log-decay inside a chunk, the same for every chunk: b[t] = (t+1) log_w.
-        steps = torch.arange(1, c + 1, dtype=r.dtype, device=r.device)
-        b = (steps[:, None, None] * log_w[None]).permute(1, 0, 2)[None, :, None]  # [1, H, 1, c, N]
-        lw = log_w[None, :, None, None, :]
+        idx = torch.arange(c, dtype=r.dtype, device=r.device)[:, None]
+        lw = log_w[None, :, None, None, :]  # [1, H, 1, 1, N]
+        before = idx * lw  # [1, H, 1, c, N]
+        after = (c - 1 - idx) * lw
+        total = c * lw
     else:
         lw = blocks(log_w)  # padded tokens get log_w = 0: no decay, the state passes unchanged
-        b = lw.cumsum(dim=3)  # [B, H, n, c, N]
-    b_prev = b - lw  # exclusive cumulative log-decay
-    b_last = b[..., -1:, :]
+        before = F.pad(lw.cumsum(dim=3)[..., :-1, :], (0, 0, 1, 0))
+        after = F.pad(lw.flip(3).cumsum(dim=3).flip(3)[..., 1:, :], (0, 0, 0, 1))
+        total = lw.sum(dim=3, keepdim=True)
 
-    # Inside each chunk: A[t, s] = sum_i r[t, i] k[s, i] exp(b_prev[t, i] - b[s, i]) for s < t,
+    # Inside each chunk: A[t, s] = sum_i r[t, i] k[s, i] exp(sum_{s < tau < t} lw[tau, i]) for s < t,
     # built one lag (t - s) at a time so that every tensor stays contiguous; the bonus on s = t.
     A = torch.zeros(B, H, n, c, c, dtype=r.dtype, device=r.device)
-    for lag in range(1, c):
-        decay = torch.exp(b_prev[..., lag:, :] - b[..., : c - lag, :])
-        A.diagonal(offset=-lag, dim1=-2, dim2=-1).copy_((rb[..., lag:, :] * decay * kb[..., : c - lag, :]).sum(-1))
     A.diagonal(dim1=-2, dim2=-1).copy_((rb * u[None, :, None, None, :] * kb).sum(-1))
+    between = None  # sum of lw strictly between s and t, for t = lag..c-1
+    for lag in range(1, c):
+        if lag > 1 and constant:
+            between = (lag - 1) * lw
+        elif lag > 1:
+            step = lw[..., 1 : c - lag + 1, :]
+            between = step if between is None else between[..., 1:, :] + step
+        q = rb[..., lag:, :]
+        if between is not None:
+            q = q * torch.exp(between)
+        A.diagonal(offset=-lag, dim1=-2, dim2=-1).copy_((q * kb[..., : c - lag, :]).sum(-1))
     y = A @ vb  # [B, H, n, c, N]
 
     # Between chunks: the state entering chunk m, decayed to each position, read by r.
-    r_decayed = rb * torch.exp(b_prev)  # [B, H, n, c, N]
-    k_to_end = kb * torch.exp(b_last - b)  # k_s decayed from s to the chunk end
-    w_chunk = torch.exp(b_last).squeeze(-2)  # [., H, ., N]: decay over a whole chunk
+    r_decayed = rb * torch.exp(before)  # [B, H, n, c, N]
+    k_to_end = kb * torch.exp(after)  # k_s decayed from s to the chunk end
+    w_chunk = torch.exp(total).squeeze(-2)  # [., H, ., N]: decay over a whole chunk
     S = state
     for m in range(n):
         y[:, :, m] += r_decayed[:, :, m] @ S

@@ -52,7 +52,7 @@ class TimeMix5(nn.Module):
         k = self.key(mix(xx, sx, self.mix_k).to(dt)).float().view(B, T, H, N)
         v = self.value(mix(xx, sx, self.mix_v).to(dt)).float().view(B, T, H, N)
         y, kv = wkv5(r, k, v, self.log_decay, self.bonus, st["att_kv"])
-        y = head_group_norm(y.view(B, T, H * N), H, self.ln_x.weight, self.ln_x.bias)
+        y = head_group_norm(y.reshape(B, T, H * N), H, self.ln_x.weight, self.ln_x.bias)
         if self.gated:
             y = y * F.silu(self.gate(mix(xx, sx, self.mix_g).to(dt)).float())
         out = self.output(y.to(dt)).float()

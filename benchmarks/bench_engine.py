@@ -1,0 +1,155 @@
+"""Prefill and decode speed of rwkv-engine beside the reference `rwkv` package, in one run.
+
+    python benchmarks/bench_engine.py                      # RWKV-5.2 World 1.5B shape, fp32 and bf16
+    python benchmarks/bench_engine.py --version 4 --dtypes bf16
+    python benchmarks/bench_engine.py --small              # a quick 0.1B-shape smoke run
+
+A random-weight checkpoint of the real shape is written once (bf16 .pth, as the official files
+are) into --workdir. Each (engine, dtype) pair then runs in a fresh subprocess so that its peak
+RSS is its own; both engines read the same file. Machines are noisy: read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    # name: (n_layer, n_embd, vocab)
+    "1.5B": (24, 2048, 65536),
+    "0.4B": (24, 1024, 65536),
+    "0.1B": (12, 768, 65536),
+}
+
+
+def make_checkpoint(path: Path, version: str, shape: str) -> None:
+    import torch
+
+    from rwkv_engine import testing
+
+    if path.exists():
+        return
+    L, C, V = SHAPES[shape]
+    print(f"writing a random RWKV-{version} {shape} checkpoint to {path} ...", file=sys.stderr, flush=True)
+    sd = testing.random_state_dict(version, n_layer=L, n_embd=C, vocab_size=V, head_size=64)
+    sd = testing.cast(sd, torch.bfloat16)
+    tmp = path.with_suffix(".tmp")
+    torch.save(sd, tmp)
+    os.replace(tmp, path)
+
+
+def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, threads: int) -> dict:
+    """Runs in the child process: load, prefill `prompt_len` tokens, decode `decode` tokens."""
+    import torch
+
+    torch.set_num_threads(threads)
+    prompt = [(i * 7919) % 60000 + 1 for i in range(prompt_len)]
+    t0 = time.perf_counter()
+    if engine == "rwkv-engine":
+        import rwkv_engine
+
+        model = rwkv_engine.load(ckpt, dtype=dtype, progress=False)
+        load_s = time.perf_counter() - t0
+
+        def prefill():
+            return model.forward(prompt)
+
+        def step(tok, state):
+            return model.forward([tok], state)
+    else:
+        os.environ.setdefault("RWKV_JIT_ON", "1")
+        os.environ.setdefault("RWKV_CUDA_ON", "0")
+        from rwkv.model import RWKV
+
+        model = RWKV(ckpt.removesuffix(".pth"), f"cpu {dtype}", verbose=False)
+        load_s = time.perf_counter() - t0
+
+        def prefill():
+            return model.forward(prompt, None)
+
+        def step(tok, state):
+            return model.forward([tok], state)
+
+    prefill()  # warm up (JIT, allocator)
+    times = []
+    for _ in range(2):
+        t = time.perf_counter()
+        logits, state = prefill()
+        times.append(time.perf_counter() - t)
+    prefill_s = min(times)
+    tok = int(logits.argmax())
+    for _ in range(3):  # warm up decode
+        logits, state = step(tok, state)
+    steps = []
+    for _ in range(decode):
+        t = time.perf_counter()
+        logits, state = step(tok, state)
+        steps.append(time.perf_counter() - t)
+        tok = int(logits.argmax())
+    return {
+        "engine": engine,
+        "dtype": dtype,
+        "load_s": round(load_s, 2),
+        "prefill_tok_s": round(prompt_len / prefill_s, 2),
+        "decode_tok_s": round(1 / statistics.median(steps), 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", default="5.2", choices=["4", "5.2"])
+    ap.add_argument("--shape", default="1.5B", choices=sorted(SHAPES))
+    ap.add_argument("--small", action="store_true", help="shortcut for --shape 0.1B --prompt-len 128 --decode 16")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--engines", default="rwkv,rwkv-engine")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--workdir", default="/tmp/rwkv-engine-bench")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        engine, ckpt, dtype = args.child.split("|")
+        print(json.dumps(run_one(engine, ckpt, dtype, args.prompt_len, args.decode, args.threads)))
+        return
+    if args.small:
+        args.shape, args.prompt_len, args.decode = "0.1B", 128, 16
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = work / f"rwkv{args.version}-{args.shape}-bf16.pth"
+    make_checkpoint(ckpt, args.version, args.shape)
+
+    rows = []
+    for dtype in args.dtypes.split(","):
+        for engine in args.engines.split(","):
+            cmd = [sys.executable, __file__, "--child", f"{engine}|{ckpt}|{dtype}",
+                   "--prompt-len", str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode != 0:
+                print(f"{engine} {dtype} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                continue
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+    print(f"\nRWKV-{args.version} {args.shape} shape, prompt {args.prompt_len} tokens, {args.threads} threads\n")
+    print("| engine | dtype | load s | prefill tok/s | decode tok/s | peak RSS MB | prefill x ref | decode x ref |")
+    print("|---|---|---|---|---|---|---|---|")
+    ref = {r["dtype"]: r for r in rows if r["engine"] == "rwkv"}
+    for r in rows:
+        base = ref.get(r["dtype"])
+        px = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}" if base else "-"
+        dx = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}" if base else "-"
+        print(f"| {r['engine']} | {r['dtype']} | {r['load_s']} | {r['prefill_tok_s']} | {r['decode_tok_s']} | "
+              f"{r['peak_rss_mb']} | {px} | {dx} |")
+
+
+if __name__ == "__main__":
+    main()

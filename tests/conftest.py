@@ -1,0 +1,44 @@
+"""Shared fixtures: small random-weight checkpoints written on the fly, and comparison helpers."""
+
+from __future__ import annotations
+
+import os
+
+# Before anything imports them: no hub traffic from tests, and the reference package's plain
+# Python path (its TorchScript compile only costs time here).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("RWKV_JIT_ON", "0")
+os.environ.setdefault("RWKV_CUDA_ON", "0")
+
+import pytest
+import torch
+
+from rwkv_engine import testing
+
+SIZES = dict(n_layer=3, n_embd=64, vocab_size=300, head_size=16)
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """RMS of the difference relative to the RMS of the reference b."""
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="session")
+def make_pth(ckpt_dir):
+    """make_pth(version, **sizes) -> path of a fp32 .pth (cached per arguments)."""
+    cache = {}
+
+    def make(version: str = "5.2", **kw):
+        key = (version, tuple(sorted(kw.items())))
+        if key not in cache:
+            sd = testing.random_state_dict(version, **{**SIZES, **kw})
+            cache[key] = testing.save_pth(sd, ckpt_dir / f"m{len(cache)}-{version}.pth")
+        return cache[key]
+
+    return make

@@ -57,6 +57,7 @@ __all__ = [
     "apply_penalties",
     "update_counts",
     "rwkv_probs",
+    "sample_rows",
     "draw",
 ]
 
@@ -244,6 +245,52 @@ def update_counts(counts: Tensor, tokens, decay) -> Tensor:
     return counts.scatter_add(1, tokens, torch.ones_like(tokens, dtype=counts.dtype))
 
 
+def _kept(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, Tensor] | None:
+    """Steps 4-5 for one row of log-probabilities [V].
+
+    Returns (logp [m], ids [m]) of the tokens top-p and top-k keep, most probable first, or None
+    when they keep everything. Uses `topk` with a growing k instead of a full sort: the nucleus
+    is usually small, and a full sort of 65536 floats is the most expensive step by far.
+    """
+    V = logp.shape[0]
+    if top_p >= 1:
+        return None if top_k <= 0 or top_k >= V else torch.topk(logp, top_k)
+    k = min(V, max(256, top_k))
+    while True:
+        values, ids = torch.topk(logp, k)
+        cumulative = values.exp().cumsum(0)
+        if bool(cumulative[-1] >= top_p) or k == V:
+            # The cutoff is the probability at which the running sum first reaches top_p;
+            # everything at least that probable is kept, ties included.
+            first = min(int((cumulative < top_p).sum()), k - 1)
+            m = int((logp >= values[first]).sum())
+            break
+        if 0 < top_k <= k:  # the cutoff is further down than top_k: top-k decides
+            m = top_k
+            break
+        k = min(V, k * 8)
+    if top_k > 0:
+        m = min(m, top_k)
+    if m > k:  # ties with the cutoff beyond the first k
+        values, ids = torch.topk(logp, m)
+    return values[:m], ids[:m]
+
+
+def _check_temperature(temperature) -> None:
+    if min(temperature) <= 0:
+        raise InputError("the sampling distribution needs temperature > 0 (greedy is handled by the caller)")
+
+
+def _listed(value, n: int) -> list:
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise InputError(f"got {len(value)} per-row values for {n} rows")
+        return list(value)
+    return [value] * n
+
+
 def rwkv_probs(logits: Tensor, temperature=1.0, top_p=1.0, top_k=0) -> Tensor:
     """The sampling distribution of RWKV's sampler (module docstring, steps 3-6).
 
@@ -251,26 +298,40 @@ def rwkv_probs(logits: Tensor, temperature=1.0, top_p=1.0, top_k=0) -> Tensor:
     probabilities of the same shape, each row summing to 1.
     """
     logp = torch.log_softmax(logits.float(), dim=-1)
-    temperature = _per_row(temperature, logp)
-    top_p = _per_row(top_p, logp)
-    top_k = _per_row(top_k, logp)
-    if bool((temperature <= 0).any()):
-        raise InputError("rwkv_probs needs temperature > 0 (greedy is handled by the caller)")
-    keep = torch.ones_like(logp, dtype=torch.bool)
-    if bool((top_p < 1).any()) or bool((top_k > 0).any()):
-        probs = logp.exp()
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        cumulative = sorted_probs.cumsum(dim=-1)
-        # First sorted position where the running sum reaches top_p (the sum is monotone).
-        first = (cumulative < top_p).sum(dim=-1, keepdim=True).clamp(max=logp.shape[-1] - 1)
-        cutoff = sorted_probs.gather(-1, first)
-        cutoff = torch.where(top_p >= 1, torch.zeros_like(cutoff), cutoff)
-        keep = probs >= cutoff
-        rank = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(logp.shape[-1], device=logp.device).expand_as(order))
-        keep &= (top_k <= 0) | (rank < top_k)
-    scaled = (logp / temperature).masked_fill(~keep, -math.inf)
-    return torch.softmax(scaled, dim=-1)
+    rows = logp.reshape(-1, logp.shape[-1])
+    B = rows.shape[0]
+    temperature, top_p, top_k = _listed(temperature, B), _listed(top_p, B), _listed(top_k, B)
+    _check_temperature(temperature)
+    probs = torch.zeros_like(rows)
+    for b in range(B):
+        kept = _kept(rows[b], float(top_p[b]), int(top_k[b]))
+        if kept is None:
+            probs[b] = torch.softmax(rows[b] / temperature[b], dim=-1)
+        else:
+            probs[b, kept[1]] = torch.softmax(kept[0] / temperature[b], dim=-1)
+    return probs.reshape(logp.shape)
+
+
+def sample_rows(logits: Tensor, temperature, top_p, top_k, generators: Sequence[torch.Generator | None]) -> list[int]:
+    """Steps 3-7 for logits [B, V], row b drawn with generators[b]; the law of `rwkv_probs`.
+
+    Draws among the kept tokens only, which is much cheaper than a draw over the whole
+    vocabulary when top-p / top-k keep few tokens.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    B = logp.shape[0]
+    temperature, top_p, top_k = _listed(temperature, B), _listed(top_p, B), _listed(top_k, B)
+    _check_temperature(temperature)
+    out = []
+    for b in range(B):
+        kept = _kept(logp[b], float(top_p[b]), int(top_k[b]))
+        if kept is None:
+            weights, ids = torch.softmax(logp[b] / temperature[b], dim=-1), None
+        else:
+            weights, ids = torch.softmax(kept[0] / temperature[b], dim=-1), kept[1]
+        i = torch.multinomial(weights, 1, generator=generators[b])[0]
+        out.append(int(i if ids is None else ids[i]))
+    return out
 
 
 def draw(probs: Tensor, generators: torch.Generator | Sequence[torch.Generator | None] | None = None) -> Tensor:
@@ -294,8 +355,12 @@ class Sampler:
 
     `Sampler.sample_batch(samplers, logits)` samples B sequences at once from logits [B, V],
     each with its own parameters and generator; a row gets the same token it would get alone.
-    `generator` overrides the one built from `params.seed` (a chat shares one over its turns).
-    Counts and generator live on the logits' device, created at the first call.
+    `generator` overrides the one built from `params.seed` (a chat shares one over its turns);
+    otherwise it is created on the logits' device at the first call.
+
+    The counts are kept sparse (the generated token ids and their decayed counts), so a step
+    costs O(tokens generated) on top of the logits, not O(V); `counts` gives the dense [V] view
+    that `apply_penalties` / `update_counts` define.
     """
 
     def __init__(self, params: SamplingParams, vocab_size: int, generator: torch.Generator | None = None):
@@ -303,12 +368,17 @@ class Sampler:
         self.params = params
         self.vocab_size = vocab_size
         self.generator = generator
-        self.counts: Tensor | None = None
         self._bias = bias_vector(params, vocab_size)
+        self._position: dict[int, int] = {}  # token id -> index in _seen / _count
+        self._seen = torch.zeros(0, dtype=torch.long)
+        self._count = torch.zeros(0, dtype=torch.float32)
+
+    @property
+    def counts(self) -> Tensor:
+        dense = torch.zeros(self.vocab_size, dtype=torch.float32)
+        return dense.index_put_((self._seen,), self._count)
 
     def _ready(self, device: torch.device) -> None:
-        if self.counts is None:
-            self.counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=device)
         if self._bias is not None and self._bias.device != device:
             self._bias = self._bias.to(device)
         if self.generator is None:
@@ -325,7 +395,11 @@ class Sampler:
         if self._bias is not None:
             out = out + self._bias
         p = self.params
-        return apply_penalties(out, self.counts, p.presence_penalty, p.frequency_penalty)
+        if self._position and (p.presence_penalty or p.frequency_penalty):
+            seen = self._seen.to(out.device)
+            penalty = p.presence_penalty + self._count.to(out.device) * p.frequency_penalty
+            out = out.index_put((seen,), out[seen] - penalty)
+        return out
 
     def __call__(self, logits: Tensor) -> int:
         if logits.dim() != 1 or logits.shape[0] != self.vocab_size:
@@ -334,30 +408,40 @@ class Sampler:
 
     def accept(self, token: int) -> None:
         """Step 8 for a token chosen elsewhere (e.g. forced): decay counts, count the token."""
-        if self.counts is None:
-            self._ready(torch.device("cpu"))
-        self.counts = update_counts(self.counts, token, self.params.penalty_decay)
+        token = int(token)
+        self._count = self._count * self.params.penalty_decay
+        i = self._position.get(token)
+        if i is None:
+            self._position[token] = len(self._seen)
+            self._seen = torch.cat([self._seen, torch.tensor([token])])
+            self._count = torch.cat([self._count, torch.ones(1)])
+        else:
+            self._count[i] += 1
 
     @staticmethod
     def sample_batch(samplers: Sequence["Sampler"], logits: Tensor) -> list[int]:
         """One token for each row of logits [B, V], row b sampled by samplers[b]."""
         if logits.dim() != 2 or logits.shape[0] != len(samplers):
             raise InputError(f"sample_batch: logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
-        adjusted = torch.stack([s.adjusted_logits(row) for s, row in zip(samplers, logits)])  # (B, V)
+        adjusted = [s.adjusted_logits(row) for s, row in zip(samplers, logits)]
         params = [s.params for s in samplers]
-        greedy = [p.greedy for p in params]
-        tokens = adjusted.argmax(dim=-1)
-        if not all(greedy):
-            idx = [b for b, g in enumerate(greedy) if not g]
-            rows = adjusted[idx]
-            probs = rwkv_probs(
-                rows,
+        out = [None] * len(samplers)
+        idx = []
+        for b, p in enumerate(params):
+            if p.greedy:
+                out[b] = int(adjusted[b].argmax())
+            else:
+                idx.append(b)
+        if idx:
+            drawn = sample_rows(
+                torch.stack([adjusted[b] for b in idx]),
                 temperature=[params[b].temperature for b in idx],
                 top_p=[params[b].top_p for b in idx],
                 top_k=[params[b].top_k for b in idx],
+                generators=[samplers[b].generator for b in idx],
             )
-            tokens[idx] = draw(probs, [samplers[b].generator for b in idx])
-        out = tokens.tolist()
+            for b, t in zip(idx, drawn):
+                out[b] = t
         for s, t in zip(samplers, out):
             s.accept(t)
         return out

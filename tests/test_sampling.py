@@ -18,6 +18,7 @@ from rwkv_engine.sampling import (
     apply_penalties,
     draw,
     rwkv_probs,
+    sample_rows,
     update_counts,
 )
 
@@ -117,6 +118,18 @@ def test_draw_follows_the_distribution():
     freq = torch.bincount(tokens, minlength=5).double() / 20000
     assert (freq - probs.double()).abs().max() < 0.015
     assert freq[4] == 0
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.8, 0), (1.5, 0.95, 3)])
+def test_sample_rows_draws_from_rwkv_probs(temperature, top_p, top_k):
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
+    n = 3000
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.tensor(sample_rows(logits.expand(n, 6), [temperature] * n, [top_p] * n, [top_k] * n, [gen] * n))
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    probs = rwkv_probs(logits, temperature, top_p, top_k).double()
+    assert (freq - probs).abs().max() < 0.035
+    assert (freq[probs == 0] == 0).all()
 
 
 # --- penalties and whole sampling runs ---------------------------------------------------------

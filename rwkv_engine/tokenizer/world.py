@@ -136,14 +136,26 @@ def _load_vocab(path: str, mtime_ns: int, size: int) -> tuple[bytes | None, ...]
     return tuple(table)
 
 
-def load_vocab(path: str | os.PathLike | None = None) -> tuple[bytes | None, ...]:
-    """Token bytes by id of a World vocab file (default: the shipped one), cached per file."""
+def _vocab_key(path: str | os.PathLike | None) -> tuple[str, int, int]:
+    """(path, mtime, size): the cache key of a vocab file."""
     path = os.fspath(DEFAULT_VOCAB_PATH if path is None else path)
     try:
         st = os.stat(path)
     except OSError as e:
         raise TokenizerError(f"cannot read the World vocab {path}: {e.strerror or e}") from None
-    return _load_vocab(path, st.st_mtime_ns, st.st_size)
+    return path, st.st_mtime_ns, st.st_size
+
+
+def load_vocab(path: str | os.PathLike | None = None) -> tuple[bytes | None, ...]:
+    """Token bytes by id of a World vocab file (default: the shipped one), cached per file."""
+    return _load_vocab(*_vocab_key(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _matcher(path: str, mtime_ns: int, size: int, use_native: bool):
+    """The trie of a vocab file, shared by all tokenizers of that file (it is read-only)."""
+    tokens = _load_vocab(path, mtime_ns, size)
+    return _native.Trie(tokens) if use_native else _PythonTrie(tokens)
 
 
 # ---- the pure-Python matcher -------------------------------------------------------------------
@@ -340,8 +352,9 @@ class WorldTokenizer:
     eos_token_id: int = EOS_TOKEN_ID
 
     def __init__(self, vocab_path: str | os.PathLike | None = None, *, native: bool | None = None):
-        tokens = load_vocab(vocab_path)
-        self.vocab_path = Path(DEFAULT_VOCAB_PATH if vocab_path is None else vocab_path)
+        key = _vocab_key(vocab_path)
+        tokens = _load_vocab(*key)
+        self.vocab_path = Path(key[0])
         if native and _native is None:
             raise TokenizerError(
                 "the native World tokenizer extension rwkv_engine.tokenizer._native is not built; "
@@ -349,7 +362,7 @@ class WorldTokenizer:
             )
         use_native = _native is not None and native is not False
         try:
-            self._trie = _native.Trie(tokens) if use_native else _PythonTrie(tokens)
+            self._trie = _matcher(*key, use_native)
         except (ValueError, TypeError) as e:
             raise TokenizerError(f"{self.vocab_path}: {e}") from None
         self._tokens = tokens

@@ -232,7 +232,7 @@ def test_bad_inputs(tok):
     np = pytest.importorskip("numpy")
     assert tok.decode(np.array([33155, 40213])) == "Hello world"
     assert tok.decode([np.int64(33155)]) == "Hello"
-    for bad in (["a"], [1.5], [None]):
+    for bad in (["a"], [1.5], [None], 5):
         with pytest.raises(TokenizerError):
             tok.decode(bad)
     with pytest.raises(TokenizerError, match="surrogate"):
@@ -288,6 +288,7 @@ def test_small_vocab_longest_match(tmp_path, backend):
         (["1 __import__('os').getcwd() 1"], "bad token literal"),
         (["1 [1] 1"], "not str or bytes"),
         (["1 'a 1"], "bad token literal"),
+        (["99999999999 'a' 1"], "too large"),
     ],
 )
 def test_bad_vocab_files(tmp_path, lines, message):

@@ -102,7 +102,8 @@ def _emoji(rng: random.Random) -> str:
 
 
 def _whitespace(rng: random.Random) -> str:
-    return "".join(rng.choices(("  ", " ", "\t", "\n", "\n\n", "    ", "\r\n", "\u3000"), k=rng.randint(1, 8)))
+    runs = ("  ", " ", "\t", "\n", "\n\n", "    ", "\r\n", "\u3000")
+    return "".join(rng.choices(runs, k=rng.randint(1, 8)))
 
 
 _KINDS = ((_prose, 45), (_code, 25), (_cjk, 15), (_emoji, 5), (_whitespace, 10))

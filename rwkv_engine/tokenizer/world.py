@@ -35,6 +35,8 @@ VOCAB_ROWS = 65536
 EOS_TOKEN_ID = 0
 """End-of-text / document separator of World models (it has no text)."""
 
+_MAX_ID = 1 << 22  # a sanity bound for custom vocab files: ids index a table of that size
+
 DEFAULT_VOCAB_PATH = Path(__file__).resolve().parent.parent / "data" / "rwkv_vocab_v20230424.txt"
 
 
@@ -100,6 +102,8 @@ def parse_vocab(text: str, source: str = "<vocab>") -> dict[int, bytes]:
         elif not isinstance(value, bytes):
             raise TokenizerError(f"{where}: the literal is a {type(value).__name__}, not str or bytes")
         idx = int(id_text)
+        if idx >= _MAX_ID:
+            raise TokenizerError(f"{where}: token id {idx} is too large (at most {_MAX_ID - 1})")
         if len(value) != int(length_text):
             raise TokenizerError(
                 f"{where}: token {idx} has {len(value)} bytes but the line says {int(length_text)}"
@@ -128,7 +132,9 @@ def _load_vocab(path: str, mtime_ns: int, size: int) -> tuple[bytes | None, ...]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise TokenizerError(f"{path}: not UTF-8 text (byte {e.start}); is this a World vocab file?") from None
+        raise TokenizerError(
+            f"{path}: not UTF-8 text (byte {e.start}); is this a World vocab file?"
+        ) from None
     tokens = parse_vocab(text, source=path)
     table: list[bytes | None] = [None] * max(VOCAB_ROWS, max(tokens) + 1)
     for idx, value in tokens.items():
@@ -365,7 +371,6 @@ class WorldTokenizer:
             self._trie = _matcher(*key, use_native)
         except (ValueError, TypeError) as e:
             raise TokenizerError(f"{self.vocab_path}: {e}") from None
-        self._tokens = tokens
         self.vocab_size: int = len(tokens)
         self.backend: str = "native" if use_native else "python"
 
@@ -405,9 +410,9 @@ class WorldTokenizer:
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The exact bytes of the tokens, concatenated; ids 0 and 65530..65535 give b""."""
-        if not isinstance(ids, (list, tuple)):
-            ids = list(ids)
         try:
+            if not isinstance(ids, (list, tuple)):
+                ids = list(ids)
             return self._trie.decode(ids)
         except (ValueError, TypeError, OverflowError) as e:
             raise TokenizerError(str(e)) from None

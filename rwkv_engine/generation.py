@@ -1,0 +1,237 @@
+"""Text generation: prefill a prompt, then sample and feed one token at a time.
+
+High level:
+
+    gen = rwkv_engine.generate(model, tokenizer, "The capital of France is", params)
+    for chunk in gen:                  # text chunks as soon as they are safe to show
+        print(chunk, end="", flush=True)
+    gen.state                          # state after the prompt and every token in gen.tokens
+    gen.stats                          # GenerationStats: token counts, tok/s, finish_reason
+
+`generate` returns a `Generation`, an iterator of `str`. Nothing runs until the first `next()`.
+After it is exhausted, `gen.tokens` are the generated token ids (a stop token is not included),
+`gen.text` is the text that was yielded (stop strings excluded), `gen.state` is the state after
+the prompt and all of `gen.tokens` (`model.forward(prompt + gen.tokens)` from the initial state),
+`gen.prompt_state` the state after the prompt alone, and `gen.stats.finish_reason` is "stop" (a
+stop token or stop string) or "length" (max_tokens). A generation abandoned early (`break`,
+Ctrl-C) keeps the same invariant for the tokens it got to, with finish_reason None.
+
+Each token is fed to the model *before* its text is yielded, so the state always covers every
+piece of text a caller has seen.
+
+Low level, for a server that batches many sequences through one `model.forward([B, T])`:
+one `Sampler` (rwkv_engine.sampling) and one `TextStream` per sequence.
+
+    samplers = [Sampler(p, V) for p in params]; streams = [TextStream(tok, p) for p in params]
+    logits, state = model.forward(prompt_batch)                 # [B, V]
+    while live rows:
+        tokens = Sampler.sample_batch(samplers, logits)          # one id per row
+        for b, t in enumerate(tokens):
+            if streams[b].is_stop_token(t): streams[b].push(t)   # finished, do not feed t
+        logits, state = model.forward(tokens of live rows as [B', 1], state of live rows)
+        texts = [streams[b].push(t) for live rows]               # send; drop rows with .done
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from .errors import InputError
+from .sampling import Sampler, SamplingParams
+
+__all__ = ["generate", "Generation", "GenerationStats", "TextStream", "encode_prompt"]
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did. Rates are 0.0 when nothing was timed."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str | None = None  # "stop" | "length" | None (not finished)
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class TextStream:
+    """Turns one sequence's sampled token ids into text that is safe to show, and decides when it ends.
+
+    `push(token)` returns the new text (possibly ""). It is UTF-8 safe (an incomplete multi-byte
+    character is held until complete) and never returns any part of a stop string: text that
+    could be the start of a stop string is held back until the next tokens decide. The stream
+    ends (`done`, `finish_reason`) on a stop token ("stop"; the token is not recorded), a stop
+    string ("stop"; it and everything after it is dropped) or after max_tokens ("length").
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        from .tokenizer import IncrementalDetokenizer
+
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop_ids = frozenset(params.stop_token_ids)
+        self._stops = tuple(params.stop)
+        self._max_tokens = params.max_tokens
+        self._held = ""
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def is_stop_token(self, token: int) -> bool:
+        return token in self._stop_ids
+
+    def push(self, token: int) -> str:
+        if self.done:
+            raise InputError("TextStream.push after the stream has finished")
+        if token in self._stop_ids:
+            return self._emit(self._detok.flush(), final="stop")
+        self.tokens.append(token)
+        piece = self._detok.push(token)
+        if self._max_tokens is not None and len(self.tokens) >= self._max_tokens:
+            return self._emit(piece + self._detok.flush(), final="length")
+        return self._emit(piece, final=None)
+
+    def finish(self, reason: str) -> str:
+        """End the stream from outside (e.g. max_tokens == 0, a cancelled request); returns held text."""
+        if self.done:
+            return ""
+        return self._emit(self._detok.flush(), final=reason)
+
+    def _emit(self, piece: str, final: str | None) -> str:
+        text = self._held + piece
+        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out, self._held, self.finish_reason = text[:cut], "", "stop"
+        elif final is not None:
+            out, self._held, self.finish_reason = text, "", final
+        else:
+            keep = self._partial_stop_suffix(text)
+            out, self._held = text[: len(text) - keep], text[len(text) - keep:]
+        self.text += out
+        return out
+
+    def _partial_stop_suffix(self, text: str) -> int:
+        """Length of the longest end of `text` that is the beginning of a stop string."""
+        best = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
+    """Token ids of a prompt given as text or ids, checked against the vocabulary."""
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt))
+    else:
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point:
+                raise InputError(f"prompt tensor must be 1-D integer ids, got {prompt.dtype} {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        ids = list(prompt)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InputError(f"prompt token ids must be integers, got {t!r}")
+    if not ids:
+        raise InputError("the prompt is empty: there is nothing to continue")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InputError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    return ids
+
+
+class Generation:
+    """Iterator of the text chunks of one completion; see the module docstring."""
+
+    def __init__(self, model, tokenizer, prompt, params: SamplingParams, state=None,
+                 generator: torch.Generator | None = None):
+        if not isinstance(params, SamplingParams):
+            raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
+        vocab_size = model.config.vocab_size
+        self.model = model
+        self.params = params
+        self.prompt_tokens = encode_prompt(tokenizer, prompt, vocab_size)
+        self.sampler = Sampler(params, vocab_size, generator)
+        self.stream = TextStream(tokenizer, params)
+        self.state = state
+        self.prompt_state = None
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt_tokens))
+        self._steps = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._steps)
+
+    def close(self) -> None:
+        self._steps.close()
+
+    def read(self) -> str:
+        """Run to the end; the whole generated text."""
+        for _ in self:
+            pass
+        return self.text
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.stream.tokens
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stats.finish_reason
+
+    def _run(self) -> Iterator[str]:
+        stats, stream = self.stats, self.stream
+        t0 = time.perf_counter()
+        logits, state = self.model.forward(self.prompt_tokens, state=self.state)
+        self.state = self.prompt_state = state
+        t1 = time.perf_counter()
+        stats.prefill_seconds = t1 - t0
+        if self.params.max_tokens == 0:
+            stream.finish("length")
+            stats.finish_reason = stream.finish_reason
+            return
+        while True:
+            token = self.sampler(logits)
+            if not stream.is_stop_token(token):
+                logits, state = self.model.forward([token], state=self.state)
+                self.state = state
+            text = stream.push(token)
+            stats.generated_tokens = len(stream.tokens)
+            stats.decode_seconds = time.perf_counter() - t1
+            stats.finish_reason = stream.finish_reason
+            if text:
+                yield text
+            if stream.done:
+                return
+
+
+def generate(model, tokenizer, prompt, params: SamplingParams | None = None, state=None,
+             generator: torch.Generator | None = None) -> Generation:
+    """Generate a continuation of `prompt` (text or token ids), starting from `state` (None = fresh).
+
+    Returns a `Generation`: iterate it for text chunks; afterwards read `.state`, `.stats`,
+    `.tokens`, `.text`. `generator` replaces the one seeded from `params.seed`.
+    """
+    return Generation(model, tokenizer, prompt, params or SamplingParams(), state=state, generator=generator)

@@ -1,0 +1,183 @@
+"""Every supported file format gives the same model; every bad file gives one clear error."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import rwkv_engine
+from rwkv_engine import testing
+from rwkv_engine.errors import CheckpointError, InputError, RWKVEngineError, UnsupportedModelError
+
+from .conftest import SIZES, rel_rms
+
+PROMPT = [1, 2, 3, 250, 17, 9, 0, 44]
+
+
+@pytest.fixture(scope="module", params=["4", "5.2"])
+def base(request, tmp_path_factory):
+    version = request.param
+    sd = testing.random_state_dict(version, **SIZES, seed=3)
+    d = tmp_path_factory.mktemp(f"fmt{version}")
+    path = testing.save_pth(sd, d / "model.pth")
+    logits, _ = rwkv_engine.load(path).forward(PROMPT)
+    return version, sd, d, logits
+
+
+WRITERS = {
+    "pth-bf16": lambda sd, d, v: testing.save_pth(testing.cast(sd, torch.bfloat16), d / "bf16.pth"),
+    "pth-fp16": lambda sd, d, v: testing.save_pth(testing.cast(sd, torch.float16), d / "fp16.pth"),
+    "pth-legacy": lambda sd, d, v: (torch.save(sd, d / "legacy.pth", _use_new_zipfile_serialization=False), d / "legacy.pth")[1],
+    "safetensors": lambda sd, d, v: testing.save_safetensors(sd, d / "w.safetensors"),
+    "no-extension": lambda sd, d, v: testing.save_safetensors(sd, d / "weights"),
+    "hf-safetensors": lambda sd, d, v: testing.save_hf_dir(sd, d / "hf1", v),
+    "hf-bin": lambda sd, d, v: testing.save_hf_dir(sd, d / "hf2", v, weights="bin"),
+    "hf-sharded-safetensors": lambda sd, d, v: testing.save_hf_dir(sd, d / "hf3", v, shards=3),
+    "hf-sharded-bin": lambda sd, d, v: testing.save_hf_dir(sd, d / "hf4", v, weights="bin", shards=2),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_formats_agree(base, fmt):
+    version, sd, d, ref_logits = base
+    path = WRITERS[fmt](sd, d, version)
+    model = rwkv_engine.load(path)
+    assert model.config.version == version
+    assert model.config.n_layer == SIZES["n_layer"] and model.config.vocab_size == SIZES["vocab_size"]
+    logits, _ = model.forward(PROMPT)
+    tol = 2e-2 if ("bf16" in fmt or "fp16" in fmt) else 1e-6  # 16-bit files carry rounded weights
+    assert rel_rms(logits, ref_logits) < tol
+
+
+def test_config_fields(make_pth):
+    cfg = rwkv_engine.load(make_pth("5.2")).config
+    assert (cfg.version, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size, cfg.vocab_size) == ("5.2", 3, 64, 4, 16, 300)
+    assert cfg.ffn_dim == int(3.5 * 64) // 32 * 32
+    cfg4 = rwkv_engine.load(make_pth("4")).config
+    assert (cfg4.version, cfg4.ffn_dim) == ("4", 256)
+
+
+def test_dtypes_and_errors_for_dtype(make_pth):
+    path = make_pth("5.2")
+    for dt, tdt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        m = rwkv_engine.load(path, dtype=dt)
+        assert m.dtype == tdt and m.blocks[0].att.key.weight.dtype == tdt
+        assert m.blocks[0].att.log_decay.dtype == torch.float32  # decays stay fp32
+    with pytest.raises(InputError, match="dtype"):
+        rwkv_engine.load(path, dtype="int3")
+
+
+# --- bad files -------------------------------------------------------------------------------
+
+
+def _expect(exc, match, path, **kw):
+    with pytest.raises(exc, match=match) as info:
+        rwkv_engine.load(path, **kw)
+    assert isinstance(info.value, RWKVEngineError) and isinstance(info.value, ValueError)
+    assert str(path) in str(info.value) or match in str(info.value)
+    return info.value
+
+
+def test_missing_file(tmp_path):
+    _expect(CheckpointError, "no such file", tmp_path / "nope.pth")
+
+
+def test_hub_id_offline_is_a_clear_error():
+    # Tests run with HF_HUB_OFFLINE=1: the hub lookup fails at once, without traffic.
+    _expect(CheckpointError, "Hugging Face Hub", "no-such-org/no-such-model")
+
+
+def test_empty_file(tmp_path):
+    p = tmp_path / "empty.pth"
+    p.write_bytes(b"")
+    _expect(CheckpointError, "empty", p)
+
+
+def test_text_file(tmp_path):
+    p = tmp_path / "notes.pth"
+    p.write_text("hello, this is not a model\n" * 10)
+    _expect(CheckpointError, "not a checkpoint", p)
+
+
+@pytest.mark.parametrize("writer", ["pth", "safetensors"])
+def test_truncated(tmp_path, writer, make_pth):
+    sd = testing.random_state_dict("5.2", **SIZES)
+    full = testing.save_pth(sd, tmp_path / "full.pth") if writer == "pth" else testing.save_safetensors(sd, tmp_path / "full.st")
+    data = full.read_bytes()
+    cut = tmp_path / f"cut.{writer}"
+    cut.write_bytes(data[: len(data) // 2])
+    _expect(CheckpointError, "truncated|corrupt|cannot read", cut)
+
+
+def test_not_a_state_dict(tmp_path):
+    p = tmp_path / "list.pth"
+    torch.save([torch.zeros(3)], p)
+    _expect(CheckpointError, "dict of tensors", p)
+    p2 = tmp_path / "nested.pth"
+    torch.save({"a": {"b": torch.zeros(1)}}, p2)
+    _expect(CheckpointError, "flat dict", p2)
+
+
+def test_other_model(tmp_path):
+    p = tmp_path / "gpt.pth"
+    torch.save({"transformer.wte.weight": torch.zeros(10, 4)}, p)
+    _expect(CheckpointError, "not an RWKV checkpoint", p)
+
+
+def test_unknown_and_missing_keys(tmp_path):
+    sd = testing.random_state_dict("5.2", **SIZES)
+    extra = dict(sd, **{"blocks.1.att.mystery": torch.zeros(3)})
+    _expect(CheckpointError, "unknown tensor.*blocks.1.att.mystery", testing.save_pth(extra, tmp_path / "extra.pth"))
+    missing = {k: v for k, v in sd.items() if k != "blocks.2.ffn.value.weight"}
+    _expect(CheckpointError, "missing.*blocks.2.ffn.value.weight", testing.save_pth(missing, tmp_path / "missing.pth"))
+    gap = {k: v for k, v in sd.items() if not k.startswith("blocks.1.")}
+    _expect(CheckpointError, r"blocks \[1\] are missing", testing.save_pth(gap, tmp_path / "gap.pth"))
+
+
+def test_wrong_shape(tmp_path):
+    sd = testing.random_state_dict("5.2", **SIZES)
+    sd["blocks.1.att.value.weight"] = torch.zeros(64, 32)
+    _expect(CheckpointError, "blocks.1.att.value.weight has shape", testing.save_pth(sd, tmp_path / "shape.pth"))
+
+
+def test_unsupported_versions(tmp_path):
+    sd = testing.random_state_dict("5.2", **SIZES)
+    v6 = dict(sd, **{"blocks.0.att.time_maa_x": torch.zeros(1, 1, 64)})
+    _expect(UnsupportedModelError, "RWKV-6", testing.save_pth(v6, tmp_path / "v6.pth"))
+    v7 = dict(sd, **{"blocks.0.att.r_k": torch.zeros(4, 16)})
+    _expect(UnsupportedModelError, "RWKV-7", testing.save_pth(v7, tmp_path / "v7.pth"))
+
+
+def test_pip_converted_file(tmp_path):
+    sd = dict(testing.random_state_dict("4", **SIZES), _strategy="cpu fp32")
+    p = tmp_path / "conv.pth"
+    torch.save(sd, p)
+    _expect(CheckpointError, "converted by the `rwkv` pip package", p)
+
+
+def test_hf_dir_problems(tmp_path, make_pth):
+    sd = testing.random_state_dict("4", **SIZES)
+    d = testing.save_hf_dir(sd, tmp_path / "hf", "4")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=7)))
+    _expect(CheckpointError, "num_hidden_layers=7", d)
+    (d / "config.json").write_text(json.dumps(dict(cfg, model_type="llama")))
+    _expect(CheckpointError, "model_type 'llama'", d)
+    (d / "config.json").write_text("{not json")
+    _expect(CheckpointError, "not valid JSON", d)
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model.safetensors").unlink()
+    _expect(CheckpointError, "needs one of", d)
+    empty = tmp_path / "emptydir"
+    empty.mkdir()
+    _expect(CheckpointError, "no config.json and no checkpoint", empty)
+    two = tmp_path / "two"
+    two.mkdir()
+    shutil.copy(make_pth("4"), two / "a.pth")
+    shutil.copy(make_pth("4"), two / "b.pth")
+    _expect(CheckpointError, "several checkpoints", two)
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(make_pth("4"), one / "a.pth")
+    assert rwkv_engine.load(one).config.version == "4"

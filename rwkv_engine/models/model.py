@@ -68,7 +68,7 @@ class RWKV(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.head.weight.device if hasattr(self.head, "weight") else next(self.buffers()).device
+        return self.emb.weight.device
 
     def __repr__(self) -> str:
         c = self.config

@@ -1,0 +1,114 @@
+"""What the subcommands share: the one-line-error argument parser, the model flags, the sampling flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import InputError
+from ..sampling import SamplingParams
+
+
+def one_line(message) -> str:
+    """An error message folded onto one line."""
+    return " ".join(str(message).split()) or type(message).__name__
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2), not usage + message."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="model: a .pth / .safetensors file, a Hugging Face model directory, "
+                                      "or a Hugging Face Hub id (org/name)")
+    parser.add_argument("--device", default="cpu", help="torch device to run on (default: %(default)s)")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="weight dtype; the recurrent state is always fp32 (default: %(default)s)")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="tokenizer to use instead of the one the model implies "
+                             "(a World vocab .txt or a tokenizer.json)")
+
+
+def unescape(text: str) -> str:
+    r"""Backslash escapes \n \t \r \\ in a command-line string (so `--stop '\n\n'` works)."""
+    out, i = [], 0
+    table = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text) and text[i + 1] in table:
+            out.append(table[text[i + 1]])
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    tok, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(tok), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=VALUE (e.g. 261=-inf), got {text!r}") from None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, defaults: SamplingParams) -> None:
+    """The sampling flags, with `defaults` shown in --help and used for flags not given."""
+    d = defaults
+    g = parser.add_argument_group("sampling (RWKV order: penalties, softmax, top-p, top-k, then temperature)")
+    g.add_argument("--temperature", type=float, default=d.temperature,
+                   help="applied after the top-p/top-k cut; 0 = greedy (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=d.top_p,
+                   help="keep the most probable tokens up to this cumulative probability (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="keep at most this many tokens; 0 = off (default: %(default)s)")
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="subtracted from the logit of every token already generated (default: %(default)s)")
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="subtracted per (decayed) occurrence of a generated token (default: %(default)s)")
+    g.add_argument("--penalty-decay", type=float, default=d.penalty_decay,
+                   help="occurrence counts are multiplied by this every token (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same text (default: random)")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help=r"stop when this text appears; it is not printed; repeatable; \n and \t are understood")
+    g.add_argument("--logit-bias", action="append", default=None, type=_logit_bias, metavar="ID=VALUE",
+                   help="add VALUE to the logit of token ID (-inf bans it); repeatable")
+
+
+def sampling_params(args: argparse.Namespace, defaults: SamplingParams) -> SamplingParams:
+    """`defaults` with the sampling flags of `args` applied (InputError on bad values)."""
+    changes = dict(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        penalty_decay=args.penalty_decay, max_tokens=args.max_tokens, seed=args.seed,
+    )
+    if args.stop:
+        changes["stop"] = tuple(defaults.stop) + tuple(unescape(s) for s in args.stop)
+    if args.logit_bias:
+        changes["logit_bias"] = {**defaults.logit_bias, **dict(args.logit_bias)}
+    try:
+        return defaults.replace(**changes)
+    except InputError as e:
+        # Name the flag, not the field: "--top-p must be ..." reads better on a command line.
+        msg = str(e)
+        for field in changes:
+            if msg.startswith(field + " "):
+                msg = "--" + field.replace("_", "-") + msg[len(field):]
+                break
+        raise InputError(msg) from None
+
+
+def load_model(args: argparse.Namespace, progress: bool | None = None):
+    """(model, tokenizer) from the model flags. progress: a loading bar on stderr (default: if a terminal)."""
+    import rwkv_engine
+
+    if progress is None:
+        progress = sys.stderr.isatty()
+    model = rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, progress=progress)
+    tokenizer = rwkv_engine.load_tokenizer(model, args.tokenizer)
+    return model, tokenizer

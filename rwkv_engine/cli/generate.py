@@ -1,0 +1,75 @@
+"""`rwkv-engine generate MODEL`: continue a prompt and stream the text to stdout.
+
+The prompt comes from --prompt, --prompt-file or stdin, and is used exactly as given (no
+trailing newline is stripped or added). Generation ends at end-of-text (token 0), at a --stop
+string (not printed) or after --max-tokens. Sampling defaults are the `rwkv` pip package's
+PIPELINE_ARGS (FORMATS.md D): temperature 1.0, top-p 0.85, presence and frequency penalty 0.2,
+decay 0.996.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import InputError
+from ..sampling import SamplingParams
+from . import common
+
+HELP = "Continue a prompt with an RWKV model, streaming the text to stdout."
+
+DEFAULTS = SamplingParams(
+    temperature=1.0, top_p=0.85, top_k=0, presence_penalty=0.2, frequency_penalty=0.2,
+    penalty_decay=0.996, max_tokens=200, stop_token_ids=(0,),
+)
+
+
+def add_arguments(parser) -> None:
+    common.add_model_args(parser)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", "-p", metavar="TEXT", help="the prompt (default: read stdin)")
+    source.add_argument("--prompt-file", "-f", metavar="FILE", help="read the prompt from a UTF-8 file")
+    common.add_sampling_args(parser, DEFAULTS)
+    parser.add_argument("--stats", action="store_true",
+                        help="print token counts, speeds and the finish reason to stderr at the end")
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{args.prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if sys.stdin is None or sys.stdin.isatty():
+        raise InputError("no prompt: give --prompt TEXT or --prompt-file FILE, or pipe the prompt on stdin")
+    try:
+        return sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise InputError(f"stdin: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def run(args) -> int:
+    from ..generation import generate
+
+    # Check everything the user typed before the (slow) model load.
+    params = common.sampling_params(args, DEFAULTS)
+    prompt = read_prompt(args)
+    if not prompt:
+        raise InputError("the prompt is empty: there is nothing to continue")
+    model, tokenizer = common.load_model(args)
+    gen = generate(model, tokenizer, prompt, params)
+    out = sys.stdout
+    for chunk in gen:
+        out.write(chunk)
+        out.flush()
+    if out.isatty() and not gen.text.endswith("\n"):
+        out.write("\n")
+    out.flush()
+    if args.stats:
+        s = gen.stats
+        print(f"prompt: {s.prompt_tokens} tokens, {s.prefill_tokens_per_second:.1f} tok/s; "
+              f"generated: {s.generated_tokens} tokens, {s.decode_tokens_per_second:.1f} tok/s; "
+              f"finish: {s.finish_reason}", file=sys.stderr)
+    return 0

@@ -1,0 +1,418 @@
+"""The HTTP router: OpenAI-compatible endpoints over an `Engine`.
+
+    GET  /v1/models              the one model served
+    POST /v1/completions         text (or token ids) -> continuation; stream or not
+    POST /v1/chat/completions    messages (World chat format) -> reply; stream or not
+    GET  /health                 200 {"status": "ok"} while the engine runs, else 503
+    GET  /metrics                Prometheus text format
+
+A request goes: API key check -> body read (at most max_body_bytes) -> JSON -> `protocol`
+model (strict) -> prompt ids and `SamplingParams` -> `Engine.submit` -> the answer, whole or as
+server-sent events ending with `data: [DONE]`. Anything wrong with a request is an `APIError`:
+a 4xx with OpenAI's error body, decided before the request reaches the engine, so it never
+touches the requests that run. A client that disconnects (or cancels its stream) cancels its
+request in the engine, which frees the batch slot at its next step.
+
+Sampling fields a request leaves out take RWKV's usual values, not OpenAI's (whose top_p = 1
+and no penalties make RWKV models ramble): chat as ChatRWKV's chat demo, completions as the
+`rwkv` package's PIPELINE_ARGS (FORMATS.md section D). Chat replies stop at "\\n\\n"; both
+stop at token 0 (end of text). A completion's max_tokens defaults to 16 (as OpenAI's), a
+chat's to the server's cap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import traceback
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import InputError, StateError
+from ..sampling import SamplingParams
+from ..state import State
+from . import protocol as p
+from .chat_format import TURN_SEPARATOR, ReplyText, render_chat
+from .engine import Delta, Engine, EngineStopped, Finished, QueueFull, Request
+
+EOS_TOKEN_ID = 0
+
+CHAT_DEFAULTS = SamplingParams(
+    temperature=1.0, top_p=0.3, presence_penalty=0.5, frequency_penalty=0.5, penalty_decay=0.996,
+    stop_token_ids=(EOS_TOKEN_ID,),
+)
+COMPLETION_DEFAULTS = SamplingParams(
+    temperature=1.0, top_p=0.85, presence_penalty=0.2, frequency_penalty=0.2, penalty_decay=0.996,
+    stop_token_ids=(EOS_TOKEN_ID,),
+)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "penalty_decay", "seed")
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_prompt_tokens: int = 16384
+    max_tokens_cap: int = 4096
+    max_body_bytes: int = 4 << 20
+    state_dir: Path | None = None
+
+
+class APIError(Exception):
+    """An error answer: HTTP status + OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def _error_response(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
+    body = p.ErrorResponse(error=p.ErrorDetail(message=message, type=p.error_type(status), param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def _sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class _Receiver:
+    """The sink of one request: hands engine events (engine thread) to an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+    """The FastAPI application serving `engine` (started and stopped with the app's lifespan)."""
+    metrics = engine.metrics
+    tokenizer = engine.tokenizer
+    model = engine.model
+    loaded_states: OrderedDict[tuple, State] = OrderedDict()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not engine.alive:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="rwkv-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    # --- errors -------------------------------------------------------------------------------
+
+    def error(status: int, message: str, **kw) -> JSONResponse:
+        metrics.inc("http_errors_total", status=str(status))
+        return _error_response(status, message, **kw)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return error(e.status, e.message, param=e.param, code=e.code, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        return error(e.status_code, str(e.detail), headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        return error(400, str(e))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, e: Exception):
+        traceback.print_exception(e, file=sys.stderr)
+        return error(500, f"internal server error ({type(e).__name__})")
+
+    # --- request parts ------------------------------------------------------------------------
+
+    def authorize(request: HTTPRequest) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def read_json(request: HTTPRequest) -> dict:
+        limit = settings.max_body_bytes
+        too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        try:
+            obj = json.loads(bytes(body), parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return obj
+
+    def parse(kind: type[p._SamplingFields], obj: dict):
+        try:
+            req = kind.model_validate(obj)
+        except ValidationError as e:
+            param, message = p.describe_validation_error(e)
+            raise APIError(400, message, param=param or None) from None
+        if req.model != settings.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {settings.model_name!r}",
+                           param="model", code="model_not_found")
+        return req
+
+    def sampling_params(req, defaults: SamplingParams, max_tokens: int | None, default_max: int,
+                        extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+        if max_tokens is None:
+            max_tokens = min(default_max, settings.max_tokens_cap)
+        if max_tokens > settings.max_tokens_cap:
+            raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {settings.max_tokens_cap}",
+                           param="max_tokens")
+        changes = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
+        changes["max_tokens"] = max_tokens
+        changes["stop"] = tuple(dict.fromkeys((*extra_stop, *(req.stop or ()))))
+        if req.logit_bias:
+            changes["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        try:
+            return defaults.replace(**changes)
+        except InputError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from None
+
+    async def prompt_ids(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = await asyncio.to_thread(tokenizer.encode, prompt) if len(prompt) > 4096 else tokenizer.encode(prompt)
+            ids = list(ids)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
+        if len(ids) > settings.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most "
+                                f"{settings.max_prompt_tokens}", param="prompt", code="context_length_exceeded")
+        return ids
+
+    async def start_state(name: str | None) -> tuple[State | None, str]:
+        """The saved state a request names (extension `state`), and its key for the prompt cache."""
+        if name is None:
+            return None, ""
+        if settings.state_dir is None:
+            raise APIError(400, "this server loads no saved states (start it with --state-dir DIR)", param="state")
+        root = settings.state_dir.resolve()
+        rel = Path(name)
+        path = (root / rel).resolve()
+        if rel.is_absolute() or ".." in rel.parts or "\x00" in name or not path.is_relative_to(root):
+            raise APIError(400, "state must name a file inside the server's state directory", param="state")
+        if not path.is_file():
+            raise APIError(400, f"no saved state named {name!r}", param="state", code="state_not_found")
+        st = path.stat()
+        key = (str(path), st.st_mtime_ns, st.st_size)
+        state = loaded_states.get(key)
+        if state is None:
+            try:
+                state = await asyncio.to_thread(State.load, path, model.device)
+            except StateError as e:
+                raise APIError(400, f"state {name!r}: {e}", param="state") from None
+            if state.signature != model.config.state_signature():
+                raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
+            if state.batch_size != 1:
+                raise APIError(400, f"state {name!r} holds {state.batch_size} sequences, not one", param="state")
+            loaded_states[key] = state
+            while len(loaded_states) > 8:
+                loaded_states.popitem(last=False)
+        loaded_states.move_to_end(key)
+        return state, "file:" + ":".join(map(str, key))
+
+    def submit(ids: list[int], params: SamplingParams, state: State | None, state_key: str):
+        receiver = _Receiver(asyncio.get_running_loop())
+        try:
+            handle = engine.submit(Request(ids, params, state, state_key), receiver)
+        except QueueFull as e:
+            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), code="unavailable") from None
+        except InputError as e:
+            raise APIError(400, str(e)) from None
+        return handle, receiver
+
+    async def watch_disconnect(request: HTTPRequest, handle) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                handle.cancel()
+                return
+
+    async def collect(request: HTTPRequest, handle, receiver: _Receiver) -> tuple[str, Finished]:
+        watcher = asyncio.create_task(watch_disconnect(request, handle))
+        parts = []
+        try:
+            while True:
+                event = await receiver.queue.get()
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                    continue
+                if event.reason == "error":
+                    raise APIError(500, event.message or "the request failed", code="engine_error")
+                return "".join(parts), event
+        finally:
+            watcher.cancel()
+            handle.cancel()
+
+    def usage(event: Finished) -> p.Usage:
+        return p.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                       total_tokens=event.prompt_tokens + event.completion_tokens,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=event.cached_tokens))
+
+    def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def stream_error(event: Finished) -> str:
+        status = 503 if event.message and "shutting down" in event.message else 500
+        detail = p.ErrorDetail(message=event.message or "the request failed", type=p.error_type(status),
+                               code="engine_error")
+        return _sse(p.ErrorResponse(error=detail))
+
+    # --- routes ---------------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        if engine.alive:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(engine.gauges), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    created = p.now()
+
+    @app.get("/v1/models")
+    async def list_models(request: HTTPRequest):
+        authorize(request)
+        return p.ModelList(data=[p.ModelCard(id=settings.model_name, created=created)])
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str, request: HTTPRequest):
+        authorize(request)
+        if name != settings.model_name:
+            raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+        return p.ModelCard(id=settings.model_name, created=created)
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        authorize(request)
+        req = parse(p.CompletionRequest, await read_json(request))
+        params = sampling_params(req, COMPLETION_DEFAULTS, req.max_tokens, COMPLETION_MAX_TOKENS)
+        ids = await prompt_ids(req.prompt)
+        state, state_key = await start_state(req.state)
+        handle, receiver = submit(ids, params, state, state_key)
+        rid, when = p.new_id("cmpl"), p.now()
+
+        def chunk(text: str, finish=None, use=None, choices=True) -> str:
+            cs = [p.CompletionChoice(text=text, finish_reason=finish)] if choices else []
+            return _sse(p.CompletionResponse(id=rid, created=when, model=settings.model_name, choices=cs, usage=use))
+
+        if not req.stream:
+            text, event = await collect(request, handle, receiver)
+            if event.reason == "cancelled":
+                return Response(status_code=499)
+            return p.CompletionResponse(id=rid, created=when, model=settings.model_name, usage=usage(event),
+                                        choices=[p.CompletionChoice(text=text, finish_reason=event.reason)])
+
+        async def events():
+            try:
+                while True:
+                    event = await receiver.queue.get()
+                    if isinstance(event, Delta):
+                        yield chunk(event.text)
+                        continue
+                    if event.reason == "cancelled":
+                        return
+                    if event.reason == "error":
+                        yield stream_error(event)
+                    else:
+                        yield chunk("", finish=event.reason)
+                        if req.include_usage_in_stream:
+                            yield chunk("", use=usage(event), choices=False)
+                    yield "data: [DONE]\n\n"
+                    return
+            finally:
+                handle.cancel()
+
+        return stream_response(events())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        authorize(request)
+        req = parse(p.ChatCompletionRequest, await read_json(request))
+        params = sampling_params(req, CHAT_DEFAULTS, req.token_limit, settings.max_tokens_cap,
+                                 extra_stop=(TURN_SEPARATOR,))
+        prompt = render_chat((m.role, m.text) for m in req.messages)
+        ids = await prompt_ids(prompt)
+        state, state_key = await start_state(req.state)
+        handle, receiver = submit(ids, params, state, state_key)
+        rid, when = p.new_id("chatcmpl"), p.now()
+
+        if not req.stream:
+            text, event = await collect(request, handle, receiver)
+            if event.reason == "cancelled":
+                return Response(status_code=499)
+            reply = ReplyText()(text)
+            return p.ChatCompletionResponse(
+                id=rid, created=when, model=settings.model_name, usage=usage(event),
+                choices=[p.ChatChoice(message=p.AssistantMessage(content=reply), finish_reason=event.reason)])
+
+        def chunk(delta: p.Delta | None, finish=None, use=None) -> str:
+            cs = [p.ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
+            return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=cs, usage=use))
+
+        async def events():
+            reply = ReplyText()
+            try:
+                yield chunk(p.Delta(role="assistant", content=""))
+                while True:
+                    event = await receiver.queue.get()
+                    if isinstance(event, Delta):
+                        text = reply(event.text)
+                        if text:
+                            yield chunk(p.Delta(content=text))
+                        continue
+                    if event.reason == "cancelled":
+                        return
+                    if event.reason == "error":
+                        yield stream_error(event)
+                    else:
+                        yield chunk(p.Delta(), finish=event.reason)
+                        if req.include_usage_in_stream:
+                            yield chunk(None, use=usage(event))
+                    yield "data: [DONE]\n\n"
+                    return
+            finally:
+                handle.cancel()
+
+        return stream_response(events())
+
+    return app

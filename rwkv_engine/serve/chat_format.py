@@ -1,0 +1,59 @@
+"""The World chat format: a list of chat messages -> the text a World model continues.
+
+    System: {system}\n\nUser: {message}\n\nAssistant: {reply}\n\nUser: {message}\n\nAssistant:
+
+(FORMATS.md section D.) Every message becomes "{Role}: {text}\n\n" with the roles System
+(also for OpenAI's "developer"), User and Assistant; the prompt ends with "Assistant:" and no
+space: the model answers with a leading space, which `ReplyText` removes from what the client
+sees. "\n\n" separates turns, so message text is normalised never to contain it: CRLF -> LF,
+stripped, runs of newlines folded into one (as ChatRWKV's API demos do). A reply ends at "\n\n".
+
+An assistant message of the history is rendered as "Assistant: {content}", which puts back the
+space the server stripped: the history then reads exactly as the model wrote it, so a
+conversation's next prompt starts with the previous prompt plus the reply, and the prompt-state
+cache can resume it.
+
+This module knows nothing of HTTP or of the engine; the chat CLI (rwkv_engine/cli/chat.py)
+follows the same conventions.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+TURN_SEPARATOR = "\n\n"
+
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+
+
+def normalize_text(text: str) -> str:
+    """Message text as it goes into the prompt: never contains the turn separator."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
+    return re.sub(r"\n{2,}", "\n", text)
+
+
+def render_chat(messages: Iterable[tuple[str, str]]) -> str:
+    """The prompt for `messages`, (role, text) pairs with role in ROLE_NAMES, ending with "Assistant:"."""
+    parts = []
+    for role, text in messages:
+        name = ROLE_NAMES.get(role)
+        if name is None:
+            raise ValueError(f"unknown chat role {role!r}; one of {', '.join(ROLE_NAMES)}")
+        text = normalize_text(text)
+        parts.append(f"{name}: {text}{TURN_SEPARATOR}" if text else f"{name}:{TURN_SEPARATOR}")
+    parts.append("Assistant:")
+    return "".join(parts)
+
+
+class ReplyText:
+    """Removes the one space a World model puts after "Assistant:" from the start of a streamed reply."""
+
+    def __init__(self) -> None:
+        self._started = False
+
+    def __call__(self, delta: str) -> str:
+        if self._started or not delta:
+            return delta
+        self._started = True
+        return delta[1:] if delta.startswith(" ") else delta

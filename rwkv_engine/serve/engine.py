@@ -1,0 +1,433 @@
+"""The serving engine: one model, many concurrent requests, continuous batching.
+
+One thread, the engine thread, owns the model. Each turn of its loop it
+
+1. drops cancelled requests (their batch slot is free for the next turn) and admits waiting
+   requests while fewer than `max_batch` hold a slot;
+2. prefills one chunk (`prefill_chunk` tokens) of the oldest admitted request whose prompt is
+   not read yet; when its prompt is done it samples the request's first token and the request
+   joins the decoding batch;
+3. runs one decode step for every decoding request together: their last tokens as [B, 1]
+   through one `model.forward`, their states concatenated into one batch `State` [B, ...], then
+   `Sampler.sample_batch`, each row with the request's own parameters and random generator.
+
+So a long new prompt delays the running requests by at most one chunk per token, and they are
+never paused for a whole prompt. A request leaves the batch when its `TextStream` ends (stop
+token, stop string, max_tokens) or when it is cancelled; the batch state drops its row.
+
+Every token is sampled exactly as `rwkv_engine.generate` samples it for the request alone (same
+sampler, same generator, same order); the logits of a batched decode step agree with a
+single-sequence step up to float rounding (~1e-5), which picks another token only at a near tie.
+
+Prompt-state cache: prompts are prefilled in chunks aligned to multiples of `prefill_chunk`
+from their first token, and the state after every full chunk is kept in an LRU map keyed by
+(start state, token-id prefix), bounded in bytes. A new prompt resumes from the longest cached
+prefix (at most its length minus one token, since the logits of the last token are needed). Because
+the chunks are aligned, a resumed prefill runs the very same forward calls on the very same
+state as a cold one: the cache changes how fast an answer starts, never what it is.
+
+Threads: `submit` and `cancel` may be called from any thread. Output goes to the request's
+`sink(event)` -- `Delta(text)` any number of times, then one `Finished` -- called on the engine
+thread; a sink must not block (the server's hands the event to its asyncio loop).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import traceback
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import InputError, RWKVEngineError
+from ..generation import TextStream, encode_prompt
+from ..sampling import Sampler, SamplingParams
+from ..state import State
+from .metrics import Metrics
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8               # sequences decoded together (= batch slots)
+    max_queue: int = 64              # requests waiting for a slot; beyond: QueueFull
+    prefill_chunk: int = 256         # prompt tokens per prefill step (and cache granularity)
+    state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_queue", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.state_cache_bytes, int) or self.state_cache_bytes < 0:
+            raise InputError(f"state_cache_bytes must be >= 0, got {self.state_cache_bytes!r}")
+
+
+@dataclass
+class Request:
+    """What to generate: a continuation of `prompt_ids` from `start_state` (None = fresh)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    start_state: State | None = None
+    start_key: str = ""  # names start_state in the prompt cache; "" is the fresh state
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    message: str | None = None  # what went wrong, for "error"
+
+
+Sink = Callable[[object], None]
+
+
+class QueueFull(RWKVEngineError):
+    """Every batch slot is taken and `max_queue` requests already wait."""
+
+    retry_after = 1  # seconds
+
+
+class EngineStopped(RWKVEngineError):
+    """The engine is not running (not started yet, or shutting down)."""
+
+
+class PromptCache:
+    """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[str, bytes], State] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @staticmethod
+    def _size(key: tuple[str, bytes], state: State) -> int:
+        return state.nbytes + len(key[1]) + len(key[0])
+
+    def put(self, start_key: str, prefix: Sequence[int], state: State) -> None:
+        key = (start_key, array("q", prefix).tobytes())
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        size = self._size(key, state)
+        if size > self.capacity:
+            return
+        while self._entries and self.nbytes + size > self.capacity:
+            old_key, old = self._entries.popitem(last=False)
+            self.nbytes -= self._size(old_key, old)
+        self._entries[key] = state
+        self.nbytes += size
+
+    def lookup(self, start_key: str, ids: Sequence[int], chunk: int) -> tuple[int, State | None]:
+        """(k, state after ids[:k]) for the longest cached chunk-aligned k < len(ids), or (0, None)."""
+        if not self._entries:
+            return 0, None
+        raw = array("q", ids).tobytes()
+        width = raw and len(raw) // len(ids)
+        for k in range((len(ids) - 1) // chunk * chunk, 0, -chunk):
+            key = (start_key, raw[: k * width])
+            state = self._entries.get(key)
+            if state is not None:
+                self._entries.move_to_end(key)
+                return k, state
+        return 0, None
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+
+class Handle:
+    """A submitted request; `cancel()` frees its slot (a no-op once it has finished)."""
+
+    def __init__(self, engine: "Engine", seq: "_Sequence"):
+        self._engine = engine
+        self._seq = seq
+
+    @property
+    def id(self) -> int:
+        return self._seq.id
+
+    def cancel(self) -> None:
+        self._engine.cancel(self)
+
+
+class _Sequence:
+    """One request inside the engine."""
+
+    def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream):
+        self.id = seq_id
+        self.request = request
+        self.sink = sink
+        self.sampler = sampler
+        self.stream = stream
+        self.cancelled = False
+        self.finished = False
+        self.started = False          # prefill begun (cache looked up)
+        self.pos = 0                  # prompt tokens read
+        self.cached = 0               # of which taken from the prompt cache
+        self.state: State | None = None  # during prefill
+        self.next_token: int | None = None  # sampled, not yet fed to the model
+
+
+class Engine:
+    """See the module docstring. `start()` it, `submit()` requests, `stop()` it."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, metrics: Metrics | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.metrics = metrics or Metrics()
+        self.cache = PromptCache(self.config.state_cache_bytes)
+        self._cond = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()   # guarded by _cond
+        self._wake = False                          # guarded by _cond: a cancel to handle
+        self._stopping = False
+        self._prefilling: deque[_Sequence] = deque()  # engine thread only
+        self._decoding: list[_Sequence] = []          # engine thread only; row i of _batch
+        self._batch: State | None = None
+        self._ids = itertools.count(1)
+        self._thread: threading.Thread | None = None
+
+    # --- control (any thread) -------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._thread = threading.Thread(target=self._loop, name="rwkv-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop; requests still queued or running finish with reason "error"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request, sink: Sink) -> Handle:
+        """Queue a request. Raises InputError (bad ids or params), QueueFull, EngineStopped."""
+        vocab = self.model.config.vocab_size
+        request.prompt_ids = encode_prompt(self.tokenizer, request.prompt_ids, vocab)
+        if request.start_state is not None and request.start_state.batch_size != 1:
+            raise InputError(f"a start state must hold one sequence, got {request.start_state.batch_size}")
+        sampler = Sampler(request.params, vocab)
+        stream = TextStream(self.tokenizer, request.params)
+        with self._cond:
+            if not self.alive:
+                raise EngineStopped("the engine is not running")
+            if len(self._waiting) >= self.config.max_queue:
+                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are already waiting")
+            seq = _Sequence(next(self._ids), request, sink, sampler, stream)
+            self._waiting.append(seq)
+            self._cond.notify_all()
+        return Handle(self, seq)
+
+    def cancel(self, handle: Handle) -> None:
+        seq = handle._seq
+        with self._cond:
+            if seq.finished or seq.cancelled:
+                return
+            seq.cancelled = True
+            if seq in self._waiting:
+                self._waiting.remove(seq)
+                self._finish(seq, "cancelled")
+            else:
+                self._wake = True
+                self._cond.notify_all()
+
+    def gauges(self) -> dict[str, float]:
+        with self._cond:
+            waiting = len(self._waiting)
+        return {
+            "requests_running": len(self._prefilling) + len(self._decoding),
+            "requests_waiting": waiting,
+            "prompt_cache_entries": len(self.cache),
+            "prompt_cache_bytes": self.cache.nbytes,
+            "prompt_cache_capacity_bytes": self.cache.capacity,
+            "max_batch": self.config.max_batch,
+        }
+
+    # --- the engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._waiting or self._prefilling or self._decoding or self._wake):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    self._wake = False
+                    self._drop_cancelled()
+                    self._admit()
+                try:
+                    if self._prefilling:
+                        self._prefill_step()
+                    if self._decoding:
+                        self._decode_step()
+                except Exception as e:  # a bug here: drop what is in flight, keep serving
+                    seqs = list(self._prefilling) + self._decoding
+                    self._prefilling.clear()
+                    self._decoding, self._batch = [], None
+                    self._fail(seqs, e)
+        finally:
+            self._shutdown()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._prefilling) + len(self._decoding) < self.config.max_batch:
+            seq = self._waiting.popleft()
+            self._prefilling.append(seq)
+            self.metrics.inc("prompt_tokens_total", len(seq.request.prompt_ids))
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._prefilling if s.cancelled]:
+            self._prefilling.remove(seq)
+            self._finish(seq, "cancelled")
+        if any(s.cancelled for s in self._decoding):
+            keep = [i for i, s in enumerate(self._decoding) if not s.cancelled]
+            for s in self._decoding:
+                if s.cancelled:
+                    self._finish(s, "cancelled")
+            self._keep_rows(keep)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        if len(keep) == len(self._decoding):
+            return
+        self._decoding = [self._decoding[i] for i in keep]
+        self._batch = self._batch[keep] if keep else None
+
+    def _prefill_step(self) -> None:
+        seq = self._prefilling[0]
+        req, chunk = seq.request, self.config.prefill_chunk
+        ids = req.prompt_ids
+        try:
+            if not seq.started:
+                seq.started = True
+                seq.pos, seq.state = self.cache.lookup(req.start_key, ids, chunk)
+                seq.cached = seq.pos
+                if seq.pos:
+                    self.metrics.inc("prompt_cache_hits_total")
+                    self.metrics.inc("prompt_cache_hit_tokens_total", seq.pos)
+                else:
+                    self.metrics.inc("prompt_cache_misses_total")
+                    seq.state = req.start_state
+            end = min(seq.pos + chunk, len(ids))
+            logits, seq.state = self.model.forward(ids[seq.pos:end], state=seq.state)
+            self.metrics.inc("prefill_tokens_total", end - seq.pos)
+            seq.pos = end
+            if end % chunk == 0 and self.cache.capacity:
+                self.cache.put(req.start_key, ids[:end], seq.state)
+            if end < len(ids):
+                return
+            self._prefilling.popleft()
+            self._first_token(seq, logits)
+        except Exception as e:  # one request's failure must not stop the others
+            if self._prefilling and self._prefilling[0] is seq:
+                self._prefilling.popleft()
+            self._fail([seq], e)
+
+    def _first_token(self, seq: _Sequence, logits: torch.Tensor) -> None:
+        state, seq.state = seq.state, None
+        if seq.request.params.max_tokens == 0:
+            self._emit(seq, seq.stream.finish("length"))
+            self._finish(seq, seq.stream.finish_reason)
+            return
+        token = Sampler.sample_batch([seq.sampler], logits[None])[0]
+        if not self._push(seq, token):
+            return
+        seq.next_token = token
+        self._decoding.append(seq)
+        self._batch = state if self._batch is None else State.cat([self._batch, state])
+
+    def _decode_step(self) -> None:
+        rows = self._decoding
+        try:
+            tokens = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
+            logits, self._batch = self.model.forward(tokens, state=self._batch)
+            sampled = Sampler.sample_batch([s.sampler for s in rows], logits)
+        except Exception as e:
+            self._decoding, self._batch = [], None
+            self._fail(rows, e)
+            return
+        self.metrics.inc("decode_steps_total")
+        self.metrics.inc("decode_rows_total", len(rows))
+        keep = []
+        for i, (seq, token) in enumerate(zip(rows, sampled)):
+            if self._push(seq, token):
+                seq.next_token = token
+                keep.append(i)
+        self._keep_rows(keep)
+
+    def _push(self, seq: _Sequence, token: int) -> bool:
+        """Give a sampled token to the request's stream; False when the request has ended."""
+        before = len(seq.stream.tokens)
+        text = seq.stream.push(token)
+        self.metrics.generated(len(seq.stream.tokens) - before)
+        self._emit(seq, text)
+        if seq.stream.done:
+            self._finish(seq, seq.stream.finish_reason)
+            return False
+        if seq.cancelled:
+            self._finish(seq, "cancelled")
+            return False
+        return True
+
+    def _emit(self, seq: _Sequence, text: str) -> None:
+        if not text or seq.cancelled:
+            return
+        try:
+            seq.sink(Delta(text))
+        except Exception:  # the receiver is gone: treat as a cancel
+            seq.cancelled = True
+
+    def _finish(self, seq: _Sequence, reason: str, message: str | None = None) -> None:
+        if seq.finished:
+            return
+        seq.finished = True
+        seq.state = None
+        self.metrics.inc("requests_total", outcome=reason)
+        event = Finished(reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.cached, message)
+        try:
+            seq.sink(event)
+        except Exception:
+            pass
+
+    def _fail(self, seqs: list[_Sequence], error: Exception) -> None:
+        if isinstance(error, RWKVEngineError):
+            message = str(error)
+        else:
+            print("rwkv-engine serve: a model step failed:", file=sys.stderr)
+            traceback.print_exception(error, file=sys.stderr)
+            message = f"the model step failed ({type(error).__name__}); the request was dropped"
+        for seq in seqs:
+            self._finish(seq, "error", message)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            left = list(self._waiting) + list(self._prefilling) + self._decoding
+            self._waiting.clear()
+        self._prefilling.clear()
+        self._decoding, self._batch = [], None
+        for seq in left:
+            self._finish(seq, "error", "the server is shutting down")

@@ -1,0 +1,116 @@
+"""Server metrics: counters updated by the engine and the router, rendered in the Prometheus text format.
+
+Every metric is declared once in `METRICS` (name, type, help). Counters only grow; gauges are
+read at scrape time from a callback. `generation_tokens_per_second` is the number of tokens
+generated over the last `window` seconds divided by the window (shorter while the server is younger).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Callable, Mapping
+
+PREFIX = "rwkv_engine_"
+
+# name -> (type, help)
+METRICS: dict[str, tuple[str, str]] = {
+    "requests_running": ("gauge", "Requests holding a batch slot (prefilling their prompt or decoding)."),
+    "requests_waiting": ("gauge", "Requests queued for a batch slot."),
+    "requests_total": ("counter", "Requests the engine finished, by outcome (stop, length, cancelled, error)."),
+    "http_errors_total": ("counter", "Requests answered with an error status, by status code."),
+    "prompt_tokens_total": ("counter", "Prompt tokens of admitted requests."),
+    "prefill_tokens_total": ("counter", "Prompt tokens run through the model (prompt tokens minus cache hits)."),
+    "generation_tokens_total": ("counter", "Tokens generated."),
+    "generation_tokens_per_second": ("gauge", "Tokens generated per second over the last window."),
+    "decode_steps_total": ("counter", "Batched decode steps (one model forward each)."),
+    "decode_rows_total": ("counter", "Sequences decoded, summed over decode steps (rows / steps = mean batch size)."),
+    "prompt_cache_hits_total": ("counter", "Prompts that resumed from a cached prefix state."),
+    "prompt_cache_misses_total": ("counter", "Prompts with no cached prefix state."),
+    "prompt_cache_hit_tokens_total": ("counter", "Prompt tokens skipped thanks to the prompt-state cache."),
+    "prompt_cache_entries": ("gauge", "States in the prompt-state cache."),
+    "prompt_cache_bytes": ("gauge", "Bytes held by the prompt-state cache."),
+    "prompt_cache_capacity_bytes": ("gauge", "Capacity of the prompt-state cache (--state-cache-mb)."),
+    "max_batch": ("gauge", "Most sequences decoded together (--max-batch)."),
+}
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(v: float) -> str:
+    if isinstance(v, int) or (math.isfinite(v) and float(v).is_integer()):
+        return str(int(v))
+    return repr(float(v))
+
+
+class Metrics:
+    """Thread-safe counters plus a sliding window of generated tokens."""
+
+    def __init__(self, window: float = 10.0):
+        self.window = window
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, tuple], float] = defaultdict(float)
+        self._generated: deque[tuple[float, int]] = deque()
+        self._start = time.monotonic()
+
+    def inc(self, name: str, value: float = 1, **labels: str) -> None:
+        if name not in METRICS or METRICS[name][0] != "counter":
+            raise KeyError(f"not a declared counter: {name}")
+        with self._lock:
+            self._counters[(name, tuple(sorted(labels.items())))] += value
+
+    def get(self, name: str, **labels: str) -> float:
+        with self._lock:
+            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def generated(self, n: int) -> None:
+        """Record n generated tokens (counter and rate window)."""
+        now = time.monotonic()
+        with self._lock:
+            self._counters[("generation_tokens_total", ())] += n
+            self._generated.append((now, n))
+            self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._generated and self._generated[0][0] < now - self.window:
+            self._generated.popleft()
+
+    def tokens_per_second(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            total = sum(n for _, n in self._generated)
+        span = min(self.window, now - self._start)
+        return total / span if span > 0 else 0.0
+
+    def render(self, gauges: Callable[[], Mapping[str, float]] | None = None) -> str:
+        """The Prometheus text exposition (format 0.0.4) of every declared metric."""
+        values = dict(gauges() if gauges else {})
+        values["generation_tokens_per_second"] = self.tokens_per_second()
+        with self._lock:
+            counters = dict(self._counters)
+        lines = []
+        for name, (kind, help_text) in METRICS.items():
+            full = PREFIX + name
+            lines.append(f"# HELP {full} {help_text}")
+            lines.append(f"# TYPE {full} {kind}")
+            if kind == "gauge":
+                lines.append(f"{full} {_number(values.get(name, 0))}")
+                continue
+            samples = sorted((labels, v) for (n, labels), v in counters.items() if n == name)
+            if not samples:
+                samples = [((), 0)]
+            for labels, v in samples:
+                lines.append(f"{full}{_labels(dict(labels))} {_number(v)}")
+        return "\n".join(lines) + "\n"

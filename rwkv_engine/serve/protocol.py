@@ -1,0 +1,337 @@
+"""The OpenAI HTTP API as pydantic models: what the server accepts and what it sends.
+
+Requests are validated strictly (a number must be a JSON number, not a string; unknown fields
+are refused, as OpenAI does) so that a wrong request gets one clear 400 naming the field,
+instead of being silently reinterpreted. Fields OpenAI defines but this server does not
+implement are accepted only with their neutral value (n = 1, echo = false, no tools, ...).
+
+Extensions (all optional; with the `openai` client pass them in `extra_body`):
+    top_k           keep at most this many tokens (0 = off)
+    penalty_decay   per-token decay of the occurrence counts behind the penalties (RWKV's 0.996)
+    state           name of a saved state file (`State.save`) under the server's --state-dir to
+                    start from instead of the fresh state
+
+Sampling fields left out take the RWKV defaults of the server (see `app.py`), not OpenAI's.
+This module knows nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: list[TextPart] = Field(default_factory=list)
+    name: str | None = None  # accepted, not rendered
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_as_part(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [{"type": "text", "text": v}]
+        if not isinstance(v, list):
+            raise ValueError("must be a string or a list of text parts")
+        return v
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content)
+
+
+# Values of OpenAI fields this server does not implement that mean "not used".
+_NEUTRAL: dict[str, tuple] = {
+    "echo": (False,), "best_of": (None, 1), "logprobs": (None, False, 0), "suffix": (None, ""),
+    "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"), "store": (None, False),
+}
+
+
+class _SamplingFields(_Strict):
+    """The fields completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    penalty_decay: float | None = Field(default=None, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None
+    stop: list[str] | None = Field(default=None, max_length=16)
+    seed: int | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    state: str | None = Field(default=None, min_length=1)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only n = 1 is supported (send several requests instead)")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        if v is not None and not (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+            raise ValueError("must be a string or a list of strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (digit strings), got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values are in [-100, 100], got {value} for token {key}")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, v, info):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt` is a string or a list of token ids (one prompt per request)."""
+
+    prompt: Any
+    echo: bool = False
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo", "best_of", "logprobs", "suffix")
+    @classmethod
+    def _neutral(cls, v: Any, info) -> Any:
+        if v not in _NEUTRAL[info.field_name]:
+            raise ValueError("not supported by this server")
+        return v
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
+            if len(v) != 1:
+                raise ValueError("one prompt per request: a string, a list of one string or a list of token ids")
+            return v[0]
+        if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
+            raise ValueError("one prompt per request: a string, a list of one string or a list of token ids")
+        ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v))
+        if not ok:
+            raise ValueError("must be a string or a list of token ids")
+        return v
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+
+    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "store")
+    @classmethod
+    def _neutral(cls, v: Any, info) -> Any:
+        if v not in _NEUTRAL[info.field_name]:
+            raise ValueError("not supported by this server")
+        return v
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# --- responses ---------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streamed completion, and (object the same) each streamed chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "rwkv-engine"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorDetail
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status."""
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-before", "function-after"}
+
+
+def describe_validation_error(e: ValidationError) -> tuple[str, str]:
+    """(param, message) for the first problem of a failed request validation."""
+    err = e.errors(include_url=False)[0]
+    param = ""
+    for part in err["loc"]:
+        if isinstance(part, str) and (part in _TYPE_TAGS or "[" in part):
+            continue  # which member of a union pydantic tried, not a field
+        if isinstance(part, int):
+            param += f"[{part}]"
+        else:
+            param += ("." if param else "") + str(part)
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err["type"] == "extra_forbidden":
+        msg = "unrecognized request field"
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    return param, f"{param}: {msg}" if param else msg

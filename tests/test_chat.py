@@ -212,10 +212,12 @@ def test_stateless_system_prompt_and_ctrl_c(model_path, model, tok, tmp_path):
 
 
 def test_session_behaviour(model, tok, tmp_path):
-    from rwkv_engine.cli.chat import DEFAULTS, ChatSession, normalize_message
+    from rwkv_engine.cli.chat import DEFAULTS, normalize_message
+    from rwkv_engine.cli.chat_session import ChatSession
+    from rwkv_engine.sampling import SamplingParams
 
     assert normalize_message("  a\r\n\r\n\nb\n\nc  ") == "a\nb\nc"
-    greedy = DEFAULTS.replace(temperature=0, max_tokens=3)
+    greedy = SamplingParams(**DEFAULTS).replace(temperature=0, max_tokens=3)
 
     def replies(session, messages):
         return ["".join(session.ask(m)) for m in messages]
@@ -235,7 +237,7 @@ def test_session_behaviour(model, tok, tmp_path):
     empty = ChatSession(model, tok, greedy, system="")
     assert empty.system_ids == [] and empty.system == ""
 
-    sampled = DEFAULTS.replace(max_tokens=4, top_p=0.9)
+    sampled = SamplingParams(**DEFAULTS).replace(max_tokens=4, top_p=0.9)
     same = [replies(ChatSession(model, tok, sampled.replace(seed=seed), system=""), ["hi", "more"])
             for seed in (5, 5, 6)]
     assert same[0] == same[1] and same[0] != same[2]

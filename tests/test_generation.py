@@ -31,7 +31,7 @@ def model(make_pth):
 
 def states_equal(a, b, tol=1e-5):
     """Equal up to float rounding (token-by-token vs chunked prefill): relative RMS per field."""
-    assert a.fields == b.fields and a.signature == b.signature
+    assert sorted(a.fields) == sorted(b.fields) and a.signature == b.signature
     for name, t in a.items():
         ref = getattr(b, name).double()
         err = ((t.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
@@ -189,7 +189,7 @@ def test_final_state_equals_prefill_of_prompt_and_output(model, tok):
 
 def test_same_seed_same_text(model, tok):
     def run(seed):
-        return generate(model, tok, "Once upon a time", SamplingParams(max_tokens=10, seed=seed, top_p=0.95)).read()
+        return generate(model, tok, "Once upon a time", SamplingParams(max_tokens=6, seed=seed, top_p=0.95)).read()
 
     a = run(7)
     assert a == run(7)

@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = ArgumentParser(prog=prog, description=getattr(module, "HELP", COMMANDS[name]))
     module.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    try:
+        args = parser.parse_args(argv[1:])
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed on one line)
+        return e.code if isinstance(e.code, int) else 2
     return _run(prog, module.run, args)
 
 

@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from ..errors import InputError
-from ..sampling import SamplingParams
+
+# Nothing here imports torch: `--help` and flag errors stay instant. Sampling defaults are
+# plain dicts of SamplingParams fields, turned into a SamplingParams by `sampling_params`.
 
 
 def one_line(message) -> str:
@@ -57,9 +59,15 @@ def _logit_bias(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected TOKEN_ID=VALUE (e.g. 261=-inf), got {text!r}") from None
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, defaults: SamplingParams) -> None:
-    """The sampling flags, with `defaults` shown in --help and used for flags not given."""
-    d = defaults
+class _Defaults:
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
+    """The sampling flags, with `defaults` (SamplingParams fields) shown in --help and used for flags not given."""
+    d = _Defaults({"top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "penalty_decay": 0.996,
+                   "seed": None, **defaults})
     g = parser.add_argument_group("sampling (RWKV order: penalties, softmax, top-p, top-k, then temperature)")
     g.add_argument("--temperature", type=float, default=d.temperature,
                    help="applied after the top-p/top-k cut; 0 = greedy (default: %(default)s)")
@@ -80,19 +88,21 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: SamplingParams)
                    help="add VALUE to the logit of token ID (-inf bans it); repeatable")
 
 
-def sampling_params(args: argparse.Namespace, defaults: SamplingParams) -> SamplingParams:
-    """`defaults` with the sampling flags of `args` applied (InputError on bad values)."""
+def sampling_params(args: argparse.Namespace, defaults: dict):
+    """SamplingParams: `defaults` with the sampling flags of `args` applied (InputError on bad values)."""
+    from ..sampling import SamplingParams
+
     changes = dict(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         penalty_decay=args.penalty_decay, max_tokens=args.max_tokens, seed=args.seed,
     )
     if args.stop:
-        changes["stop"] = tuple(defaults.stop) + tuple(unescape(s) for s in args.stop)
+        changes["stop"] = tuple(defaults.get("stop", ())) + tuple(unescape(s) for s in args.stop)
     if args.logit_bias:
-        changes["logit_bias"] = {**defaults.logit_bias, **dict(args.logit_bias)}
+        changes["logit_bias"] = {**defaults.get("logit_bias", {}), **dict(args.logit_bias)}
     try:
-        return defaults.replace(**changes)
+        return SamplingParams(**{**defaults, **changes})
     except InputError as e:
         # Name the flag, not the field: "--top-p must be ..." reads better on a command line.
         msg = str(e)

@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from ..sampling import SamplingParams
 from . import common
 
 HELP = "Continue a prompt with an RWKV model, streaming the text to stdout."
 
-DEFAULTS = SamplingParams(
+# SamplingParams fields
+DEFAULTS = dict(
     temperature=1.0, top_p=0.85, top_k=0, presence_penalty=0.2, frequency_penalty=0.2,
     penalty_decay=0.996, max_tokens=200, stop_token_ids=(0,),
 )

@@ -1,0 +1,155 @@
+"""The `rwkv-engine` command: dispatcher, `generate`, and one-line errors.
+
+Real processes (`python -m rwkv_engine`, what the console script runs) for help, generation and
+the common failures; the rest of the error mapping in-process through `main(argv)`. The
+processes of a test are started together, so the machine's cores overlap their start-up.
+"""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import rwkv_engine
+from rwkv_engine.cli import COMMANDS, main
+from rwkv_engine.errors import StateError
+from rwkv_engine.generation import generate
+from rwkv_engine.tokenizer import WorldTokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+
+
+def start(*args, stdin=subprocess.DEVNULL, cwd=None):
+    return subprocess.Popen([sys.executable, "-m", "rwkv_engine", *map(str, args)], stdin=stdin,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=cwd, text=True)
+
+
+def finish(proc, input=None):
+    out, err = proc.communicate(input, timeout=120)
+    return proc.returncode, out, err
+
+
+def one_error_line(rc, out, err, *needles):
+    assert rc != 0, (out, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def model_path(make_pth):
+    return make_pth("5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16)
+
+
+def test_entry_points():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["rwkv-engine"] == "rwkv_engine.cli:main"
+    assert set(COMMANDS) >= {"generate", "chat", "convert", "bench", "perplexity", "serve"}
+    rc, out, err = finish(start("--help"))
+    assert rc == 0 and err == ""
+    for name in COMMANDS:
+        assert f"  {name} " in out
+
+
+def test_generate_streams_and_stops(model_path, tmp_path):
+    prompt = "The quick brown fox"
+    flags = ["--seed", "3", "--max-tokens", "8", "--top-p", "0.9"]
+    first = start("generate", model_path, "--prompt", prompt, *flags)
+    helps = start("generate", "--help")
+    rc, text, err = finish(first)
+    assert rc == 0 and err == "", err
+    rc_h, help_text, _ = finish(helps)
+    assert rc_h == 0
+    for flag in ("--temperature", "--top-p", "--top-k", "--presence-penalty", "--frequency-penalty",
+                 "--penalty-decay", "--max-tokens", "--seed", "--stop", "--device", "--dtype", "--tokenizer"):
+        assert flag in help_text
+
+    # The same request through the library gives the same text (the flags map to these params).
+    from rwkv_engine.cli.generate import DEFAULTS
+    from rwkv_engine.sampling import SamplingParams
+
+    model = rwkv_engine.load(model_path)
+    params = SamplingParams(**{**DEFAULTS, "seed": 3, "max_tokens": 8, "top_p": 0.9})
+    gen = generate(model, WorldTokenizer(), prompt, params)
+    assert text == gen.read() and len(gen.tokens) == 8
+
+    # Prompt on stdin, same seed, and a stop string taken from the middle of that text: the
+    # output is the text up to the stop, without it.
+    stop = text[4:7]
+    assert stop.strip() and text.find(stop) == 4
+    rc, out, err = finish(start("generate", model_path, *flags, "--stop", stop, "--stats", stdin=subprocess.PIPE), prompt)
+    assert rc == 0 and out == text[:4]
+    assert "finish: stop" in err and "tok/s" in err
+
+
+def test_process_errors_are_one_line(model_path, tmp_path):
+    procs = {
+        "missing": start("generate", tmp_path / "nope.pth", "--prompt", "x"),
+        "bad_flag": start("chat", model_path, "--bogus"),
+        "pipe": start("generate", model_path, "--prompt", "x", "--max-tokens", "300"),
+    }
+    # a reader that goes away after the first bytes (`| head -c 1`): no traceback
+    pipe = procs.pop("pipe")
+    pipe.stdout.read(1)
+    pipe.stdout.close()
+    pipe.wait(timeout=120)
+    assert "Traceback" not in pipe.stderr.read()
+    results = {k: finish(p) for k, p in procs.items()}
+    one_error_line(*results["missing"], "nope.pth")
+    assert results["bad_flag"][0] == 2
+    one_error_line(*results["bad_flag"], "--bogus")
+
+
+def test_user_errors_in_process(model_path, tmp_path, capsys, monkeypatch):
+    def err_of(argv):
+        rc = main([str(a) for a in argv])
+        cap = capsys.readouterr()
+        return one_error_line(rc, cap.out, cap.err)
+
+    (tmp_path / "notes.txt").write_text("hello")
+    assert "notes.txt" in err_of(["generate", tmp_path / "notes.txt", "--prompt", "x"])
+    assert "nope.pth" in err_of(["chat", tmp_path / "nope.pth"])
+    assert "--top-p" in err_of(["generate", model_path, "--prompt", "x", "--top-p", "2"])
+    assert "no-such.txt" in err_of(["generate", model_path, "--prompt-file", tmp_path / "no-such.txt"])
+    assert "no-such.zip" in err_of(["chat", model_path, "--load", tmp_path / "no-such.zip"])
+    monkeypatch.setattr("sys.stdin", open(os.devnull))
+    assert "prompt is empty" in err_of(["generate", model_path])
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    assert "not UTF-8" in err_of(["generate", model_path, "--prompt-file", tmp_path / "latin1.txt"])
+
+
+def test_dispatcher_errors_in_process(capsys, monkeypatch):
+    def err_of(argv):
+        rc = main(argv)
+        cap = capsys.readouterr()
+        return one_error_line(rc, cap.out, cap.err)
+
+    assert "no command" in err_of([])
+    assert "unknown command 'frobnicate'" in err_of(["frobnicate"])
+    monkeypatch.setitem(COMMANDS, "teleport", "a command listed but not shipped")
+    assert "'teleport' command is not available in this version" in err_of(["teleport", "x"])
+    assert main(["--version"]) == 0 and rwkv_engine.__version__ in capsys.readouterr().out
+    assert "argument --temperature" in err_of(["generate", "m.pth", "--temperature", "hot"])
+    assert "--top-k" in err_of(["generate", "m.pth", "--top-k", "-1", "--prompt", "x"])
+    assert "TOKEN_ID=VALUE" in err_of(["generate", "m.pth", "--logit-bias", "11", "--prompt", "x"])
+
+    # whatever a subcommand raises that a user can cause: one line, non-zero
+    import rwkv_engine.cli.generate as gen_cmd
+
+    for exc, status in [(StateError("bad state file"), 1), (FileNotFoundError(2, "No such file", "x.bin"), 1),
+                        (KeyboardInterrupt(), 130)]:
+        def boom(args, exc=exc):
+            raise exc
+
+        monkeypatch.setattr(gen_cmd, "run", boom)
+        assert main(["generate", "m.pth", "--prompt", "x"]) == status
+        cap = capsys.readouterr()
+        line = one_error_line(status, cap.out, cap.err)
+        assert line.startswith("rwkv-engine generate: error: ")

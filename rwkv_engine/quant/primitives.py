@@ -1,0 +1,210 @@
+"""Quantize, dequantize, pack and unpack weight matrices: the plain-PyTorch spec.
+
+Everything here is written with ordinary tensor ops and runs on any device. It is the
+definition of the stored formats, the fallback path of the quantized linear modules and the
+oracle the native kernels are tested against.
+
+A weight is an `nn.Linear` weight of shape (N, K) = (out_features, in_features). Groups run
+along K: group g of row n holds columns [g*group_size, (g+1)*group_size).
+
+int8 (symmetric, per output channel or per group)
+
+    qweight  int8    (N, K)        values in [-127, 127]
+    scales   float32 (N, K // group_size)   (one column when group_size == K: per channel)
+    w[n, k] ~= qweight[n, k] * scales[n, k // group_size]
+
+int4 (group size 32, 64 or 128, 16-bit scales)
+
+    qweight  uint8   (N, K // 2)   two codes per byte: column 2i in the low nibble of byte i,
+                                   column 2i+1 in the high nibble (codes 0..15)
+    scales   float16 (N, K // group_size)
+    biases   float16 (N, K // group_size)  or None (symmetric)
+    asymmetric: w[n, k] ~= code * scale + bias        (bias = the group's offset, often its min)
+    symmetric:  w[n, k] ~= (code - 8) * scale
+
+Scales and biases are rounded to their stored dtype *before* the codes are computed, so the codes
+are the best ones for the scales that are actually stored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rwkv_engine.errors import InputError
+
+Tensor = torch.Tensor
+
+INT4_GROUP_SIZES = (32, 64, 128)
+INT4_SCALE_DTYPE = torch.float16
+
+
+# --- checks ---------------------------------------------------------------------------------
+
+
+def _check_weight(weight: Tensor, what: str) -> None:
+    if not isinstance(weight, torch.Tensor):
+        raise InputError(f"{what}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise InputError(f"{what}: weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise InputError(f"{what}: weight must be a floating-point tensor, got {weight.dtype}")
+    if weight.numel() == 0:
+        raise InputError(f"{what}: weight is empty, shape {tuple(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise InputError(f"{what}: weight contains inf or nan")
+
+
+def check_group_size(in_features: int, group_size: int | None, allowed: tuple[int, ...] | None, what: str) -> int:
+    """The group size to use for rows of `in_features` columns (None: the whole row)."""
+    if group_size is None:
+        return in_features
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+        raise InputError(f"{what}: group_size must be a positive int, got {group_size!r}")
+    if allowed is not None and group_size not in allowed:
+        raise InputError(f"{what}: group_size {group_size} is not supported; use one of {allowed}")
+    if in_features % group_size:
+        raise InputError(
+            f"{what}: group_size {group_size} does not divide in_features {in_features}; "
+            f"pick a group size that divides the matrix width"
+        )
+    return group_size
+
+
+# --- int8 -----------------------------------------------------------------------------------
+
+
+def quantize_int8(weight: Tensor, group_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Symmetric int8: (qweight int8 (N, K), scales float32 (N, K // group_size)).
+
+    group_size None means one scale per output channel (row). Scale = absmax / 127.
+    """
+    _check_weight(weight, "quantize_int8")
+    N, K = weight.shape
+    gs = check_group_size(K, group_size, None, "quantize_int8")
+    w = weight.detach().float().reshape(N, K // gs, gs)
+    absmax = w.abs().amax(dim=-1)  # (N, G)
+    scales = absmax / 127.0
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    q = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(N, K), scales.contiguous()
+
+
+def dequantize_int8(qweight: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """(N, K) weight in `dtype` from int8 codes and (N, G) scales (G divides K)."""
+    N, K = qweight.shape
+    G = scales.shape[-1]
+    w = qweight.float().reshape(N, G, K // G) * scales.float().reshape(N, G, 1)
+    return w.reshape(N, K).to(dtype)
+
+
+# --- int4 -----------------------------------------------------------------------------------
+
+
+def pack_int4(codes: Tensor) -> Tensor:
+    """(N, K) codes in 0..15 (any integer dtype) -> (N, K // 2) uint8, column 2i in the low nibble."""
+    if codes.dim() != 2 or codes.shape[-1] % 2:
+        raise InputError(f"pack_int4: codes must be 2-D with an even number of columns, got {tuple(codes.shape)}")
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """(N, K // 2) uint8 -> (N, K) uint8 codes in 0..15 (inverse of `pack_int4`)."""
+    if packed.dim() != 2 or packed.dtype != torch.uint8:
+        raise InputError(f"unpack_int4: packed must be a 2-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+
+
+def _int4_codes(w: Tensor, scales: Tensor, biases: Tensor | None) -> Tensor:
+    """Codes (N, G, gs) for grouped fp32 weights w (N, G, gs) with rounded scales / biases."""
+    s = scales.float().unsqueeze(-1)
+    inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))  # symmetric scales may be negative
+    if biases is None:
+        q = torch.round(w * inv) + 8
+    else:
+        q = torch.round((w - biases.float().unsqueeze(-1)) * inv)
+    return q.clamp_(0, 15)
+
+
+def _int4_params(w: Tensor, symmetric: bool, shrink: float) -> tuple[Tensor, Tensor | None]:
+    """Scales (and biases) for grouped weights w (N, G, gs), range shrunk by `shrink` <= 1."""
+    if symmetric:
+        # Signed absmax maps to code 0 (-8): the other side gets the 7 positive steps, as in
+        # ggml's Q4_0. This uses all 16 codes, unlike absmax / 7.
+        idx = w.abs().argmax(dim=-1, keepdim=True)
+        signed_max = torch.gather(w, -1, idx).squeeze(-1)
+        scales = (-signed_max / 8.0 * shrink).to(INT4_SCALE_DTYPE)
+        return scales, None
+    lo = w.amin(dim=-1)
+    hi = w.amax(dim=-1)
+    mid = 0.5 * (lo + hi)
+    lo = mid + (lo - mid) * shrink
+    hi = mid + (hi - mid) * shrink
+    scales = ((hi - lo) / 15.0).to(INT4_SCALE_DTYPE)
+    biases = lo.to(INT4_SCALE_DTYPE)
+    return scales, biases
+
+
+# Range shrink factors tried per group by `quantize_int4(search=True)`.
+SEARCH_SHRINKS = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80, 0.76)
+
+
+def quantize_int4(
+    weight: Tensor,
+    group_size: int = 32,
+    symmetric: bool = False,
+    search: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Grouped int4: (qweight uint8 (N, K//2), scales fp16 (N, G), biases fp16 (N, G) or None).
+
+    Asymmetric (default): each group maps [min, max] onto codes 0..15. Symmetric: codes are
+    centred on 8 and there are no biases. With `search`, each group also tries its range shrunk
+    by the factors in SEARCH_SHRINKS (clipping the extreme values) and keeps the one with the
+    smallest squared error; this changes only the stored numbers, not the format.
+    """
+    _check_weight(weight, "quantize_int4")
+    N, K = weight.shape
+    gs = check_group_size(K, group_size, INT4_GROUP_SIZES, "quantize_int4")
+    w = weight.detach().float().reshape(N, K // gs, gs)
+    shrinks = SEARCH_SHRINKS if search else (1.0,)
+    best = None
+    for shrink in shrinks:
+        scales, biases = _int4_params(w, symmetric, shrink)
+        q = _int4_codes(w, scales, biases)
+        deq = _int4_deq(q, scales, biases)
+        err = (deq - w).square_().sum(dim=-1)  # (N, G)
+        if best is None:
+            best = [err, q, scales, biases]
+            continue
+        better = err < best[0]
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better.unsqueeze(-1), q, best[1])
+        best[2] = torch.where(better, scales, best[2])
+        if biases is not None:
+            best[3] = torch.where(better, biases, best[3])
+    _, q, scales, biases = best
+    packed = pack_int4(q.reshape(N, K).to(torch.uint8))
+    return packed, scales.contiguous(), None if biases is None else biases.contiguous()
+
+
+def _int4_deq(q: Tensor, scales: Tensor, biases: Tensor | None) -> Tensor:
+    s = scales.float().unsqueeze(-1)
+    if biases is None:
+        return (q - 8) * s
+    return q * s + biases.float().unsqueeze(-1)
+
+
+def dequantize_int4(
+    qweight: Tensor,
+    scales: Tensor,
+    biases: Tensor | None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """(N, K) weight in `dtype` from packed int4 codes, (N, G) scales and optional biases."""
+    q = unpack_int4(qweight)
+    N, K = q.shape
+    G = scales.shape[-1]
+    w = _int4_deq(q.float().reshape(N, G, K // G), scales, biases)
+    return w.reshape(N, K).to(dtype)

@@ -1,0 +1,577 @@
+// Matrix-vector kernels for weight-only quantized and 16-bit linear layers (x86-64, AVX2 + FMA + F16C).
+//
+// y[b, n] = sum_k x[b, k] * W[n, k]   for a short batch x [B, K] (8 rows of x per pass over W) and a
+// weight W [N, K] stored as fp32 / bf16 / fp16, int8 with fp32 scales, or packed int4 with fp16
+// scales and biases (formats defined in rwkv_engine/quant/primitives.py, also the test oracle).
+//
+// Decode reads every weight once per token, so these kernels are memory-bound: the aim is to keep
+// the unpacking cheaper than the memory stream. Two ideas do most of the work:
+//   * x is converted to fp32 once per call and permuted to match the order in which the weights
+//     come out of a 256-bit register after cheap shifts and masks (no shuffles in the inner loop);
+//   * R rows are processed together so each x load is shared, and per-group partial sums are
+//     scaled once per group (the int4 bias term is sum_g bias_g * sum(x over group g)).
+// Rows are split across threads with OpenMP (the libgomp that torch loads, so torch.set_num_threads
+// applies). No torch headers here: this file compiles in seconds.
+
+#include "kernels.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace rwkv_native {
+namespace {
+
+constexpr int kMaxB = 8;                   // rows of x per pass over the weights
+constexpr int64_t kMinParallel = 1 << 16;  // weights below which one thread does the whole call
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v);
+  __m128 hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load_elem(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kBF16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return half_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+inline void store_elem(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(p)[i] = v; break;
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = float_to_bf16(v); break;
+    default: static_cast<uint16_t*>(p)[i] = float_to_half(v); break;
+  }
+}
+
+inline size_t elem_size(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// The output y [B, N] in x's dtype, written one value at a time (B*N stores per call, so the
+// runtime dtype switch costs nothing next to the N*K weight reads).
+struct Out {
+  void* p;
+  DType t;
+  inline void put(int64_t i, float v) const { store_elem(p, t, i, v); }
+  Out offset(int64_t i) const { return {static_cast<char*>(p) + i * elem_size(t), t}; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// x preparation: an fp32 copy of x [B, K], permuted per weight format.
+
+enum class Perm { kNone, kBF16, kQ4 };
+
+// Full chunks are permuted; a tail shorter than a chunk keeps its order.
+std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, Perm perm) {
+  std::vector<float> xp(static_cast<size_t>(B * K));
+  std::vector<float> s(static_cast<size_t>(K));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t k = 0; k < K; ++k) s[k] = load_elem(x, xt, b * K + k);
+    float* d = xp.data() + b * K;
+    int64_t k = 0;
+    if (perm == Perm::kBF16) {
+      // 16 bf16 weights = eight 32-bit lanes; lane j holds columns 2j (low half) and 2j+1 (high).
+      for (; k + 16 <= K; k += 16)
+        for (int j = 0; j < 8; ++j) {
+          d[k + j] = s[k + 2 * j];
+          d[k + 8 + j] = s[k + 2 * j + 1];
+        }
+    } else if (perm == Perm::kQ4) {
+      // 64 int4 codes = eight 32-bit lanes; lane j holds columns 8j..8j+7, nibble t = column 8j+t.
+      for (; k + 64 <= K; k += 64)
+        for (int t = 0; t < 8; ++t)
+          for (int j = 0; j < 8; ++j) d[k + 8 * t + j] = s[k + 8 * j + t];
+    }
+    for (; k < K; ++k) d[k] = s[k];
+  }
+  return xp;
+}
+
+// Runs fn(n0, n1) on row ranges, one contiguous range (a multiple of `block` rows) per thread.
+// Not inside another parallel region, and not for small matrices (waking threads costs more).
+template <typename F>
+void for_rows(int64_t N, int64_t K, int64_t block, const F& fn) {
+  const int64_t nblocks = (N + block - 1) / block;
+  const bool parallel = N * K >= kMinParallel && !omp_in_parallel() && omp_get_max_threads() > 1;
+  if (!parallel) {
+    fn(0, N);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t per = (nblocks + T - 1) / T;
+    const int64_t b0 = t * per, b1 = std::min(nblocks, b0 + per);
+    if (b0 < b1) fn(b0 * block, std::min(N, b1 * block));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense weights: fp32, bf16, fp16. A chunk is 16 columns, decoded into two fp32 vectors that line
+// up with xp[k .. k+8) and xp[k+8 .. k+16).
+
+struct DenseF32 {
+  using T = float;
+  static constexpr Perm perm = Perm::kNone;
+  static inline void load(const float* w, __m256& a, __m256& b) {
+    a = _mm256_loadu_ps(w);
+    b = _mm256_loadu_ps(w + 8);
+  }
+  static inline float scalar(const float* w, int64_t k) { return w[k]; }
+};
+
+struct DenseBF16 {
+  using T = uint16_t;
+  static constexpr Perm perm = Perm::kBF16;
+  static inline void load(const uint16_t* w, __m256& a, __m256& b) {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                              // even columns
+    b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000u)));   // odd columns
+  }
+  static inline float scalar(const uint16_t* w, int64_t k) { return bf16_to_float(w[k]); }
+};
+
+struct DenseF16 {
+  using T = uint16_t;
+  static constexpr Perm perm = Perm::kNone;
+  static inline void load(const uint16_t* w, __m256& a, __m256& b) {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
+  }
+  static inline float scalar(const uint16_t* w, int64_t k) { return half_to_float(w[k]); }
+};
+
+// R rows n0..n0+R of W against B rows of xp; out[b][r].
+template <typename D, int R, int B, int U>
+inline void dense_block(const typename D::T* W, int64_t K, int64_t n0, const float* xp, float out[][R]) {
+  __m256 acc[R][B][U];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b)
+      for (int u = 0; u < U; ++u) acc[r][b][u] = _mm256_setzero_ps();
+  const typename D::T* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = W + (n0 + r) * K;
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m256 w0, w1;
+      D::load(rows[r] + k, w0, w1);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) {
+        const float* xb = xp + b * K + k;
+        acc[r][b][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[r][b][0]);
+        acc[r][b][U - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[r][b][U - 1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      __m256 s = acc[r][b][0];
+      for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[r][b][u]);
+      float v = hsum(s);
+      for (int64_t kk = k; kk < K; ++kk) v += D::scalar(rows[r], kk) * xp[b * K + kk];
+      out[b][r] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Integer-dot kernels for int8 / int4 weights. x is quantized to int16 per 64-column chunk
+// (dx = absmax / 32767, about 1.5e-5 of the chunk's largest value: below bf16 / fp16 rounding),
+// then codes * xq are summed exactly in int32 with vpmaddwd (16 products per instruction, twice
+// as many as the fp32 path) and each chunk's sum is scaled once. A last partial chunk (K % 64
+// columns) uses fp32 x directly.
+
+struct XQ {
+  std::vector<int16_t> q;  // [B, K]; full chunks permuted per weight format, tail unused
+  std::vector<float> dx;   // [B, K / 64]
+  std::vector<float> xf;   // [B, K] fp32 x in column order
+};
+
+// Rows b0.. of an XQ, as the kernels read it.
+struct XQView {
+  const int16_t* q;
+  const float* dx;
+  const float* xf;
+};
+
+XQView view(const XQ& x, int64_t b0, int64_t K) {
+  return {x.q.data() + b0 * K, x.dx.data() + b0 * (K / 64), x.xf.data() + b0 * K};
+}
+
+// fp32 copy of n elements of x (vectorized for the three dtypes).
+void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
+  int64_t i = 0;
+  if (xt == DType::kF32) {
+    std::memcpy(d, static_cast<const float*>(x) + off, static_cast<size_t>(n) * 4);
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(x) + off;
+  if (xt == DType::kBF16) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+  } else {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  }
+  for (; i < n; ++i) d[i] = load_elem(x, xt, off + i);
+}
+
+XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm) {
+  const int64_t C = K / 64;
+  XQ r;
+  r.q.resize(static_cast<size_t>(B * K));
+  r.dx.resize(static_cast<size_t>(B * C));
+  r.xf.resize(static_cast<size_t>(B * K));
+  to_float(x, xt, 0, B * K, r.xf.data());
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  alignas(32) int16_t tmp[64];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < C; ++c) {
+      const float* src = r.xf.data() + b * K + c * 64;
+      __m256 v[8];
+      __m256 m = _mm256_setzero_ps();
+      for (int i = 0; i < 8; ++i) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      r.dx[b * C + c] = amax / 32767.f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+      int16_t* d = r.q.data() + b * K + c * 64;
+      int16_t* out = q4_perm ? tmp : d;
+      for (int i = 0; i < 8; i += 2) {
+        // round to nearest (MXCSR default); |x * inv| <= 32767 so packs never saturates wrongly
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+        const __m256i bq = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, bq), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * i), p);
+      }
+      if (q4_perm) {
+        // int4: 16-bit lane j of a 32-byte chunk holds columns 4j..4j+3 and step t of the kernel
+        // puts column 4j+t in lane j, so position 16t+j takes column 4j+t.
+        for (int t = 0; t < 4; ++t)
+          for (int j = 0; j < 16; ++j) d[16 * t + j] = tmp[4 * j + t];
+      }
+    }
+  return r;
+}
+
+// int8 weights, fp32 scales (N, G) with K / G a multiple of 64 or G == 1 (per channel).
+template <int R, int B>
+inline void q8_block(const int8_t* Q, const float* S, int64_t K, int64_t G, int64_t n0, const XQView& x, float out[][R]) {
+  const int64_t gs = K / G, C = K / 64;
+  const int64_t cpg = std::max<int64_t>(1, gs / 64);  // chunks per group (per channel: all of them)
+  float tot[R][B] = {};
+  const int8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = Q + (n0 + r) * K;
+  for (int64_t c0 = 0; c0 < C; c0 += cpg) {
+    const int64_t c1 = std::min(C, c0 + cpg);
+    __m256 gacc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) gacc[r][b] = _mm256_setzero_ps();
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t k = c * 64;
+      __m256i acc[R][B];
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; ++h) {
+          const __m256i w =
+              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k + 16 * h)));
+#pragma GCC unroll 8
+          for (int b = 0; b < B; ++b) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * K + k + 16 * h));
+            acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(w, xv));
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) {
+        const __m256 dxv = _mm256_set1_ps(x.dx[b * C + c]);
+        for (int r = 0; r < R; ++r) gacc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][b]), dxv, gacc[r][b]);
+      }
+    }
+    const int64_t g = c0 * 64 / gs;
+    for (int r = 0; r < R; ++r) {
+      const float sc = S[(n0 + r) * G + g];
+      for (int b = 0; b < B; ++b) tot[r][b] += hsum(gacc[r][b]) * sc;
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      float v = tot[r][b];
+      if (C * 64 < K) {  // per-channel only (grouped layouts have K % 64 == 0)
+        float d = 0.f;
+        for (int64_t k = C * 64; k < K; ++k) d += static_cast<float>(rows[r][k]) * x.xf[b * K + k];
+        v += d * S[(n0 + r) * G + G - 1];
+      }
+      out[b][r] = v;
+    }
+}
+
+// int4 weights, fp16 scales and biases (N, G), group size 32 / 64 / 128.
+// w = code * scale + bias, so row n gives  sum_g scale_g * (codes_g . x_g) + sum_g bias_g * xsum_g.
+// With group size 32 a chunk holds two groups: 32-bit lanes 0-3 of the vpmaddwd result cover
+// columns 0..31 of the chunk and lanes 4-7 columns 32..63.
+template <int R, int B>
+inline void q4_block(const uint8_t* Q, const uint16_t* S, const uint16_t* Z, int64_t K, int64_t G, int64_t n0,
+                     const XQView& x, const float* xsum, float out[][R]) {
+  const int64_t gs = K / G, C = K / 64;
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  __m256 tot[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) tot[r][b] = _mm256_setzero_ps();
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = Q + (n0 + r) * (K / 2);
+  // The R rows' scales in fp32, converted once per block.
+  thread_local std::vector<float> sbuf;
+  sbuf.resize(static_cast<size_t>(R * G));
+  float* sf = sbuf.data();
+  for (int r = 0; r < R; ++r) {
+    const uint16_t* srow = S + (n0 + r) * G;
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8)
+      _mm256_storeu_ps(sf + r * G + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + g))));
+    for (; g < G; ++g) sf[r * G + g] = half_to_float(srow[g]);
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t k = c * 64;
+    __m256i acc[R][B];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + k / 2));
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        __m256i codes = t == 0 ? v : _mm256_srli_epi16(v, 4 * t);
+        if (t < 3) codes = _mm256_and_si256(codes, mask);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; ++b) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * K + k + 16 * t));
+          acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(codes, xv));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* sr = sf + r * G;
+      const __m256 sv = gs == 32 ? _mm256_set_m128(_mm_broadcast_ss(sr + 2 * c + 1), _mm_broadcast_ss(sr + 2 * c))
+                                 : _mm256_broadcast_ss(sr + k / gs);
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) {
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][b]), _mm256_broadcast_ss(x.dx + b * C + c));
+        tot[r][b] = _mm256_fmadd_ps(f, sv, tot[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = n0 + r;
+    const uint16_t* srow = S + n * G;
+    const uint16_t* zrow = Z + n * G;
+    for (int b = 0; b < B; ++b) {
+      float v = hsum(tot[r][b]);
+      if (C * 64 < K) {  // one last group of 32 columns when K is an odd multiple of 32
+        float d = 0.f;
+        for (int64_t kk = C * 64; kk < K; ++kk) {
+          const uint8_t byte = rows[r][kk / 2];
+          const int code = (kk & 1) ? (byte >> 4) : (byte & 15);
+          d += static_cast<float>(code) * x.xf[b * K + kk];
+        }
+        v += d * half_to_float(srow[G - 1]);
+      }
+      const float* xs = xsum + b * G;  // bias term: sum_g bias_g * xsum[b, g]
+      int64_t g = 0;
+      __m256 bacc = _mm256_setzero_ps();
+      for (; g + 8 <= G; g += 8)
+        bacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zrow + g))),
+                               _mm256_loadu_ps(xs + g), bacc);
+      v += hsum(bacc);
+      for (; g < G; ++g) v += half_to_float(zrow[g]) * xs[g];
+      out[b][r] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drivers: B rows of x per pass; the row block R and accumulator split U depend on B so that the
+// accumulators fit in the 16 vector registers.
+
+template <int B> struct Shape {
+  static constexpr int R = B == 1 ? 4 : B <= 4 ? 2 : 1;
+  static constexpr int U = B <= 2 ? 2 : 1;  // fp32 accumulators per (row, x row) in dense_block
+};
+
+// Calls block.template operator()<R>(n, out) on R-row blocks and <1> on the leftover rows.
+template <int B, int R, typename F>
+void run_rows(int64_t N, int64_t K, const Out& y, const F& block) {
+  for_rows(N, K, R, [&](int64_t r0, int64_t r1) {
+    float out[B][R];
+    float out1[B][1];
+    int64_t n = r0;
+    for (; n + R <= r1; n += R) {
+      block.template operator()<R>(n, out);
+      for (int b = 0; b < B; ++b)
+        for (int r = 0; r < R; ++r) y.put(b * N + n + r, out[b][r]);
+    }
+    for (; n < r1; ++n) {
+      block.template operator()<1>(n, out1);
+      for (int b = 0; b < B; ++b) y.put(b * N + n, out1[b][0]);
+    }
+  });
+}
+
+// Calls fn.template operator()<Bc>(b0) for each pass of at most kMaxB rows of x.
+template <typename F>
+void for_batches(int64_t B, const F& fn) {
+  for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
+    switch (std::min<int64_t>(kMaxB, B - b0)) {
+      case 1: fn.template operator()<1>(b0); break;
+      case 2: fn.template operator()<2>(b0); break;
+      case 3: fn.template operator()<3>(b0); break;
+      case 4: fn.template operator()<4>(b0); break;
+      case 5: fn.template operator()<5>(b0); break;
+      case 6: fn.template operator()<6>(b0); break;
+      case 7: fn.template operator()<7>(b0); break;
+      default: fn.template operator()<8>(b0); break;
+    }
+  }
+}
+
+template <typename D>
+void dense_all(const typename D::T* W, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y) {
+  const std::vector<float> xp = prepare_x(x, xt, B, K, D::perm);
+  const Out yo{y, xt};
+  for_batches(B, [&]<int Bc>(int64_t b0) {
+    constexpr int R = Shape<Bc>::R, U = Shape<Bc>::U;
+    const float* xb = xp.data() + b0 * K;
+    run_rows<Bc, R>(N, K, yo.offset(b0 * N), [&]<int Rr>(int64_t n, float (*out)[Rr]) {
+      dense_block<D, Rr, Bc, (Rr == 1 ? 2 : U)>(W, K, n, xb, out);
+    });
+  });
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Entry points (see kernels.h).
+
+void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y) {
+  switch (wt) {
+    case DType::kF32: dense_all<DenseF32>(static_cast<const float*>(w), N, K, x, xt, B, y); break;
+    case DType::kBF16: dense_all<DenseBF16>(static_cast<const uint16_t*>(w), N, K, x, xt, B, y); break;
+    default: dense_all<DenseF16>(static_cast<const uint16_t*>(w), N, K, x, xt, B, y); break;
+  }
+}
+
+void gemv_q8(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t G, const void* x, DType xt, int64_t B,
+             void* y) {
+  const XQ xq = prepare_xq(x, xt, B, K, false);
+  const Out yo{y, xt};
+  for_batches(B, [&]<int Bc>(int64_t b0) {
+    constexpr int R = Shape<Bc>::R;
+    const XQView xb = view(xq, b0, K);
+    run_rows<Bc, R>(N, K, yo.offset(b0 * N), [&]<int Rr>(int64_t n, float (*out)[Rr]) {
+      q8_block<Rr, Bc>(q, s, K, G, n, xb, out);
+    });
+  });
+}
+
+void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t N, int64_t K, int64_t G, const void* x,
+             DType xt, int64_t B, void* y) {
+  const XQ xq = prepare_xq(x, xt, B, K, true);
+  // xsum[b, g] = sum of x[b] over the columns of group g (for the bias term).
+  const int64_t gs = K / G;
+  std::vector<float> xsum(static_cast<size_t>(B * G));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* p = xq.xf.data() + b * K + g * gs;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t k = 0; k < gs; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + k));
+      xsum[b * G + g] = hsum(acc);
+    }
+  const Out yo{y, xt};
+  for_batches(B, [&]<int Bc>(int64_t b0) {
+    constexpr int R = Shape<Bc>::R;
+    const XQView xb = view(xq, b0, K);
+    const float* xs = xsum.data() + b0 * G;
+    run_rows<Bc, R>(N, K, yo.offset(b0 * N), [&]<int Rr>(int64_t n, float (*out)[Rr]) {
+      q4_block<Rr, Bc>(q, s, z, K, G, n, xb, xs, out);
+    });
+  });
+}
+
+// Dequantization for prefill: the tile is then multiplied by the GEMM.
+
+void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot) {
+  const int64_t gs = K / G;
+  for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> row(static_cast<size_t>(K));
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t n = r0 + i;
+      for (int64_t g = 0; g < G; ++g) {
+        const float sc = s[n * G + g];
+        const int8_t* qr = q + n * K + g * gs;
+        for (int64_t k = 0; k < gs; ++k) row[g * gs + k] = static_cast<float>(qr[k]) * sc;
+      }
+      for (int64_t k = 0; k < K; ++k) store_elem(out, ot, i * K + k, row[k]);
+    }
+  });
+}
+
+void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,
+                void* out, DType ot) {
+  const int64_t gs = K / G;
+  for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> row(static_cast<size_t>(K));
+    float lut[16];
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t n = r0 + i;
+      for (int64_t g = 0; g < G; ++g) {
+        const float sc = half_to_float(s[n * G + g]), zz = half_to_float(z[n * G + g]);
+        for (int c = 0; c < 16; ++c) lut[c] = static_cast<float>(c) * sc + zz;
+        const uint8_t* qr = q + n * (K / 2) + g * gs / 2;
+        float* o = row.data() + g * gs;
+        for (int64_t j = 0; j < gs / 2; ++j) {
+          o[2 * j] = lut[qr[j] & 15];
+          o[2 * j + 1] = lut[qr[j] >> 4];
+        }
+      }
+      for (int64_t k = 0; k < K; ++k) store_elem(out, ot, i * K + k, row[k]);
+    }
+  });
+}
+
+}  // namespace rwkv_native

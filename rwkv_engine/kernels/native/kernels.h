@@ -1,0 +1,29 @@
+// Plain C++ interface of the native kernels (no torch headers, so kernels.cpp compiles fast).
+// bindings.cpp checks tensors and calls these with raw pointers.
+#pragma once
+
+#include <cstdint>
+
+namespace rwkv_native {
+
+// Element type of x, y and dense weights.
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+// y[b, n] = sum_k x[b, k] * w[n, k].  x [B, K] and y [B, N] have dtype xt; w [N, K] has dtype wt.
+void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y);
+
+// w[n, k] = q[n, k] * s[n, k / (K / G)]; q int8 [N, K], s fp32 [N, G].
+void gemv_q8(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t G, const void* x, DType xt, int64_t B,
+             void* y);
+
+// w[n, k] = code(n, k) * s[n, g] + z[n, g], g = k / (K / G); q uint8 [N, K / 2] (column 2i in the
+// low nibble of byte i), s and z fp16 bits [N, G]; K / G in {32, 64, 128}.
+void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t N, int64_t K, int64_t G, const void* x,
+             DType xt, int64_t B, void* y);
+
+// Rows [r0, r1) of the dequantized weight into out [r1 - r0, K] of dtype ot.
+void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot);
+void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,
+                void* out, DType ot);
+
+}  // namespace rwkv_native

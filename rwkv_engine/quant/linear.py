@@ -1,0 +1,273 @@
+"""Linear modules over quantized (or 16-bit) weights, drop-in replacements for `nn.Linear(bias=False)`.
+
+    layer = Int4Linear.from_linear(linear, group_size=32)
+    y = layer(x)            # x [..., in_features] fp32 / bf16 / fp16 -> y [..., out_features], x.dtype
+
+Every module keeps its weight as buffers (`qweight`, `scales`, `biases`), so it saves and loads
+with `state_dict()` / safetensors like any module; shapes alone give the sizes and group size.
+A module built with `Int4Linear(in_features, out_features, group_size)` holds zero buffers of the
+right shapes, ready for `load_state_dict` (also on the meta device with `assign=True`).
+
+`forward` picks one of three paths:
+
+* decode, x on the CPU with at most `GEMV_MAX_ROWS` rows and the native kernels available
+  (`rwkv_engine.kernels.native`): one pass over the packed weight (memory-bound GEMV);
+* prefill, x on the CPU with more rows: the weight is dequantized `PREFILL_TILE` rows at a time
+  into a dense tile and multiplied with the GEMM (compute-bound), in bf16 where the CPU has fast
+  bf16 matrix instructions (AVX512-BF16 / AMX) and x is 16-bit, else in fp32;
+* anywhere else (another device, no native kernels): dequantize the whole weight to x.dtype and
+  `F.linear`, the plain reference.
+
+The native GEMV of int8 / int4 weights rounds x to int16 per 64 columns before an exact integer
+dot product; the result differs from the reference by about 1e-5 relative (more when a few
+activations are much larger than the rest of their 64 columns), well below bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rwkv_engine.errors import InputError
+from rwkv_engine.quant import primitives as P
+
+Tensor = torch.Tensor
+
+# Rows of x up to which the one-pass GEMV kernels are used; above, dequantized tiles + GEMM.
+# (benchmarks/bench_kernels.py prints the crossover.)
+GEMV_MAX_ROWS = 8
+# Weight rows dequantized per GEMM call in prefill.
+PREFILL_TILE = 1024
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_native_ops = None
+_native_loaded = False
+
+
+def native_ops():
+    """The native kernel module, or None (loaded once, on first use)."""
+    global _native_ops, _native_loaded
+    if not _native_loaded:
+        from rwkv_engine.kernels import native
+
+        _native_ops = native.load()
+        _native_loaded = True
+    return _native_ops
+
+
+def prefill_dtype(x_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the GEMM in prefill: bf16 for 16-bit x on CPUs with bf16 matrix units, else fp32."""
+    if x_dtype != torch.float32 and _fast_bf16_gemm():
+        return torch.bfloat16
+    return torch.float32
+
+
+_FAST_BF16 = None
+
+
+def _fast_bf16_gemm() -> bool:
+    global _FAST_BF16
+    if _FAST_BF16 is None:
+        cpu = torch.cpu
+        _FAST_BF16 = bool(
+            getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+            or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+        )
+    return _FAST_BF16
+
+
+def _check_input(x: Tensor, in_features: int, who: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"{who}: input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise InputError(f"{who}: input must have shape [..., {in_features}], got {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise InputError(f"{who}: input dtype must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+class _QuantLinearBase(nn.Module):
+    """Shared forward of the quantized linears; subclasses define the weight format."""
+
+    in_features: int
+    out_features: int
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The (out_features, in_features) weight this module multiplies by, in `dtype`."""
+        raise NotImplementedError
+
+    def _gemv(self, ops, x2: Tensor) -> Tensor:  # native one-pass kernel, x2 [M, K] contiguous
+        raise NotImplementedError
+
+    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+    def _native_ok(self) -> bool:
+        return True
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.in_features, type(self).__name__)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        M = x2.shape[0]
+        if M == 0:
+            return x.new_empty(*lead, self.out_features)
+        ops = native_ops() if x.device.type == "cpu" and self.qweight.device.type == "cpu" else None
+        if ops is not None and self._native_ok():
+            x2 = x2.contiguous()
+            y = self._gemv(ops, x2) if M <= GEMV_MAX_ROWS else self._prefill(ops, x2)
+        else:
+            y = F.linear(x2, self.dequantize(x.dtype))
+        return y.reshape(*lead, self.out_features)
+
+    def _prefill(self, ops, x2: Tensor) -> Tensor:
+        """x2 [M, K] -> [M, N]: dequantize PREFILL_TILE weight rows at a time, GEMM each tile."""
+        ct = prefill_dtype(x2.dtype)
+        xc = x2.to(ct)
+        N = self.out_features
+        if N <= PREFILL_TILE:
+            return F.linear(xc, self._dequant_rows(ops, 0, N, ct)).to(x2.dtype)
+        parts = [F.linear(xc, self._dequant_rows(ops, r0, min(N, r0 + PREFILL_TILE), ct)) for r0 in range(0, N, PREFILL_TILE)]
+        return torch.cat(parts, dim=-1).to(x2.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+
+class Int8Linear(_QuantLinearBase):
+    """int8 weight with fp32 scales per output channel (group_size None) or per group of columns.
+
+    Buffers: qweight int8 (N, K), scales float32 (N, K // group_size).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int | None = None, device=None):
+        super().__init__()
+        gs = P.check_group_size(in_features, group_size, None, "Int8Linear")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, in_features // gs, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, group_size: int | None = None) -> "Int8Linear":
+        q, s = P.quantize_int8(weight, group_size)
+        m = cls(weight.shape[1], weight.shape[0], group_size, device="meta")
+        m.qweight, m.scales = q, s
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None) -> "Int8Linear":
+        _check_no_bias(linear)
+        return cls.from_weight(linear.weight, group_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return P.dequantize_int8(self.qweight, self.scales, dtype)
+
+    def _native_ok(self) -> bool:
+        G = self.scales.shape[1]
+        return G == 1 or (self.in_features // G) % 64 == 0
+
+    def _gemv(self, ops, x2: Tensor) -> Tensor:
+        return ops.gemv_q8(x2, self.qweight, self.scales)
+
+    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+        return ops.dequant_q8(self.qweight, self.scales, r0, r1, dtype)
+
+
+class Int4Linear(_QuantLinearBase):
+    """int4 weight, groups of 32 / 64 / 128 columns, fp16 scales and biases: w = code * scale + bias.
+
+    Buffers: qweight uint8 (N, K // 2) (column 2i in the low nibble of byte i), scales and biases
+    float16 (N, K // group_size). See rwkv_engine.quant.primitives for the format.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = 32, device=None):
+        super().__init__()
+        gs = P.check_group_size(in_features, group_size, P.INT4_GROUP_SIZES, "Int4Linear")
+        self.in_features = in_features
+        self.out_features = out_features
+        G = in_features // gs
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, G, dtype=P.INT4_SCALE_DTYPE, device=device))
+        self.register_buffer("biases", torch.zeros(out_features, G, dtype=P.INT4_SCALE_DTYPE, device=device))
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, group_size: int = 32, search: bool = True) -> "Int4Linear":
+        q, s, b = P.quantize_int4(weight, group_size, symmetric=False, search=search)
+        m = cls(weight.shape[1], weight.shape[0], group_size, device="meta")
+        m.qweight, m.scales, m.biases = q, s, b
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32, search: bool = True) -> "Int4Linear":
+        _check_no_bias(linear)
+        return cls.from_weight(linear.weight, group_size, search)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return P.dequantize_int4(self.qweight, self.scales, self.biases, dtype)
+
+    def _gemv(self, ops, x2: Tensor) -> Tensor:
+        return ops.gemv_q4(x2, self.qweight, self.scales, self.biases)
+
+    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+        return ops.dequant_q4(self.qweight, self.scales, self.biases, r0, r1, dtype)
+
+
+class DenseLinear(nn.Linear):
+    """`nn.Linear(bias=False)` whose CPU decode (few rows of x) uses the native GEMV.
+
+    Same parameter and state-dict key (`weight`) as nn.Linear; prefill and other devices use
+    `F.linear` unchanged. The weight dtype is the module's (fp32 / bf16 / fp16); x is cast to it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None) -> "DenseLinear":
+        _check_no_bias(linear)
+        w = linear.weight.detach()
+        m = cls(linear.in_features, linear.out_features, device="meta")
+        m.weight = nn.Parameter(w.to(dtype) if dtype is not None else w, requires_grad=False)
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.in_features, "DenseLinear")
+        w = self.weight
+        if x.dtype != w.dtype:
+            x = x.to(w.dtype)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if 0 < x2.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu" and w.device.type == "cpu" and not w.requires_grad:
+            ops = native_ops()
+            if ops is not None and w.dtype in _NATIVE_DENSE_DTYPES and w.is_contiguous():
+                return ops.gemv_dense(x2.contiguous(), w).reshape(*lead, self.out_features)
+        return F.linear(x, w)
+
+
+# Weight dtypes for which the native dense GEMV beats torch's (benchmarks/bench_kernels.py).
+_NATIVE_DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_no_bias(linear: nn.Module) -> None:
+    if not isinstance(linear, nn.Linear):
+        raise InputError(f"expected an nn.Linear, got {type(linear).__name__}")
+    if linear.bias is not None:
+        raise InputError("quantized linears have no bias; the module has one")
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes a forward pass reads for the weight of a (quantized) linear module."""
+    total = 0
+    for name in ("qweight", "scales", "biases", "weight"):
+        t = getattr(module, name, None)
+        if isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["Int8Linear", "Int4Linear", "DenseLinear", "GEMV_MAX_ROWS", "PREFILL_TILE", "native_ops", "weight_bytes"]

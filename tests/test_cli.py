@@ -59,34 +59,33 @@ def test_entry_points():
 
 
 def test_generate_streams_and_stops(model_path, tmp_path):
-    prompt = "The quick brown fox"
-    flags = ["--seed", "3", "--max-tokens", "8", "--top-p", "0.9"]
-    first = start("generate", model_path, "--prompt", prompt, *flags)
-    helps = start("generate", "--help")
-    rc, text, err = finish(first)
-    assert rc == 0 and err == "", err
-    rc_h, help_text, _ = finish(helps)
-    assert rc_h == 0
-    for flag in ("--temperature", "--top-p", "--top-k", "--presence-penalty", "--frequency-penalty",
-                 "--penalty-decay", "--max-tokens", "--seed", "--stop", "--device", "--dtype", "--tokenizer"):
-        assert flag in help_text
-
-    # The same request through the library gives the same text (the flags map to these params).
     from rwkv_engine.cli.generate import DEFAULTS
     from rwkv_engine.sampling import SamplingParams
 
+    # What the library makes of the request the flags describe.
+    prompt = "The quick brown fox"
+    flags = ["--seed", "3", "--max-tokens", "8", "--top-p", "0.9"]
     model = rwkv_engine.load(model_path)
-    params = SamplingParams(**{**DEFAULTS, "seed": 3, "max_tokens": 8, "top_p": 0.9})
-    gen = generate(model, WorldTokenizer(), prompt, params)
-    assert text == gen.read() and len(gen.tokens) == 8
-
-    # Prompt on stdin, same seed, and a stop string taken from the middle of that text: the
-    # output is the text up to the stop, without it.
+    gen = generate(model, WorldTokenizer(), prompt, SamplingParams(**{**DEFAULTS, "seed": 3, "max_tokens": 8, "top_p": 0.9}))
+    text = gen.read()
+    assert len(gen.tokens) == 8
+    # A stop string from the middle of that text: the output must end right before it.
     stop = text[4:7]
     assert stop.strip() and text.find(stop) == 4
-    rc, out, err = finish(start("generate", model_path, *flags, "--stop", stop, "--stats", stdin=subprocess.PIPE), prompt)
+
+    plain = start("generate", model_path, "--prompt", prompt, *flags)
+    stopped = start("generate", model_path, *flags, "--stop", stop, "--stats", stdin=subprocess.PIPE)
+    helps = start("generate", "--help")
+    rc, out, err = finish(plain)
+    assert rc == 0 and err == "" and out == text
+    rc, out, err = finish(stopped, prompt)  # the prompt on stdin this time
     assert rc == 0 and out == text[:4]
     assert "finish: stop" in err and "tok/s" in err
+    rc, help_text, _ = finish(helps)
+    assert rc == 0
+    for flag in ("--temperature", "--top-p", "--top-k", "--presence-penalty", "--frequency-penalty",
+                 "--penalty-decay", "--max-tokens", "--seed", "--stop", "--device", "--dtype", "--tokenizer"):
+        assert flag in help_text
 
 
 def test_process_errors_are_one_line(model_path, tmp_path):

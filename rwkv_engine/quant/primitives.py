@@ -208,3 +208,30 @@ def dequantize_int4(
     G = scales.shape[-1]
     w = _int4_deq(q.float().reshape(N, G, K // G), scales, biases)
     return w.reshape(N, K).to(dtype)
+
+
+# --- activations, as the native integer kernels see them ------------------------------------
+
+X_BLOCK = 64  # columns of x sharing one int16 scale in the native int8 / int4 GEMV
+
+
+def round_activations_int16(x: Tensor) -> Tensor:
+    """x [..., K] as the native int8 / int4 GEMV kernels use it: each full block of 64 columns
+    rounded to int16 steps of absmax / 32767 (a last partial block is left exact); fp32 result.
+
+    `F.linear(round_activations_int16(x), dequantize_...(...))` is the reference those kernels
+    match to float rounding; the rounding itself changes outputs by about 1e-5 relative.
+    """
+    xf = x.float()
+    K = xf.shape[-1]
+    full = K // X_BLOCK * X_BLOCK
+    if full == 0:
+        return xf.clone()
+    head = xf[..., :full].reshape(*xf.shape[:-1], full // X_BLOCK, X_BLOCK)
+    amax = head.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    dx = amax / 32767.0
+    q = torch.round(head * inv).clamp_(-32767, 32767)
+    out = xf.clone()
+    out[..., :full] = (q * dx).reshape(*xf.shape[:-1], full)
+    return out

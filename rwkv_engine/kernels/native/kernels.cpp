@@ -210,6 +210,7 @@ struct XQ {
   std::vector<int16_t> q;  // [B, K]; full chunks permuted per weight format, tail unused
   std::vector<float> dx;   // [B, K / 64]
   std::vector<float> xf;   // [B, K] fp32 x in column order
+  std::vector<float> xh;   // [B, K] x as rounded (q * dx) in column order, tail exact
 };
 
 // Rows b0.. of an XQ, as the kernels read it.
@@ -250,6 +251,7 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm) {
   r.dx.resize(static_cast<size_t>(B * C));
   r.xf.resize(static_cast<size_t>(B * K));
   to_float(x, xt, 0, B * K, r.xf.data());
+  r.xh = r.xf;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   alignas(32) int16_t tmp[64];
   for (int64_t b = 0; b < B; ++b)
@@ -269,12 +271,16 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm) {
       const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
       int16_t* d = r.q.data() + b * K + c * 64;
       int16_t* out = q4_perm ? tmp : d;
+      float* xh = r.xh.data() + b * K + c * 64;
+      const __m256 dxv = _mm256_set1_ps(amax / 32767.f);
       for (int i = 0; i < 8; i += 2) {
         // round to nearest (MXCSR default); |x * inv| <= 32767 so packs never saturates wrongly
         const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
         const __m256i bq = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
         const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, bq), 0xD8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * i), p);
+        _mm256_storeu_ps(xh + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(a), dxv));
+        _mm256_storeu_ps(xh + 8 * i + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(bq), dxv));
       }
       if (q4_perm) {
         // int4: 16-bit lane j of a 32-byte chunk holds columns 4j..4j+3 and step t of the kernel
@@ -512,12 +518,13 @@ void gemv_q8(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t G, c
 void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t N, int64_t K, int64_t G, const void* x,
              DType xt, int64_t B, void* y) {
   const XQ xq = prepare_xq(x, xt, B, K, true);
-  // xsum[b, g] = sum of x[b] over the columns of group g (for the bias term).
+  // xsum[b, g] = sum of the rounded x[b] over the columns of group g (for the bias term), so
+  // that the result is exactly x_rounded . (code * scale + bias).
   const int64_t gs = K / G;
   std::vector<float> xsum(static_cast<size_t>(B * G));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < G; ++g) {
-      const float* p = xq.xf.data() + b * K + g * gs;
+      const float* p = xq.xh.data() + b * K + g * gs;
       __m256 acc = _mm256_setzero_ps();
       for (int64_t k = 0; k < gs; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + k));
       xsum[b * G + g] = hsum(acc);

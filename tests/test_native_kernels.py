@@ -1,0 +1,148 @@
+"""Native CPU kernels (rwkv_engine.kernels.native) against their plain-PyTorch references.
+
+The first run on a machine compiles the extension (about 30-60 s); later runs load the cached
+build. Skipped where the kernels cannot be built (no compiler / ninja, non-x86, no AVX2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rwkv_engine.kernels import native
+from rwkv_engine.quant import primitives as P
+
+ops = native.load()
+pytestmark = pytest.mark.skipif(ops is None, reason="native kernels unavailable here (see log)")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (N, K): odd row counts (row-block tails), K with partial 16/64-column chunks, real widths.
+SHAPES = [(37, 96), (5, 160), (130, 64), (64, 2048), (3, 448)]
+BATCHES = [1, 2, 3, 4, 5, 8, 11]
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).square().mean() / b.square().mean().clamp_min(1e-300)).sqrt().item()
+
+
+def _round_out(y: torch.Tensor, dtype: torch.dtype) -> float:
+    """Tolerance for an output stored in `dtype` (its rounding) plus fp32 accumulation."""
+    return {torch.float32: 1e-5, torch.bfloat16: 4e-3, torch.float16: 6e-4}[dtype]
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("wdt", DTYPES)
+def test_gemv_dense_matches_reference(N, K, wdt):
+    g = torch.Generator().manual_seed(N * K)
+    w = torch.randn(N, K, generator=g).to(wdt)
+    for B in BATCHES:
+        for xdt in DTYPES:
+            x = torch.randn(B, K, generator=g).to(xdt)
+            y = ops.gemv_dense(x, w)
+            assert y.dtype == xdt and y.shape == (B, N)
+            ref = x.double() @ w.double().T
+            assert rel_rms(y, ref) < _round_out(y, xdt), (B, xdt)
+
+
+@pytest.mark.parametrize(
+    "N,K,group_size", [(N, K, gs) for N, K in SHAPES for gs in (None, 64, 128) if gs is None or K % gs == 0]
+)
+def test_gemv_q8_matches_reference(N, K, group_size):
+    g = torch.Generator().manual_seed(N + K)
+    q, s = P.quantize_int8(torch.randn(N, K, generator=g), group_size)
+    wd = P.dequantize_int8(q, s).double()
+    for B in BATCHES:
+        for xdt in DTYPES:
+            x = torch.randn(B, K, generator=g).to(xdt)
+            y = ops.gemv_q8(x, q, s)
+            assert y.dtype == xdt and y.shape == (B, N)
+            # the spec: x rounded to int16 per 64 columns, then an exact product
+            ref = P.round_activations_int16(x).double() @ wd.T
+            assert rel_rms(y, ref) < max(2e-5, _round_out(y, xdt))
+            # and the rounding itself is small
+            assert rel_rms(y, x.double() @ wd.T) < max(1e-4, _round_out(y, xdt))
+
+
+@pytest.mark.parametrize("N,K,group_size", [(N, K, gs) for N, K in SHAPES for gs in (32, 64, 128) if K % gs == 0])
+def test_gemv_q4_matches_reference(N, K, group_size):
+    g = torch.Generator().manual_seed(N * 7 + K)
+    q, s, b = P.quantize_int4(torch.randn(N, K, generator=g), group_size)
+    wd = P.dequantize_int4(q, s, b).double()
+    for B in BATCHES:
+        for xdt in DTYPES:
+            x = torch.randn(B, K, generator=g).to(xdt)
+            y = ops.gemv_q4(x, q, s, b)
+            assert y.dtype == xdt and y.shape == (B, N)
+            ref = P.round_activations_int16(x).double() @ wd.T
+            assert rel_rms(y, ref) < max(2e-5, _round_out(y, xdt))
+            assert rel_rms(y, x.double() @ wd.T) < max(1e-4, _round_out(y, xdt))
+
+
+def test_int16_rounding_with_an_outlier_activation():
+    # One activation 1000x the others in its 64 columns: the others lose precision, still small.
+    N, K = 64, 256
+    g = torch.Generator().manual_seed(3)
+    q, s, b = P.quantize_int4(torch.randn(N, K, generator=g), 32)
+    x = torch.randn(1, K, generator=g)
+    x[0, 5] = 1000.0
+    y = ops.gemv_q4(x, q, s, b)
+    wd = P.dequantize_int4(q, s, b).double()
+    assert rel_rms(y, P.round_activations_int16(x).double() @ wd.T) < 2e-5
+    assert rel_rms(y, x.double() @ wd.T) < 1e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_tiles_equal_reference(dtype):
+    N, K = 50, 256
+    w = torch.randn(N, K)
+    q, s = P.quantize_int8(w, 64)
+    assert torch.equal(ops.dequant_q8(q, s, 3, 41, dtype), P.dequantize_int8(q, s)[3:41].to(dtype))
+    q, s = P.quantize_int8(w, None)
+    assert torch.equal(ops.dequant_q8(q, s, 0, N, dtype), P.dequantize_int8(q, s).to(dtype))
+    for gs in (32, 64, 128):
+        q, s, b = P.quantize_int4(w, gs)
+        assert torch.equal(ops.dequant_q4(q, s, b, 7, 50, dtype), P.dequantize_int4(q, s, b)[7:50].to(dtype))
+    assert ops.dequant_q4(q, s, b, 5, 5, dtype).shape == (0, K)
+
+
+def test_threads_give_identical_results():
+    # Rows are split between threads, each row is computed the same way: bitwise equal.
+    N, K = 1030, 2048
+    w = torch.randn(N, K)
+    q4 = P.quantize_int4(w, 32, search=False)
+    q8 = P.quantize_int8(w, 128)
+    wb = w.bfloat16()
+    x = torch.randn(3, K)
+    old = torch.get_num_threads()
+    try:
+        out = {}
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            out[nt] = (ops.gemv_q4(x, *q4), ops.gemv_q8(x, *q8), ops.gemv_dense(x, wb))
+    finally:
+        torch.set_num_threads(old)
+    for a, b in zip(out[1], out[2]):
+        assert torch.equal(a, b)
+
+
+def test_kernels_reject_bad_tensors():
+    w = torch.randn(8, 64)
+    q, s, b = P.quantize_int4(w, 32)
+    with pytest.raises(RuntimeError, match="K = 64"):
+        ops.gemv_q4(torch.randn(1, 32), q, s, b)
+    with pytest.raises(RuntimeError, match="float16"):
+        ops.gemv_q4(torch.randn(1, 64), q, s.float(), b)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.gemv_dense(torch.randn(2, 128)[:, ::2], w)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.gemv_dense(torch.ones(1, 64, dtype=torch.int32), w)
+    q8, s8 = P.quantize_int8(torch.randn(8, 96), 32)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.gemv_q8(torch.randn(1, 96), q8, s8)
+    with pytest.raises(RuntimeError, match="row range"):
+        ops.dequant_q4(q, s, b, 4, 9, torch.float32)
+
+
+def test_load_is_cached():
+    assert native.load() is ops

@@ -266,3 +266,38 @@ def test_session_behaviour(model, tok, tmp_path):
             out.writestr(name, data)
     with pytest.raises(StateError, match="another model"):
         s.load(tmp_path / "other.zip")
+
+
+def test_interrupted_regen_keeps_the_turn(model, tok):
+    from rwkv_engine.cli.chat import DEFAULTS
+    from rwkv_engine.cli.chat_session import ChatSession
+    from rwkv_engine.sampling import SamplingParams
+
+    class Interruptible:
+        """The model, but Ctrl-C arrives during the forward call number `at`."""
+
+        def __init__(self):
+            self.config, self.path, self.calls, self.at = model.config, model.path, 0, None
+
+        def new_state(self, *a, **k):
+            return model.new_state(*a, **k)
+
+        def forward(self, *a, **k):
+            self.calls += 1
+            if self.calls == self.at:
+                raise KeyboardInterrupt
+            return model.forward(*a, **k)
+
+    m = Interruptible()
+    s = ChatSession(m, tok, SamplingParams(**DEFAULTS).replace(temperature=0, max_tokens=3), system="")
+    "".join(s.ask("hello"))
+    turns, state = list(s.turns), s.state
+    m.at = m.calls + 1  # during the prefill of the regenerated message
+    with pytest.raises(KeyboardInterrupt):
+        "".join(s.regen())
+    assert s.turns == turns and s.state is state
+    m.at = m.calls + 3  # during the decode: the partial reply replaces the old one
+    with pytest.raises(KeyboardInterrupt):
+        "".join(s.regen())
+    assert len(s.turns) == 1 and s.turns[0].finish_reason == "interrupted"
+    states_equal(s.state, model.forward(s.conversation_ids())[1])

@@ -100,11 +100,9 @@ class ChatSession:
     def regen(self) -> Iterator[str]:
         if not self.turns or self._regen_state is None:
             raise InputError("nothing to regenerate yet")
-        last = self.turns.pop()
-        self.state = self._regen_state
-        return self._reply(last.user, self._regen_state)
+        return self._reply(self.turns[-1].user, self._regen_state, replace=True)
 
-    def _reply(self, message: str, before) -> Iterator[str]:
+    def _reply(self, message: str, before, replace: bool = False) -> Iterator[str]:
         prompt_ids = self.tokenizer.encode(turn_prompt(message))
         gen = generate(self.model, self.tokenizer, prompt_ids, self.params, state=before, generator=self.generator)
         first = True
@@ -116,9 +114,9 @@ class ChatSession:
                 if chunk:
                     yield chunk
         finally:
-            self._close_turn(message, before, prompt_ids, gen)
+            self._close_turn(message, before, prompt_ids, gen, replace)
 
-    def _close_turn(self, message: str, before, prompt_ids: list[int], gen) -> None:
+    def _close_turn(self, message: str, before, prompt_ids: list[int], gen, replace: bool) -> None:
         if gen.prompt_state is None:
             return  # stopped before the message was read: the conversation is unchanged
         # The conversation keeps exactly reply + separator: the generated tokens that spell a
@@ -137,6 +135,8 @@ class ChatSession:
             state = self.model.forward(rest, state=gen.state)[1] if rest else gen.state
         else:
             state = self.model.forward(kept + rest, state=gen.prompt_state)[1]
+        if replace:
+            self.turns.pop()
         self.turns.append(Turn(message, gen.text, list(prompt_ids), kept + rest, gen.finish_reason or "interrupted"))
         self.state = state
         self._regen_state = before

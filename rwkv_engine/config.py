@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 from .errors import CheckpointError
 
-VERSIONS = ("4", "5.0", "5.1", "5.2")
+VERSIONS = ("4", "5.0", "5.1", "5.2", "6.0", "7")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyperparameters of an RWKV model, all inferred from the checkpoint's tensors.
 
-    version:    "4", "5.0", "5.1" or "5.2"
+    version:    "4", "5.0", "5.1", "5.2", "6.0" or "7"
     n_layer:    number of blocks
     n_embd:     width of the residual stream (C)
     vocab_size: rows of the embedding and the head (V)
@@ -21,6 +21,13 @@ class ModelConfig:
     dim_att:    width of the time-mix (A; equal to n_embd in every released model)
     n_head:     heads of the time-mix (H); 0 for RWKV-4, which has none
     head_size:  channels per head (N = dim_att / n_head); 0 for RWKV-4
+
+    Ranks of the small low-rank (LoRA) projections, read from their shapes (0 where unused):
+    lora_mix:   RWKV-6 data-dependent token-shift mix (time_maa_w1 / w2)
+    lora_decay: RWKV-6 decay (time_decay_w1 / w2), RWKV-7 decay (w1 / w2)
+    lora_iclr:  RWKV-7 in-context learning rate (a1 / a2)
+    lora_value: RWKV-7 value residual (v1 / v2; none in layer 0, so 0 for a one-layer model)
+    lora_gate:  RWKV-7 output gate (g1 / g2)
     """
 
     version: str
@@ -31,6 +38,11 @@ class ModelConfig:
     dim_att: int
     n_head: int = 0
     head_size: int = 0
+    lora_mix: int = 0
+    lora_decay: int = 0
+    lora_iclr: int = 0
+    lora_value: int = 0
+    lora_gate: int = 0
 
     def __post_init__(self):
         if self.version not in VERSIONS:
@@ -38,15 +50,23 @@ class ModelConfig:
         for name in ("n_layer", "n_embd", "vocab_size", "ffn_dim", "dim_att"):
             if getattr(self, name) <= 0:
                 raise CheckpointError(f"model config: {name} must be positive, got {getattr(self, name)}")
-        if self.family == 5:
+        if self.family >= 5:
             if self.n_head <= 0 or self.n_head * self.head_size != self.dim_att:
                 raise CheckpointError(
                     f"model config: {self.n_head} heads of size {self.head_size} do not make dim_att {self.dim_att}"
                 )
+        ranks = {6: ("lora_mix", "lora_decay"), 7: ("lora_decay", "lora_iclr", "lora_gate")}.get(self.family, ())
+        if self.family == 7 and self.n_layer > 1:
+            ranks += ("lora_value",)
+        for name in ranks:
+            if getattr(self, name) <= 0:
+                raise CheckpointError(f"model config: RWKV-{self.version} needs {name} > 0, got {getattr(self, name)}")
+        if self.family == 7 and self.dim_att != self.n_embd:
+            raise CheckpointError(f"model config: RWKV-7 needs dim_att == n_embd, got {self.dim_att} and {self.n_embd}")
 
     @property
     def family(self) -> int:
-        """The major version: 4 or 5."""
+        """The major version: 4, 5, 6 or 7."""
         return int(float(self.version))
 
     def state_signature(self) -> str:

@@ -3,10 +3,13 @@
 A `State` holds named tensors, each batch-first with the layer on the second axis:
 
     RWKV-4:   att_x_prev [B, L, C], att_num / att_den / att_max [B, L, A], ffn_x_prev [B, L, C]
-    RWKV-5:   att_x_prev [B, L, C], att_kv [B, L, H, N, N] (laid out [key][value]), ffn_x_prev [B, L, C]
+    RWKV-5/6: att_x_prev [B, L, C], att_kv [B, L, H, N, N] (laid out [key][value]), ffn_x_prev [B, L, C]
+    RWKV-7:   att_x_prev [B, L, C], att_kv [B, L, H, N, N] (also [key][value]: the transpose of the
+              `rwkv` pip package's [value][key] RWKV-7 state, the same layout as fla's), ffn_x_prev [B, L, C]
 
 Every tensor is fp32 whatever the weight dtype. `x_prev` is the post-LayerNorm input of the
 previous token (token shift); att_num / att_den / att_max is RWKV-4's log-space WKV accumulator.
+RWKV-7's v_first (layer 0's value of the same token) is not state: each forward recomputes it.
 A state is tied to a model by its `signature` (version and sizes): using it with a model of a
 different signature raises StateError.
 

@@ -31,22 +31,29 @@ def head_group_norm(y: Tensor, n_head: int, weight: Tensor, bias: Tensor) -> Ten
 
 
 class ChannelMix(nn.Module):
-    """out = sigmoid(rx @ Wr) * (relu(kx @ Wk)^2 @ Wv), with token-shift mixes for k and r."""
+    """out = sigmoid(rx @ Wr) * (relu(kx @ Wk)^2 @ Wv), with token-shift mixes for k and r.
 
-    def __init__(self, n_embd: int, ffn_dim: int, dtype: torch.dtype):
+    receptance=False drops the gate (RWKV-7): out = relu(kx @ Wk)^2 @ Wv.
+    """
+
+    def __init__(self, n_embd: int, ffn_dim: int, dtype: torch.dtype, receptance: bool = True):
         super().__init__()
         self.mix_k = nn.Parameter(torch.empty(n_embd), requires_grad=False)
-        self.mix_r = nn.Parameter(torch.empty(n_embd), requires_grad=False)
         self.key = nn.Linear(n_embd, ffn_dim, bias=False, dtype=dtype)
-        self.receptance = nn.Linear(n_embd, n_embd, bias=False, dtype=dtype)
         self.value = nn.Linear(ffn_dim, n_embd, bias=False, dtype=dtype)
+        self.gated = receptance
+        if receptance:
+            self.mix_r = nn.Parameter(torch.empty(n_embd), requires_grad=False)
+            self.receptance = nn.Linear(n_embd, n_embd, bias=False, dtype=dtype)
         self.dtype = dtype
 
     def forward(self, xx: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor]:
         """xx [B, T, C] fp32 (post-LN), x_prev [B, C] fp32 -> (out [B, T, C] fp32, new x_prev)."""
         sx = token_shift(xx, x_prev)
         kx = mix(xx, sx, self.mix_k).to(self.dtype)
-        rx = mix(xx, sx, self.mix_r).to(self.dtype)
         k = torch.relu(self.key(kx)).square()
-        out = torch.sigmoid(self.receptance(rx).float()) * self.value(k).float()
+        out = self.value(k).float()
+        if self.gated:
+            rx = mix(xx, sx, self.mix_r).to(self.dtype)
+            out = torch.sigmoid(self.receptance(rx).float()) * out
         return out, xx[:, -1]

@@ -21,27 +21,37 @@ from ..state import State
 from .layers import ChannelMix
 from .rwkv4 import TimeMix4
 from .rwkv5 import TimeMix5
+from .rwkv6 import TimeMix6
+from .rwkv7 import TimeMix7
 
 Tensor = torch.Tensor
 
-TIME_MIX = {4: TimeMix4, 5: TimeMix5}
+# A time mix with `shares_context` is built with its layer index and gets the per-forward context
+# (values one layer passes to later ones for the same tokens, e.g. RWKV-7's v_first; not state).
+TIME_MIX = {4: TimeMix4, 5: TimeMix5, 6: TimeMix6, 7: TimeMix7}
 
 # Tokens per prefill step for one sequence; memory of a forward is bounded by this, not by T.
 PREFILL_CHUNK = 512
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_id: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.att = TIME_MIX[cfg.family](cfg, dtype)
-        self.ffn = ChannelMix(cfg.n_embd, cfg.ffn_dim, dtype)
+        time_mix = TIME_MIX[cfg.family]
+        self.shares_context = getattr(time_mix, "shares_context", False)
+        self.att = time_mix(cfg, dtype, layer_id) if self.shares_context else time_mix(cfg, dtype)
+        self.ffn = ChannelMix(cfg.n_embd, cfg.ffn_dim, dtype, receptance=cfg.family != 7)
 
-    def forward(self, x: Tensor, st: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        """x [B, T, C] fp32; st: this layer's state fields [B, ...] -> (x, new fields)."""
+    def forward(self, x: Tensor, st: dict[str, Tensor], ctx: dict | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """x [B, T, C] fp32; st: this layer's state fields [B, ...] -> (x, new fields).
+
+        ctx: the per-forward context shared by the layers (see TIME_MIX), one dict per chunk of tokens.
+        """
         att_state = {k: v for k, v in st.items() if k not in ("att_x_prev", "ffn_x_prev")}
-        dx, att_x_prev, att_state = self.att(self.ln1(x), st["att_x_prev"], att_state)
+        extra = (ctx,) if self.shares_context else ()
+        dx, att_x_prev, att_state = self.att(self.ln1(x), st["att_x_prev"], att_state, *extra)
         x = x + dx
         dx, ffn_x_prev = self.ffn(self.ln2(x), st["ffn_x_prev"])
         return x + dx, {"att_x_prev": att_x_prev, **att_state, "ffn_x_prev": ffn_x_prev}
@@ -57,7 +67,7 @@ class RWKV(nn.Module):
         self.rescale_every = rescale_every
         self.path: Path | None = None
         self.emb = nn.Embedding(cfg.vocab_size, cfg.n_embd, dtype=dtype)  # LayerNorm ln0 folded in
-        self.blocks = nn.ModuleList(Block(cfg, dtype) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, dtype, i) for i in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=dtype)
         self._state_shapes = {
@@ -65,6 +75,8 @@ class RWKV(nn.Module):
             **TIME_MIX[cfg.family].state_shapes(cfg),
             "ffn_x_prev": ((cfg.n_embd,), 0.0),
         }
+        # Learned starting values [L, ...] of some state fields (a state-tuned checkpoint's time_state).
+        self.initial_state: dict[str, Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -88,6 +100,8 @@ class RWKV(nn.Module):
             name: torch.full((batch_size, L, *shape), init, dtype=torch.float32, device=self.device)
             for name, (shape, init) in self._state_shapes.items()
         }
+        for name, init in self.initial_state.items():
+            tensors[name].copy_(init.expand_as(tensors[name]))
         return State(tensors, self.config.state_signature())
 
     def _check_state(self, state: State, batch_size: int) -> None:
@@ -153,8 +167,9 @@ class RWKV(nn.Module):
         outs = []
         for start in range(0, T, chunk):
             x = self.emb(ids[:, start : start + chunk]).float()
+            ctx = {}
             for i, block in enumerate(self.blocks):
-                x, layers[i] = block(x, layers[i])
+                x, layers[i] = block(x, layers[i], ctx)
                 if self.rescale_every and (i + 1) % self.rescale_every == 0:
                     x = x / 2
             if all_logits:

@@ -1,0 +1,75 @@
+"""RWKV-6.0 "Finch" time mix (FORMATS A.4, A.8): data-dependent token shift and decay."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..kernels import wkv5
+from .layers import head_group_norm, mix, token_shift
+
+Tensor = torch.Tensor
+
+_MIXED = ("w", "k", "v", "r", "g")  # the order of the five LoRA outputs in time_maa_w1 / w2
+
+
+class TimeMix6(nn.Module):
+    """RWKV-5.2's multi-head WKV, with a per-token decay and per-token mix coefficients.
+
+    Mixes are stored in the shared `mix` convention (m = 1 - time_maa); a LoRA adds a per-token
+    offset to each: wx = mix(xx, sx, mix_w - lora_w(xxx)). The decay is stored raw as
+    `decay_base` [A] = time_decay, and each token's log decay is
+    log_w = -exp(decay_base + tanh(wx @ decay_w1) @ decay_w2), computed in fp32.
+    bonus [H, N] = time_faaaa (u). The LoRA matrices are small fp32 parameters; the big
+    projections are nn.Linear in the model dtype.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        C, A, H, N = cfg.n_embd, cfg.dim_att, cfg.n_head, cfg.head_size
+        D_mix, D_decay = cfg.lora_mix, cfg.lora_decay
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+        self.mix_x = param(C)
+        for name in _MIXED:
+            setattr(self, "mix_" + name, param(C))
+        self.maa_w1 = param(C, len(_MIXED) * D_mix)
+        self.maa_w2 = param(len(_MIXED), D_mix, C)
+        self.decay_base = param(A)
+        self.decay_w1 = param(C, D_decay)
+        self.decay_w2 = param(D_decay, A)
+        self.bonus = param(H, N)
+        self.receptance = nn.Linear(C, A, bias=False, dtype=dtype)
+        self.key = nn.Linear(C, A, bias=False, dtype=dtype)
+        self.value = nn.Linear(C, A, bias=False, dtype=dtype)
+        self.gate = nn.Linear(C, A, bias=False, dtype=dtype)
+        self.output = nn.Linear(A, C, bias=False, dtype=dtype)
+        self.ln_x = nn.GroupNorm(H, A)  # its affine weight/bias, applied by head_group_norm
+        self.n_head, self.head_size = H, N
+        self.dtype = dtype
+
+    @staticmethod
+    def state_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float]]:
+        N = cfg.head_size
+        return {"att_kv": ((cfg.n_head, N, N), 0.0)}
+
+    def forward(self, xx: Tensor, x_prev: Tensor, st: dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        B, T, _ = xx.shape
+        H, N, dt = self.n_head, self.head_size, self.dtype
+        sx = token_shift(xx, x_prev)
+        lora = torch.tanh(mix(xx, sx, self.mix_x) @ self.maa_w1).view(B, T, len(_MIXED), -1)
+        offsets = torch.einsum("btfd,fdc->fbtc", lora, self.maa_w2)  # [5, B, T, C]
+        wx, kx, vx, rx, gx = (mix(xx, sx, getattr(self, "mix_" + n) - o) for n, o in zip(_MIXED, offsets))
+        r = self.receptance(rx.to(dt)).float().view(B, T, H, N)
+        k = self.key(kx.to(dt)).float().view(B, T, H, N)
+        v = self.value(vx.to(dt)).float().view(B, T, H, N)
+        g = F.silu(self.gate(gx.to(dt)).float())
+        log_w = -torch.exp(self.decay_base + torch.tanh(wx @ self.decay_w1) @ self.decay_w2).view(B, T, H, N)
+        y, kv = wkv5(r, k, v, log_w, self.bonus, st["att_kv"])
+        y = head_group_norm(y.reshape(B, T, H * N), H, self.ln_x.weight, self.ln_x.bias)
+        out = self.output((y * g).to(dt)).float()
+        return out, xx[:, -1], {"att_kv": kv}

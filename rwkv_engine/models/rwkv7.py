@@ -1,0 +1,93 @@
+"""RWKV-7 "Goose" (x070) time mix (FORMATS A.5, A.8): the generalized delta rule with a value residual."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..kernels import wkv7
+from .layers import head_group_norm, mix, token_shift
+
+Tensor = torch.Tensor
+
+_MIXED = ("r", "w", "k", "v", "a", "g")
+
+# The per-step decay is w = exp(-e^-0.5 * sigmoid(w0 + lora)), in (0.545, 1).
+_DECAY_SCALE = math.exp(-0.5)
+
+
+class TimeMix7(nn.Module):
+    """Multi-head WKV7 with data-dependent decay, in-context learning rate, gate and value residual.
+
+    Mixes are stored in the shared `mix` convention (m = 1 - x_*). The small LoRA matrices
+    (w1/w2 decay, a1/a2 learning rate, v1/v2 value residual, g1/g2 gate) and their biases are fp32
+    parameters; receptance/key/value/output are nn.Linear in the model dtype.
+
+    Layer 0 has no value-residual LoRA: its values (per token) are `v_first`, which it puts in the
+    per-forward context `ctx` for the later layers to mix towards. v_first is not recurrent
+    state: it is recomputed on every forward pass.
+    """
+
+    shares_context = True  # built with its layer index; forward reads/writes the per-forward ctx
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_id: int):
+        super().__init__()
+        C, H, N = cfg.n_embd, cfg.n_head, cfg.head_size
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+        for name in _MIXED:
+            setattr(self, "mix_" + name, param(C))
+        self.w0, self.w1, self.w2 = param(C), param(C, cfg.lora_decay), param(cfg.lora_decay, C)
+        self.a0, self.a1, self.a2 = param(C), param(C, cfg.lora_iclr), param(cfg.lora_iclr, C)
+        self.first = layer_id == 0
+        if not self.first:
+            self.v0, self.v1, self.v2 = param(C), param(C, cfg.lora_value), param(cfg.lora_value, C)
+        self.g1, self.g2 = param(C, cfg.lora_gate), param(cfg.lora_gate, C)
+        self.k_k = param(C)
+        self.k_a = param(C)
+        self.r_k = param(H, N)
+        self.receptance = nn.Linear(C, C, bias=False, dtype=dtype)
+        self.key = nn.Linear(C, C, bias=False, dtype=dtype)
+        self.value = nn.Linear(C, C, bias=False, dtype=dtype)
+        self.output = nn.Linear(C, C, bias=False, dtype=dtype)
+        self.ln_x = nn.GroupNorm(H, C)  # its affine weight/bias, applied by head_group_norm
+        self.n_head, self.head_size = H, N
+        self.dtype = dtype
+
+    @staticmethod
+    def state_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float]]:
+        N = cfg.head_size
+        return {"att_kv": ((cfg.n_head, N, N), 0.0)}  # [key][value], see kernels/wkv7.py
+
+    def forward(
+        self, xx: Tensor, x_prev: Tensor, st: dict[str, Tensor], ctx: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        B, T, C = xx.shape
+        H, N, dt = self.n_head, self.head_size, self.dtype
+        sx = token_shift(xx, x_prev)
+        xr, xw, xk, xv, xa, xg = (mix(xx, sx, getattr(self, "mix_" + n)) for n in _MIXED)
+        r = self.receptance(xr.to(dt)).float()
+        k = self.key(xk.to(dt)).float()
+        v = self.value(xv.to(dt)).float()
+        log_w = -_DECAY_SCALE * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)
+        iclr = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
+        g = torch.sigmoid(xg @ self.g1) @ self.g2
+        kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1)
+        k = k * (1 + (iclr - 1) * self.k_a)
+        if self.first:
+            ctx["v_first"] = v
+        else:
+            v = v + (ctx["v_first"] - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
+        heads = (B, T, H, N)
+        r, k, v = r.view(heads), k.view(heads), v.view(heads)
+        y, kv = wkv7(r, k, v, log_w.view(heads), -kk, kk * iclr.view(heads), st["att_kv"])
+        y = head_group_norm(y.reshape(B, T, C), H, self.ln_x.weight, self.ln_x.bias)
+        bonus = (r * k * self.r_k).sum(-1, keepdim=True) * v  # the current token's own r.k, per head
+        out = self.output(((y + bonus.reshape(B, T, C)) * g).to(dt)).float()
+        return out, xx[:, -1], {"att_kv": kv}

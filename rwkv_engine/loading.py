@@ -4,10 +4,13 @@ The steps, each done once:
 1. resolve: a local file or directory, or a Hugging Face Hub id (downloaded through huggingface_hub);
 2. open: the file type is sniffed from its bytes, never its name; tensors stay memory-mapped and
    are read one at a time, so no second full copy of the weights is made;
-3. canonical names: Hugging Face names are mapped back to BlinkDL's (FORMATS B.1, B.2);
+3. canonical names: Hugging Face and flash-linear-attention names are mapped back to BlinkDL's
+   (FORMATS B.1-B.4), with fla's transposed LoRA matrices turned back;
 4. config: version and sizes from the keys and tensor shapes (and config.json when there is one);
-5. transform: ln0 folded into the embedding, decays to log space, mixes squeezed, fp16 rescale,
-   dtype cast; every tensor checked against the shape the model expects;
+5. transform: ln0 folded into the embedding, decays to log space (RWKV-6 keeps its raw base decay,
+   the per-token part is data-dependent), mixes squeezed and put in one convention (RWKV-6/7's
+   x + (prev - x) m is stored as 1 - m), fp16 rescale, dtype cast; every tensor checked against
+   the shape the model expects; a state-tuned file's time_state becomes the model's initial state;
 6. build: the module tree is created on the meta device and the tensors are assigned into it.
 """
 
@@ -125,11 +128,15 @@ class Checkpoint:
     def get(self, name: str) -> Tensor:
         return self._getters[name]()
 
-    def rename(self, mapping: Callable[[str], str]) -> None:
+    def rename(self, mapping: Callable[[str], str], transposed: Callable[[str], bool] = lambda name: False) -> None:
+        """New names for every tensor; the 2-D ones for which `transposed(old name)` holds are transposed."""
         getters, shapes = self._getters, self._shapes
         self._getters, self._shapes = {}, {}
         for k in getters:
-            self.add(mapping(k), shapes[k], getters[k])
+            if transposed(k) and len(shapes[k]) == 2:
+                self.add(mapping(k), shapes[k][::-1], lambda g=getters[k]: g().t().contiguous())
+            else:
+                self.add(mapping(k), shapes[k], getters[k])
 
 
 def _sniff(path: Path) -> str:
@@ -249,8 +256,45 @@ _HF_RENAMES = {
 }
 
 
+# flash-linear-attention RWKV-7 (fla-hub/rwkv7-*, FORMATS B.4)
+_FLA_TOP = {
+    "model.embeddings.weight": "emb.weight", "model.norm.weight": "ln_out.weight",
+    "model.norm.bias": "ln_out.bias", "lm_head.weight": "head.weight",
+}
+_FLA_PARTS = {"attn": "att", "ffn": "ffn", "pre_norm": "ln0", "attn_norm": "ln1", "ffn_norm": "ln2"}
+_FLA_PROJ = {"r_proj": "receptance", "k_proj": "key", "v_proj": "value", "o_proj": "output", "g_norm": "ln_x"}
+# LoRA(x) = lora.2(act(lora.0(x))): lora.0.weight = w1^T, lora.2.weight = w2^T, lora.2.bias = w0.
+_FLA_LORA = re.compile(r"([wavg])_lora\.lora\.(0\.weight|2\.weight|2\.bias)")
+_FLA_LORA_INDEX = {"0.weight": "1", "2.weight": "2", "2.bias": "0"}
+
+
+def _fla_name(name: str) -> str:
+    if name in _FLA_TOP:
+        return _FLA_TOP[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(\w+)\.(.+)", name)
+    if not m:
+        return name
+    i, part, rest = m.groups()
+    part = _FLA_PARTS.get(part, part)
+    if part == "att":
+        lora = _FLA_LORA.fullmatch(rest)
+        if lora:
+            rest = lora.group(1) + _FLA_LORA_INDEX[lora.group(2)]
+        else:
+            head, dot, tail = rest.partition(".")
+            rest = _FLA_PROJ.get(head, head) + dot + tail
+    return f"blocks.{i}.{part}.{rest}"
+
+
+def stored_transposed(name: str) -> bool:
+    """Whether a tensor is stored as the transpose of its BlinkDL counterpart (fla's LoRA weights)."""
+    return name.startswith("model.layers.") and re.search(r"_lora\.lora\.[02]\.weight$", name) is not None
+
+
 def canonical_name(name: str) -> str:
-    """BlinkDL's name for a transformers RWKV-4/5 (or BlinkDL) tensor name."""
+    """BlinkDL's name for a transformers RWKV-4/5/6, fla RWKV-7 (or BlinkDL) tensor name."""
+    if name.startswith("model.") or name == "lm_head.weight":
+        return _fla_name(name)
     if name.startswith("rwkv."):
         name = name[5:]
         if name.startswith("embeddings."):
@@ -269,12 +313,21 @@ def canonical_name(name: str) -> str:
 
 def _version(ck: Checkpoint) -> str:
     keys = ck.keys()
-    if any(k.endswith((".att.r_k", ".att.x_r", ".att.w0")) for k in keys):
-        raise UnsupportedModelError(f"{ck.where}: an RWKV-7 (x070) checkpoint; this version of rwkv-engine runs RWKV-4 and RWKV-5")
-    if any("time_maa" in k for k in keys):
-        raise UnsupportedModelError(f"{ck.where}: an RWKV-6 checkpoint; this version of rwkv-engine runs RWKV-4 and RWKV-5")
     if "emb.weight" not in ck or not any(k.startswith("blocks.") for k in keys):
         raise CheckpointError(f"{ck.where}: not an RWKV checkpoint (no emb.weight / blocks.* tensors)")
+    if any(".att.time_misc_" in k for k in keys):
+        raise UnsupportedModelError(f"{ck.where}: an RWKV-7 preview checkpoint (time_misc_* names); "
+                                    "rwkv-engine runs the released x070 format")
+    if any(k.endswith((".att.r_k", ".att.x_r", ".att.w0")) for k in keys):
+        if any(".ffn.s_emb" in k for k in keys):
+            raise UnsupportedModelError(f"{ck.where}: an RWKV-7 DeepEmbed checkpoint (ffn.s_emb); "
+                                        "rwkv-engine runs standard RWKV-7 only")
+        if any(k.endswith(".att.time_state") for k in keys):
+            raise UnsupportedModelError(f"{ck.where}: an RWKV-7 checkpoint with a tuned initial state (time_state); "
+                                        "rwkv-engine reads time_state for RWKV-6 only")
+        return "7"
+    if any("time_maa" in k for k in keys):
+        return "6.0"
     version = "4"
     if any(".ln_x." in k for k in keys):
         version = "5.0"
@@ -286,35 +339,63 @@ def _version(ck: Checkpoint) -> str:
     return version
 
 
+def _size(ck: Checkpoint, name: str, axis: int) -> int:
+    """The size of tensor `name` along `axis`, or a CheckpointError naming the tensor."""
+    if name not in ck:
+        raise CheckpointError(f"{ck.where}: tensor {name} is missing")
+    shape = ck.shape(name)
+    if len(shape) <= axis:
+        raise CheckpointError(f"{ck.where}: tensor {name} has shape {shape}, expected at least {axis + 1} dimensions")
+    return shape[axis]
+
+
+# config.json model_type -> the RWKV family its weights must be
+_HF_MODEL_TYPES = {"rwkv": 4, "rwkv5": 5, "rwkv6": 6, "rwkv7": 7}
+
+
 def infer_config(ck: Checkpoint) -> ModelConfig:
     hf = ck.hf_config
     if hf is not None:
         mt = hf.get("model_type")
-        if mt in ("rwkv6", "rwkv7"):
-            raise UnsupportedModelError(f"{ck.where}: a {mt} model; this version of rwkv-engine runs RWKV-4 and RWKV-5")
-        if mt not in ("rwkv", "rwkv5"):
-            raise CheckpointError(f"{ck.where}: config.json says model_type {mt!r}, not an RWKV-4/5 model")
+        if mt not in _HF_MODEL_TYPES:
+            raise CheckpointError(f"{ck.where}: config.json says model_type {mt!r}, not an RWKV model")
     version = _version(ck)
+    family = int(float(version))
+    if hf is not None and _HF_MODEL_TYPES[mt] != family:
+        raise CheckpointError(f"{ck.where}: config.json says model_type {mt!r} but the weights are RWKV-{version}")
     blocks = {int(m.group(1)) for k in ck.keys() if (m := re.match(r"blocks\.(\d+)\.", k))}
     n_layer = max(blocks) + 1
     missing = sorted(set(range(n_layer)) - blocks)
     if missing:
         raise CheckpointError(f"{ck.where}: blocks {missing[:5]} are missing (the file has blocks up to {n_layer - 1})")
     V, C = ck.shape("emb.weight")
-    need = ["blocks.0.att.key.weight", "blocks.0.ffn.key.weight", "blocks.0.att.time_decay"]
-    for k in need:
-        if k not in ck:
-            raise CheckpointError(f"{ck.where}: tensor {k} is missing")
-    A = ck.shape("blocks.0.att.key.weight")[0]
-    F_ = ck.shape("blocks.0.ffn.key.weight")[0]
-    n_head = head_size = 0
-    if version != "4":
-        n_head = ck.shape("blocks.0.att.time_decay")[0]
-        head_size = A // n_head if n_head else 0
+    A = _size(ck, "blocks.0.att.key.weight", 0)
+    F_ = _size(ck, "blocks.0.ffn.key.weight", 0)
+    n_head, lora = 0, {}
+    if family in (4, 5):
+        n_head = _size(ck, "blocks.0.att.time_decay", 0) if family == 5 else 0
+    elif family == 6:
+        n_head = _size(ck, "blocks.0.att.time_faaaa", 0)
+        lora = dict(lora_mix=_size(ck, "blocks.0.att.time_maa_w2", 1),
+                    lora_decay=_size(ck, "blocks.0.att.time_decay_w1", 1))
+    else:  # 7; layer 0's value-residual LoRA is unused (and absent in fla files): read layer 1's
+        n_head = _size(ck, "blocks.0.att.r_k", 0)
+        lora = dict(lora_decay=_size(ck, "blocks.0.att.w1", 1), lora_iclr=_size(ck, "blocks.0.att.a1", 1),
+                    lora_gate=_size(ck, "blocks.0.att.g1", 1),
+                    lora_value=_size(ck, "blocks.1.att.v1", 1) if n_layer > 1 else 0)
+    head_size = A // n_head if n_head else 0
     cfg = ModelConfig(version=version, n_layer=n_layer, n_embd=C, vocab_size=V, ffn_dim=F_, dim_att=A,
-                      n_head=n_head, head_size=head_size)
+                      n_head=n_head, head_size=head_size, **lora)
     if hf is not None:
-        for field, value in (("num_hidden_layers", n_layer), ("hidden_size", C), ("vocab_size", V)):
+        checks = [("num_hidden_layers", n_layer), ("hidden_size", C), ("vocab_size", V)]
+        if family == 6:
+            checks += [("head_size", head_size), ("attention_hidden_size", A)]
+        if family == 7:  # flash-linear-attention's config (FORMATS B.4)
+            checks += [("head_dim", head_size), ("num_heads", n_head), ("decay_low_rank_dim", cfg.lora_decay),
+                       ("a_low_rank_dim", cfg.lora_iclr), ("gate_low_rank_dim", cfg.lora_gate)]
+            if n_layer > 1:
+                checks.append(("v_low_rank_dim", cfg.lora_value))
+        for field, value in checks:
             if field in hf and hf[field] is not None and hf[field] != value:
                 raise CheckpointError(f"{ck.where}: config.json says {field}={hf[field]} but the weights have {value}")
     return cfg
@@ -323,10 +404,26 @@ def infer_config(ck: Checkpoint) -> ModelConfig:
 # --- 5. transform --------------------------------------------------------------------------
 
 
-def _target_name(name: str) -> str | None:
+# RWKV-6/7 token-shift mixes, x + (prev - x) * m: stored as 1 - m, the shared `mix` convention
+_REVERSED_MIX = re.compile(r"\.(att\.time_maa_[xwkvrg]|ffn\.time_maa_[kr]|att\.x_[rwkvag]|ffn\.x_k)$")
+
+
+def _target_name(name: str, family: int) -> str | None:
     """Our module's parameter name for a canonical tensor name (None: consumed elsewhere)."""
     if name.startswith("blocks.0.ln0."):
         return None
+    if family == 6:
+        if name.endswith(".att.time_state"):
+            return None  # the initial state, see initial_state()
+        name = re.sub(r"\.time_maa_([xwkvrg])$", r".mix_\1", name)
+        name = re.sub(r"\.att\.time_maa_(w[12])$", r".att.maa_\1", name)
+        name = re.sub(r"\.att\.time_decay$", ".att.decay_base", name)
+        name = re.sub(r"\.att\.time_decay_(w[12])$", r".att.decay_\1", name)
+        return re.sub(r"\.att\.time_faaaa$", ".att.bonus", name)
+    if family == 7:
+        if re.fullmatch(r"blocks\.0\.att\.v[012]", name):
+            return None  # layer 0 has no value residual (its values are v_first)
+        return re.sub(r"\.x_([rwkvag])$", r".mix_\1", name)
     name = re.sub(r"\.time_mix_([kvrg])$", r".mix_\1", name)
     name = re.sub(r"\.att\.time_decay$", ".att.log_decay", name)
     name = re.sub(r"\.att\.time_(first|faaaa)$", ".att.bonus", name)
@@ -336,6 +433,15 @@ def _target_name(name: str) -> str | None:
 def _transform(name: str, t: Tensor, cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, real_bonus: bool) -> Tensor:
     """The tensor our module holds for the canonical tensor `name`."""
     layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
+    if cfg.family >= 6:
+        if _REVERSED_MIX.search(name):
+            return 1 - t.float().reshape(-1)
+        if name.endswith(".att.time_decay"):  # RWKV-6: raw; each token adds its LoRA before -exp
+            return t.float().reshape(-1)
+        if name.endswith(".att.r_k"):
+            return t.float().reshape(cfg.n_head, cfg.head_size)
+        if re.search(r"\.att\.(w0|a0|v0|k_k|k_a)$", name):
+            return t.float().reshape(-1)
     if name.endswith(".time_decay"):
         t = -torch.exp(t.float())
         if cfg.family == 4:
@@ -365,7 +471,7 @@ def build_state_dict(ck: Checkpoint, cfg: ModelConfig, model: RWKV, dtype: torch
                      progress: bool) -> dict[str, Tensor]:
     expected = model.state_dict()
     real_bonus = any(k.endswith(".time_faaaa") for k in ck.keys())
-    mapping = {k: _target_name(k) for k in ck.keys()}
+    mapping = {k: _target_name(k, cfg.family) for k in ck.keys()}
     unknown = sorted(k for k, t in mapping.items() if t is not None and t not in expected)
     if unknown:
         raise CheckpointError(
@@ -409,6 +515,28 @@ def build_state_dict(ck: Checkpoint, cfg: ModelConfig, model: RWKV, dtype: torch
     return out
 
 
+def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
+    """A state-tuned RWKV-6 file's learned initial wkv state: {"att_kv": [L, H, N, N]}, or {}.
+
+    Each block's time_state [H, N, N] is stored [value][key]; the reference transposes it (1, 2)
+    into the [key][value] layout that att_kv uses (FORMATS A.4, A.9).
+    """
+    names = [f"blocks.{i}.att.time_state" for i in range(cfg.n_layer)]
+    present = [n in ck for n in names]
+    if cfg.family != 6 or not any(present):
+        return {}
+    if not all(present):
+        absent = [i for i, p in enumerate(present) if not p]
+        raise CheckpointError(f"{ck.where}: time_state is missing in blocks {absent[:5]} (a state-tuned file has one per block)")
+    H, N = cfg.n_head, cfg.head_size
+    states = []
+    for n in names:
+        if math.prod(ck.shape(n)) != H * N * N:
+            raise CheckpointError(f"{ck.where}: tensor {n} has shape {ck.shape(n)}, expected {(H, N, N)}")
+        states.append(ck.get(n).float().reshape(H, N, N).transpose(1, 2))
+    return {"att_kv": torch.stack(states).contiguous()}
+
+
 # --- 6. build ------------------------------------------------------------------------------
 
 
@@ -434,12 +562,13 @@ def load(
         rescale_every = FP16_RESCALE_EVERY if dt == torch.float16 else 0
     path = resolve(path_or_id)
     ck = open_checkpoint(path)
-    ck.rename(canonical_name)
+    ck.rename(canonical_name, transposed=stored_transposed)
     cfg = infer_config(ck)
     with torch.device("meta"):
         model = RWKV(cfg, dt, rescale_every)
     sd = build_state_dict(ck, cfg, model, dt, rescale_every, progress)
     model.load_state_dict(sd, strict=True, assign=True)
+    model.initial_state = initial_state(ck, cfg)
     model.requires_grad_(False)
     model.eval()
     model.path = path

@@ -21,7 +21,7 @@ import torch
 
 Tensor = torch.Tensor
 
-SUPPORTED_RANDOM_VERSIONS = ("4", "5.0", "5.1", "5.2")
+SUPPORTED_RANDOM_VERSIONS = ("4", "5.0", "5.1", "5.2", "6.0", "7")
 
 
 def _linear(gen: torch.Generator, out_f: int, in_f: int, outliers: bool) -> Tensor:
@@ -58,22 +58,36 @@ def random_state_dict(
     ffn_dim: int | None = None,
     seed: int = 0,
     outliers: bool = False,
+    lora: dict[str, int] | None = None,
+    time_state: bool = False,
 ) -> dict[str, Tensor]:
     """A BlinkDL-format state dict (fp32) of an RWKV model with random weights.
 
-    version: "4", "5.0", "5.1" or "5.2". ffn_dim defaults to 4*n_embd for RWKV-4 and
-    int(3.5*n_embd)//32*32 for RWKV-5 (at least 32).
+    version: "4", "5.0", "5.1", "5.2", "6.0" or "7". ffn_dim defaults to 4*n_embd for RWKV-4 and
+    RWKV-7 and int(3.5*n_embd)//32*32 for RWKV-5/6 (at least 32).
+    lora: LoRA ranks overriding the defaults of `lora_ranks` (RWKV-6/7).
+    time_state: add a state-tuned initial state per block (RWKV-6).
     """
     if version not in SUPPORTED_RANDOM_VERSIONS:
         raise ValueError(f"random_state_dict: unknown version {version!r}; use one of {SUPPORTED_RANDOM_VERSIONS}")
     gen = torch.Generator().manual_seed(seed)
     C = n_embd
     if ffn_dim is None:
-        ffn_dim = 4 * C if version == "4" else max(32, int(3.5 * C) // 32 * 32)
+        ffn_dim = 4 * C if version in ("4", "7") else max(32, int(3.5 * C) // 32 * 32)
     H = C // head_size
     sd: dict[str, Tensor] = {}
     sd["emb.weight"] = torch.randn(vocab_size, C, generator=gen)
     _ln(gen, C, "blocks.0.ln0", sd)
+    if version in ("6.0", "7"):
+        ranks = {**lora_ranks(version, C), **(lora or {})}
+        block = _random_block_v6 if version == "6.0" else _random_block_v7
+        for i in range(n_layer):
+            block(gen, sd, f"blocks.{i}.", C, H, head_size, ffn_dim, ranks, outliers)
+            if time_state:
+                sd[f"blocks.{i}.att.time_state"] = 0.5 * torch.randn(H, head_size, head_size, generator=gen)
+        _ln(gen, C, "ln_out", sd)
+        sd["head.weight"] = 2.0 * _linear(gen, vocab_size, C, outliers)
+        return sd
     for i in range(n_layer):
         p = f"blocks.{i}."
         _ln(gen, C, p + "ln1", sd)
@@ -112,6 +126,77 @@ def random_state_dict(
     return sd
 
 
+def lora_ranks(version: str, n_embd: int) -> dict[str, int]:
+    """The LoRA ranks the official releases use for width n_embd (FORMATS A.4, A.5).
+
+    RWKV-6: 32 for the mix and 64 for the decay (64 / 128 at C = 4096). RWKV-7: about 2.5 sqrt(C)
+    (decay, learning rate), 1.7 sqrt(C) (value) and 5 sqrt(C) (gate), multiples of 32, at least 32.
+    """
+    C = n_embd
+    if version == "6.0":
+        return {"mix": 64 if C >= 4096 else 32, "decay": 128 if C >= 4096 else 64}
+
+    def rank(scale: float) -> int:
+        return max(32, int(round(scale * math.sqrt(C) / 32)) * 32)
+
+    return {"decay": rank(2.5), "iclr": rank(2.5), "value": rank(1.7), "gate": rank(5.0)}
+
+
+def _lora_pair(gen: torch.Generator, C: int, D: int, out: int, scale: float) -> tuple[Tensor, Tensor]:
+    """x @ w1 of order one (through tanh/sigmoid) and w1 -> w2 of order `scale`."""
+    return torch.randn(C, D, generator=gen) / math.sqrt(C), scale * torch.randn(D, out, generator=gen) / math.sqrt(D)
+
+
+def _random_block_v6(gen, sd, p, C, H, N, F, ranks, outliers) -> None:
+    _ln(gen, C, p + "ln1", sd)
+    _ln(gen, C, p + "ln2", sd)
+    a = p + "att."
+    for m in ("x", "w", "k", "v", "r", "g"):
+        sd[a + "time_maa_" + m] = _mix(gen, C)
+    D = ranks["mix"]
+    sd[a + "time_maa_w1"] = torch.randn(C, 5 * D, generator=gen) / math.sqrt(C)
+    sd[a + "time_maa_w2"] = 0.2 * torch.randn(5, D, C, generator=gen) / math.sqrt(D)
+    # log w = -exp(time_decay + lora): base decays from 0.9975 to 0.01, the LoRA moves them by ~e^0.5.
+    sd[a + "time_decay"] = torch.empty(1, 1, C).uniform_(-6.0, 1.5, generator=gen)
+    sd[a + "time_decay_w1"], sd[a + "time_decay_w2"] = _lora_pair(gen, C, ranks["decay"], C, 0.5)
+    sd[a + "time_faaaa"] = 0.5 * torch.randn(H, N, generator=gen)
+    for name in ("receptance", "key", "value", "gate", "output"):
+        sd[a + name + ".weight"] = _linear(gen, C, C, outliers)
+    _ln(gen, C, a + "ln_x", sd)
+    f = p + "ffn."
+    sd[f + "time_maa_k"] = _mix(gen, C)
+    sd[f + "time_maa_r"] = _mix(gen, C)
+    sd[f + "key.weight"] = _linear(gen, F, C, outliers)
+    sd[f + "receptance.weight"] = _linear(gen, C, C, outliers)
+    sd[f + "value.weight"] = _linear(gen, C, F, outliers)
+
+
+def _random_block_v7(gen, sd, p, C, H, N, F, ranks, outliers) -> None:
+    _ln(gen, C, p + "ln1", sd)
+    _ln(gen, C, p + "ln2", sd)
+    a = p + "att."
+    for m in ("r", "w", "k", "v", "a", "g"):
+        sd[a + "x_" + m] = _mix(gen, C)
+    # w = exp(-e^-0.5 sigmoid(w0 + lora)): from 0.998 (w0 = -6) to 0.59 (w0 = 3), RWKV-7's whole range.
+    sd[a + "w0"] = torch.empty(1, 1, C).uniform_(-6.0, 3.0, generator=gen)
+    sd[a + "w1"], sd[a + "w2"] = _lora_pair(gen, C, ranks["decay"], C, 1.0)
+    sd[a + "a0"] = torch.randn(1, 1, C, generator=gen)  # in-context learning rate sigmoid(a0 + ...)
+    sd[a + "a1"], sd[a + "a2"] = _lora_pair(gen, C, ranks["iclr"], C, 1.0)
+    sd[a + "v0"] = 0.73 + 0.5 * torch.randn(1, 1, C, generator=gen)  # value residual sigmoid(v0 + ...)
+    sd[a + "v1"], sd[a + "v2"] = _lora_pair(gen, C, ranks["value"], C, 1.0)
+    sd[a + "g1"], sd[a + "g2"] = _lora_pair(gen, C, ranks["gate"], C, 1.0)
+    sd[a + "k_k"] = 0.85 + 0.1 * torch.randn(1, 1, C, generator=gen)
+    sd[a + "k_a"] = 1.0 + 0.1 * torch.randn(1, 1, C, generator=gen)
+    sd[a + "r_k"] = 0.3 * torch.randn(H, N, generator=gen)
+    for name in ("receptance", "key", "value", "output"):
+        sd[a + name + ".weight"] = _linear(gen, C, C, outliers)
+    _ln(gen, C, a + "ln_x", sd)
+    f = p + "ffn."
+    sd[f + "x_k"] = _mix(gen, C)
+    sd[f + "key.weight"] = _linear(gen, F, C, outliers)
+    sd[f + "value.weight"] = _linear(gen, C, F, outliers)
+
+
 def cast(sd: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """The state dict with every tensor in `dtype` (official files are bf16)."""
     return {k: v.to(dtype) for k, v in sd.items()}
@@ -131,7 +216,7 @@ def save_safetensors(sd: dict[str, Tensor], path: str | os.PathLike) -> Path:
     return path
 
 
-# --- Hugging Face layouts (FORMATS.md B.1 / B.2) -------------------------------------------
+# --- Hugging Face layouts (FORMATS.md B.1 - B.4) -------------------------------------------
 
 _HF_ATT_RENAMES = {
     "time_mix_k": "time_mix_key",
@@ -143,7 +228,8 @@ _HF_FFN_RENAMES = {"time_mix_k": "time_mix_key", "time_mix_r": "time_mix_recepta
 
 
 def to_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Rename a BlinkDL RWKV-4/5 state dict to the transformers naming (values unchanged)."""
+    """Rename a BlinkDL RWKV-4/5/6 state dict to the transformers naming (values unchanged; RWKV-6
+    keeps its time_maa_* names)."""
     out = {}
     for k, v in sd.items():
         if k == "emb.weight":
@@ -188,11 +274,69 @@ def hf_config(sd: dict[str, Tensor], version: str) -> dict:
     if version == "4":
         cfg.update(architectures=["RwkvForCausalLM"], model_type="rwkv",
                    intermediate_size=sd["blocks.0.ffn.key.weight"].shape[0])
+    elif version == "6.0":
+        H = sd["blocks.0.att.time_faaaa"].shape[0]
+        cfg.update(architectures=["Rwkv6ForCausalLM"], model_type="rwkv6", intermediate_size=None,
+                   head_size=cfg["attention_hidden_size"] // H, head_size_divisor=8)
     else:
         td = sd["blocks.0.att.time_decay"]
         cfg.update(architectures=["Rwkv5ForCausalLM"], model_type="rwkv5", intermediate_size=None,
                    head_size=cfg["attention_hidden_size"] // td.shape[0], head_size_divisor=8)
     return cfg
+
+
+_FLA_PROJ = {"receptance": "r_proj", "key": "k_proj", "value": "v_proj", "output": "o_proj", "ln_x": "g_norm"}
+_FLA_PARTS = {"att": "attn", "ffn": "ffn", "ln0": "pre_norm", "ln1": "attn_norm", "ln2": "ffn_norm"}
+_FLA_LORA = {"1": "lora.0.weight", "2": "lora.2.weight", "0": "lora.2.bias"}
+
+
+def to_fla(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A BlinkDL RWKV-7 state dict in flash-linear-attention's RWKV7ForCausalLM naming (FORMATS B.4).
+
+    LoRA matrices become nn.Linear weights (transposed), w0/a0/v0 their biases; layer 0 has no
+    v_lora; k_k, k_a and ffn.x_k are (C,).
+    """
+    out = {"model.embeddings.weight": sd["emb.weight"], "lm_head.weight": sd["head.weight"]}
+    for k, v in sd.items():
+        if k.startswith("ln_out."):
+            out["model.norm." + k[len("ln_out."):]] = v
+        if not k.startswith("blocks."):
+            continue
+        _, i, part, rest = k.split(".", 3)
+        if part == "att" and rest[0] in "wavg" and rest[1:] in _FLA_LORA:
+            if i == "0" and rest[0] == "v":
+                continue  # unused in layer 0; fla has no v_lora there
+            v = v.reshape(-1) if rest[1] == "0" else v.t()
+            rest = f"{rest[0]}_lora.{_FLA_LORA[rest[1:]]}"
+        elif part == "att":
+            head, dot, tail = rest.partition(".")
+            rest = _FLA_PROJ.get(head, head) + dot + tail
+            if rest in ("k_k", "k_a"):
+                v = v.reshape(-1)
+        elif rest == "x_k":
+            v = v.reshape(-1)
+        out[f"model.layers.{i}.{_FLA_PARTS[part]}.{rest}"] = v
+    return out
+
+
+def fla_config(sd: dict[str, Tensor]) -> dict:
+    """config.json of an fla-hub RWKV-7 model for `sd` (FORMATS B.4)."""
+    V, C = sd["emb.weight"].shape
+    L = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    H, N = sd["blocks.0.att.r_k"].shape
+    F = sd["blocks.0.ffn.key.weight"].shape[0]
+    return {
+        "architectures": ["RWKV7ForCausalLM"], "model_type": "rwkv7",
+        "hidden_size": C, "num_hidden_layers": L, "head_dim": N, "num_heads": H,
+        "hidden_ratio": F / C, "intermediate_size": F,
+        "decay_low_rank_dim": sd["blocks.0.att.w1"].shape[1], "a_low_rank_dim": sd["blocks.0.att.a1"].shape[1],
+        "v_low_rank_dim": sd[f"blocks.{min(1, L - 1)}.att.v1"].shape[1],
+        "gate_low_rank_dim": sd["blocks.0.att.g1"].shape[1],
+        "hidden_act": "sqrelu", "norm_first": True, "norm_bias": True, "norm_eps": 1e-5,
+        "value_dim": [C] * L, "attn_mode": "chunk", "fuse_norm": False, "fuse_cross_entropy": True,
+        "use_l2warp": True, "vocab_size": V, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 0, "use_cache": True,
+    }
 
 
 def save_hf_dir(
@@ -202,15 +346,17 @@ def save_hf_dir(
     weights: str = "safetensors",
     shards: int = 1,
 ) -> Path:
-    """Write `sd` as a Hugging Face model directory.
+    """Write `sd` as a Hugging Face model directory: transformers / remote-code naming for RWKV-4/5/6,
+    flash-linear-attention naming for RWKV-7.
 
     weights: "safetensors" (model.safetensors) or "bin" (pytorch_model.bin); shards > 1 splits
     the tensors over several files with the matching `*.index.json`.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(hf_config(sd, version), indent=2))
-    hf = {k: v.contiguous() for k, v in to_hf(sd).items()}
+    config, renamed = (fla_config(sd), to_fla(sd)) if version == "7" else (hf_config(sd, version), to_hf(sd))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    hf = {k: v.contiguous() for k, v in renamed.items()}
     base, ext = ("model", "safetensors") if weights == "safetensors" else ("pytorch_model", "bin")
 
     def write(part: dict[str, Tensor], name: str) -> None:

@@ -141,12 +141,14 @@ def test_wrong_shape(tmp_path):
     _expect(CheckpointError, "blocks.1.att.value.weight has shape", testing.save_pth(sd, tmp_path / "shape.pth"))
 
 
-def test_unsupported_versions(tmp_path):
-    sd = testing.random_state_dict("5.2", **SIZES)
-    v6 = dict(sd, **{"blocks.0.att.time_maa_x": torch.zeros(1, 1, 64)})
-    _expect(UnsupportedModelError, "RWKV-6", testing.save_pth(v6, tmp_path / "v6.pth"))
-    v7 = dict(sd, **{"blocks.0.att.r_k": torch.zeros(4, 16)})
-    _expect(UnsupportedModelError, "RWKV-7", testing.save_pth(v7, tmp_path / "v7.pth"))
+def test_unsupported_variants(tmp_path):
+    sd = testing.random_state_dict("7", **SIZES)
+    deep = dict(sd, **{"blocks.0.ffn.s_emb.weight": torch.zeros(300, 1024)})
+    _expect(UnsupportedModelError, "RWKV-7 DeepEmbed", testing.save_pth(deep, tmp_path / "de.pth"))
+    preview = dict(sd, **{"blocks.0.att.time_misc_a": torch.zeros(1, 1, 64)})
+    _expect(UnsupportedModelError, "RWKV-7 preview", testing.save_pth(preview, tmp_path / "rc.pth"))
+    tuned = dict(sd, **{f"blocks.{i}.att.time_state": torch.zeros(4, 16, 16) for i in range(3)})
+    _expect(UnsupportedModelError, "time_state", testing.save_pth(tuned, tmp_path / "ts.pth"))
 
 
 def test_pip_converted_file(tmp_path):

@@ -101,12 +101,12 @@ class State:
             raise StateError("State.cat needs at least one state")
         first = states[0]
         for s in states[1:]:
-            if s.signature != first.signature or s.fields != first.fields:
+            if s.signature != first.signature or set(s.fields) != set(first.fields):
                 raise StateError(f"cannot concatenate states of different models: {first.signature} and {s.signature}")
         return State({k: torch.cat([s._tensors[k] for s in states]) for k in first.fields}, first.signature)
 
     def allclose(self, other: "State", rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-        return self.signature == other.signature and all(
+        return self.signature == other.signature and set(self.fields) == set(other.fields) and all(
             torch.allclose(v, other._tensors[k], rtol=rtol, atol=atol) for k, v in self._tensors.items()
         )
 
@@ -119,7 +119,8 @@ class State:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self._tensors.items()}
-        save_file(tensors, str(tmp), metadata={"format": _FORMAT, "signature": self.signature})
+        meta = {"format": _FORMAT, "signature": self.signature, "fields": ",".join(self._tensors)}
+        save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
         return path
 
@@ -139,7 +140,9 @@ class State:
             raise StateError(f"{path}: not a state file ({e})") from None
         if meta.get("format") != _FORMAT or "signature" not in meta:
             raise StateError(f"{path}: not an rwkv-engine state file")
-        return State(tensors, meta["signature"])
+        order = [k for k in meta.get("fields", "").split(",") if k in tensors]  # safetensors sorts keys
+        order += sorted(k for k in tensors if k not in order)
+        return State({k: tensors[k] for k in order}, meta["signature"])
 
 
 def stack_layers(per_layer: dict[str, Iterable[Tensor]], signature: str) -> State:

@@ -66,7 +66,8 @@ class RWKV(nn.Module):
         self.dtype = dtype
         self.rescale_every = rescale_every
         self.path: Path | None = None
-        self.emb = nn.Embedding(cfg.vocab_size, cfg.n_embd, dtype=dtype)  # LayerNorm ln0 folded in
+        # LayerNorm ln0 folded in; _weight skips nn.Embedding's random init (seconds of CPU at start-up)
+        self.emb = nn.Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd, dtype=dtype))
         self.blocks = nn.ModuleList(Block(cfg, dtype, i) for i in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=dtype)

@@ -117,38 +117,32 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
 
 
-def _int4_codes(w: Tensor, scales: Tensor, biases: Tensor | None) -> Tensor:
-    """Codes (N, G, gs) for grouped fp32 weights w (N, G, gs) with rounded scales / biases."""
+def _int4_params(symmetric: bool, shrink: float, lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor | None]:
+    """fp16 scales (and biases) of groups whose range is shrunk by `shrink`.
+
+    lo / hi: the groups' min and max (asymmetric) or signed absmax twice (symmetric)."""
+    if symmetric:
+        # The signed absmax maps to code 0 (-8); the other side gets the 7 positive steps, as in
+        # ggml's Q4_0. This uses all 16 codes, unlike absmax / 7.
+        return (-lo / 8.0 * shrink).to(INT4_SCALE_DTYPE), None
+    mid = 0.5 * (lo + hi)
+    lo_s = mid + (lo - mid) * shrink
+    hi_s = mid + (hi - mid) * shrink
+    return ((hi_s - lo_s) / 15.0).to(INT4_SCALE_DTYPE), lo_s.to(INT4_SCALE_DTYPE)
+
+
+def _int4_position(w: Tensor, scales: Tensor, biases: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(t, s): each weight's position on its group's code axis (code = clamp(round(t), 0, 15))
+    and the fp32 scales (n, G, 1)."""
     s = scales.float().unsqueeze(-1)
     inv = torch.where(s != 0, 1.0 / s, torch.zeros_like(s))  # symmetric scales may be negative
-    if biases is None:
-        q = torch.round(w * inv) + 8
-    else:
-        q = torch.round((w - biases.float().unsqueeze(-1)) * inv)
-    return q.clamp_(0, 15)
-
-
-def _int4_params(w: Tensor, symmetric: bool, shrink: float) -> tuple[Tensor, Tensor | None]:
-    """Scales (and biases) for grouped weights w (N, G, gs), range shrunk by `shrink` <= 1."""
-    if symmetric:
-        # Signed absmax maps to code 0 (-8): the other side gets the 7 positive steps, as in
-        # ggml's Q4_0. This uses all 16 codes, unlike absmax / 7.
-        idx = w.abs().argmax(dim=-1, keepdim=True)
-        signed_max = torch.gather(w, -1, idx).squeeze(-1)
-        scales = (-signed_max / 8.0 * shrink).to(INT4_SCALE_DTYPE)
-        return scales, None
-    lo = w.amin(dim=-1)
-    hi = w.amax(dim=-1)
-    mid = 0.5 * (lo + hi)
-    lo = mid + (lo - mid) * shrink
-    hi = mid + (hi - mid) * shrink
-    scales = ((hi - lo) / 15.0).to(INT4_SCALE_DTYPE)
-    biases = lo.to(INT4_SCALE_DTYPE)
-    return scales, biases
+    off = torch.full_like(s, 8.0) if biases is None else -biases.float().unsqueeze(-1) * inv
+    return torch.addcmul(off, w, inv), s
 
 
 # Range shrink factors tried per group by `quantize_int4(search=True)`.
 SEARCH_SHRINKS = (1.0, 0.96, 0.92, 0.88, 0.84, 0.80, 0.76)
+_CHUNK_ELEMS = 1 << 18  # weights processed per step (keeps the temporaries in cache)
 
 
 def quantize_int4(
@@ -162,31 +156,48 @@ def quantize_int4(
     Asymmetric (default): each group maps [min, max] onto codes 0..15. Symmetric: codes are
     centred on 8 and there are no biases. With `search`, each group also tries its range shrunk
     by the factors in SEARCH_SHRINKS (clipping the extreme values) and keeps the one with the
-    smallest squared error; this changes only the stored numbers, not the format.
+    smallest squared error (first one on ties); this changes only the stored numbers, not the
+    format. Codes are clamp(round(w / scale - bias / scale), 0, 15) (symmetric: w / scale + 8).
     """
     _check_weight(weight, "quantize_int4")
     N, K = weight.shape
     gs = check_group_size(K, group_size, INT4_GROUP_SIZES, "quantize_int4")
-    w = weight.detach().float().reshape(N, K // gs, gs)
+    G = K // gs
+    w_all = weight.detach().reshape(N, G, gs)
+    codes = torch.empty(N, G, gs, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(N, G, dtype=INT4_SCALE_DTYPE, device=weight.device)
+    biases = None if symmetric else torch.empty(N, G, dtype=INT4_SCALE_DTYPE, device=weight.device)
     shrinks = SEARCH_SHRINKS if search else (1.0,)
-    best = None
-    for shrink in shrinks:
-        scales, biases = _int4_params(w, symmetric, shrink)
-        q = _int4_codes(w, scales, biases)
-        deq = _int4_deq(q, scales, biases)
-        err = (deq - w).square_().sum(dim=-1)  # (N, G)
-        if best is None:
-            best = [err, q, scales, biases]
-            continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1] = torch.where(better.unsqueeze(-1), q, best[1])
-        best[2] = torch.where(better, scales, best[2])
+    rows = max(1, _CHUNK_ELEMS // K)
+    for r0 in range(0, N, rows):
+        w = w_all[r0 : r0 + rows].float()
+        if symmetric:
+            idx = w.abs().argmax(dim=-1, keepdim=True)
+            lo = hi = torch.gather(w, -1, idx).squeeze(-1)
+        else:
+            lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        best_err = best_s = best_b = None
+        for shrink in shrinks:
+            s, b = _int4_params(symmetric, shrink, lo, hi)
+            if len(shrinks) > 1:
+                t, sf = _int4_position(w, s, b)
+                err = t.round().clamp_(0, 15).sub_(t).square_().sum(dim=-1) * sf.squeeze(-1).square()
+                if best_err is None:
+                    best_err, best_s, best_b = err, s, b
+                    continue
+                better = err < best_err
+                best_err = torch.where(better, err, best_err)
+                best_s = torch.where(better, s, best_s)
+                if b is not None:
+                    best_b = torch.where(better, b, best_b)
+            else:
+                best_s, best_b = s, b
+        t, _ = _int4_position(w, best_s, best_b)
+        codes[r0 : r0 + rows] = t.round_().clamp_(0, 15).to(torch.uint8)
+        scales[r0 : r0 + rows] = best_s
         if biases is not None:
-            best[3] = torch.where(better, biases, best[3])
-    _, q, scales, biases = best
-    packed = pack_int4(q.reshape(N, K).to(torch.uint8))
-    return packed, scales.contiguous(), None if biases is None else biases.contiguous()
+            biases[r0 : r0 + rows] = best_b
+    return pack_int4(codes.reshape(N, K)), scales, biases
 
 
 def _int4_deq(q: Tensor, scales: Tensor, biases: Tensor | None) -> Tensor:

@@ -540,20 +540,43 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
 # --- 6. build ------------------------------------------------------------------------------
 
 
+_DENSE_SCHEME = {torch.float32: "q0f32", torch.bfloat16: "q0bf16", torch.float16: "q0f16"}
+
+
 def load(
     path_or_id: str | os.PathLike,
     device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "fp32",
+    dtype: str | torch.dtype | None = None,
     *,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    policy=None,
     rescale_every: int | None = None,
     progress: bool = True,
 ) -> RWKV:
     """Load an RWKV model from a checkpoint file, a model directory or a Hugging Face Hub id.
 
-    dtype: "fp32" | "bf16" | "fp16" for the weights (the state and the recurrence are fp32).
+    dtype: "fp32" | "bf16" | "fp16" for the weights and activations of the matmuls (the state
+    and the recurrence are fp32); default fp32, or the dtype a quantization name implies
+    (e.g. "q4f16_1" -> fp16).
+    quantization: a scheme of rwkv_engine.quant ("q8", "q4", "q0bf16", MLC names like
+    "q4f16_1"); the weights are quantized on the fly. group_size and policy go to
+    `rwkv_engine.quant.quantize_model`.
     rescale_every: halve the residual every this many blocks (default: 6 for fp16, off otherwise).
     """
-    dt = parse_dtype(dtype)
+    scheme = None
+    if quantization is not None:
+        from .quant import get_scheme
+
+        scheme = get_scheme(quantization, group_size)
+    elif group_size is not None:
+        raise InputError("group_size is only meaningful with a quantization scheme")
+    if dtype is None:
+        dt = scheme.dtype if scheme is not None and scheme.dtype is not None else torch.float32
+    else:
+        dt = parse_dtype(dtype)
+        if scheme is not None and scheme.dtype is not None and scheme.dtype != dt:
+            raise InputError(f"quantization {quantization!r} implies dtype {str(scheme.dtype)[6:]}, but dtype {dtype!r} was asked for")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -569,7 +592,20 @@ def load(
     sd = build_state_dict(ck, cfg, model, dt, rescale_every, progress)
     model.load_state_dict(sd, strict=True, assign=True)
     model.initial_state = initial_state(ck, cfg)
+    del sd, ck
     model.requires_grad_(False)
     model.eval()
     model.path = path
-    return model.to(device)
+    model = model.to(device)
+    apply_scheme(model, scheme, policy)
+    return model
+
+
+def apply_scheme(model: RWKV, scheme, policy=None) -> None:
+    """Swap the model's linear layers for the scheme's modules (dense ones get the fast CPU GEMV)."""
+    from .quant import get_scheme, quantize_model
+
+    if scheme is None:
+        scheme = get_scheme(_DENSE_SCHEME[model.dtype])
+    model.quantization = scheme
+    model.quantization_report = quantize_model(model, scheme, policy=policy)

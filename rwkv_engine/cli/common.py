@@ -27,8 +27,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model: a .pth / .safetensors file, a Hugging Face model directory, "
                                       "or a Hugging Face Hub id (org/name)")
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: %(default)s)")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
-                        help="weight dtype; the recurrent state is always fp32 (default: %(default)s)")
+    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                        help="weight dtype; the recurrent state is always fp32 "
+                             "(default: fp32, or the dtype a --quantization name implies)")
+    parser.add_argument("--quantization", "-q", default=None, metavar="SCHEME",
+                        help="quantize the weights on load: q8, q4, q0bf16, q0f16, q0f32, or an MLC-LLM "
+                             "name such as q4f16_1 (default: none; a converted model keeps its own)")
+    parser.add_argument("--group-size", type=int, default=None, metavar="N",
+                        help="columns per quantization scale (q4: 32, 64 or 128; q8: a divisor of the width, "
+                             "or -1 for one scale per row)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="tokenizer to use instead of the one the model implies "
                              "(a World vocab .txt or a tokenizer.json)")
@@ -119,6 +126,7 @@ def load_model(args: argparse.Namespace, progress: bool | None = None):
 
     if progress is None:
         progress = sys.stderr.isatty()
-    model = rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, progress=progress)
+    model = rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, progress=progress,
+                             quantization=args.quantization, group_size=args.group_size)
     tokenizer = rwkv_engine.load_tokenizer(model, args.tokenizer)
     return model, tokenizer

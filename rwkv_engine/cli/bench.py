@@ -1,0 +1,141 @@
+"""`rwkv-engine bench MODEL`: load time, prefill and decode speed, peak memory, implied bandwidth.
+
+Prefill runs `--batch` rows of `--prompt-len` tokens through one forward (best of the repeats);
+decode then feeds one token per row per step from that state and reports the median step. The
+token ids are fixed pseudo-random ids, so runs are comparable. Decode is memory-bound: every
+step reads every weight but the embedding once, so bytes per step x steps per second is the
+memory bandwidth the run achieved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+from ..errors import InputError
+from . import common
+
+HELP = "Measure load time, prefill and decode speed, peak memory and bandwidth of a model."
+
+
+def add_arguments(parser) -> None:
+    common.add_model_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per row (default: %(default)s)")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="decode steps to time (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded together (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=2, help="prefill repeats, best is reported (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's default, all cores)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _check(args) -> None:
+    for name in ("prompt_len", "decode_tokens", "batch", "repeats"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        raise InputError(f"--threads must be at least 1, got {args.threads}")
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of parameters and buffers a decode step reads: everything but the embedding table."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("emb.") or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def measure(model, prompt_len: int, decode_tokens: int, batch: int, repeats: int) -> dict:
+    import torch
+
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, V, (batch, prompt_len), generator=g)
+    model.forward(prompt[:, : min(prompt_len, 16)])  # warm up (allocator, native kernels)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        logits, state = model.forward(prompt)
+        times.append(time.perf_counter() - t)
+    prefill_s = min(times)
+    tok = logits.argmax(-1, keepdim=True)
+    for _ in range(2):  # warm up decode
+        logits, state = model.forward(tok, state)
+        tok = logits.argmax(-1, keepdim=True)
+    steps = []
+    for _ in range(decode_tokens):
+        t = time.perf_counter()
+        logits, state = model.forward(tok, state)
+        steps.append(time.perf_counter() - t)
+        tok = logits.argmax(-1, keepdim=True)
+    step_s = statistics.median(steps)
+    bytes_per_step = weight_bytes_per_step(model)
+    return {
+        "prefill_tok_s": batch * prompt_len / prefill_s,
+        "decode_tok_s": batch / step_s,
+        "decode_step_ms": step_s * 1000,
+        "weight_bytes_per_step": bytes_per_step,
+        "bandwidth_gb_s": bytes_per_step / step_s / 1e9,
+    }
+
+
+def peak_rss_mb() -> float:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+def run(args) -> int:
+    _check(args)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model = _load(args)  # no tokenizer: bench feeds token ids
+    load_s = time.perf_counter() - t0
+    r = measure(model, args.prompt_len, args.decode_tokens, args.batch, args.repeats)
+    c = model.config
+    result = {
+        "model": str(args.model),
+        "version": c.version,
+        "n_layer": c.n_layer,
+        "n_embd": c.n_embd,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "quantization": getattr(getattr(model, "quantization", None), "name", None),
+        "device": str(model.device),
+        "threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "load_s": round(load_s, 3),
+        "prefill_tok_s": round(r["prefill_tok_s"], 2),
+        "decode_tok_s": round(r["decode_tok_s"], 2),
+        "decode_step_ms": round(r["decode_step_ms"], 2),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "weight_bytes_per_token": r["weight_bytes_per_step"],
+        "bandwidth_gb_s": round(r["bandwidth_gb_s"], 2),
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"model           {result['model']} (RWKV-{c.version}, {c.n_layer} x {c.n_embd}, "
+          f"{result['dtype']}, quantization {result['quantization']}, {result['device']}, {result['threads']} threads)")
+    print(f"load            {result['load_s']:.2f} s")
+    print(f"prefill         {result['prefill_tok_s']:.1f} tok/s ({args.batch} x {args.prompt_len} tokens)")
+    print(f"decode          {result['decode_tok_s']:.2f} tok/s (batch {args.batch}, median step {result['decode_step_ms']:.1f} ms)")
+    print(f"weights / step  {result['weight_bytes_per_token'] / 1e6:.1f} MB -> {result['bandwidth_gb_s']:.1f} GB/s")
+    print(f"peak RSS        {result['peak_rss_mb']:.0f} MB")
+    return 0
+
+
+def _load(args):
+    import rwkv_engine
+
+    return rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+                            group_size=args.group_size, progress=sys.stderr.isatty())

@@ -1,0 +1,64 @@
+"""`rwkv-engine bench` and `rwkv-engine perplexity` as a user runs them (subprocesses)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rwkv_engine
+from rwkv_engine import testing
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "rwkv_engine", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def world_model(tmp_path_factory):
+    sd = testing.random_state_dict("5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=11)
+    return testing.save_pth(sd, tmp_path_factory.mktemp("w") / "tiny.pth")
+
+
+def test_bench_json(world_model):
+    out = _run("bench", str(world_model), "--prompt-len", "40", "--decode-tokens", "4", "--batch", "2",
+               "--json", "-q", "q8", "--group-size", "32")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    for key in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "weight_bytes_per_token", "bandwidth_gb_s"):
+        assert r[key] > 0, key
+    assert r["quantization"] == "q8" and r["batch"] == 2 and r["version"] == "5.2"
+
+
+def test_bench_rejects_bad_values(world_model):
+    for args in (("--batch", "0"), ("--prompt-len", "-1"), ("-q", "q3")):
+        out = _run("bench", str(world_model), *args)
+        assert out.returncode != 0 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, args
+
+
+def test_perplexity_matches_library(world_model, tmp_path):
+    text = "The quick brown fox jumps over the lazy dog. 敏捷的棕色狐狸跳过了懒狗。\n" * 20
+    f = tmp_path / "t.txt"
+    f.write_text(text, encoding="utf-8")
+    out = _run("perplexity", str(world_model), str(f), "--chunk", "37", "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    # independent computation: one forward over everything, log-softmax by hand
+    model = rwkv_engine.load(world_model)
+    ids = [0] + rwkv_engine.WorldTokenizer().encode(text)
+    logits, _ = model.forward(ids[:-1], all_logits=True)
+    logp = torch.log_softmax(logits.double(), -1)
+    nll = -logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean().item()
+    assert r["tokens"] == len(ids) - 1
+    assert math.isclose(r["perplexity"], math.exp(nll), rel_tol=1e-4)
+
+
+def test_perplexity_errors(world_model, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe\x00abc")
+    out = _run("perplexity", str(world_model), str(bad))
+    assert out.returncode != 0 and "not UTF-8" in out.stderr and "Traceback" not in out.stderr
+    out = _run("perplexity", str(world_model), str(tmp_path / "missing.txt"))
+    assert out.returncode != 0 and "missing.txt" in out.stderr and "Traceback" not in out.stderr

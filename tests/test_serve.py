@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -233,7 +232,8 @@ def test_chat_world_format_and_stop(ref, client):
         {"role": "user", "content": "Name a colour\r\n\n\nplease  "},
     ]
     # Rendered by hand from FORMATS.md D: roles, "\n\n" between turns, user text without "\n\n".
-    prompt = "System: You are terse.\n\nUser: Hello there\n\nAssistant: Hi.\n\nUser: Name a colour\nplease\n\nAssistant:"
+    prompt = ("System: You are terse.\n\nUser: Hello there\n\nAssistant: Hi.\n\n"
+              "User: Name a colour\nplease\n\nAssistant:")
     sampling = sampled(4)
     bias = {261: 7.0}  # make "\n\n" (the end of a reply) likely soon
     full = reference(ref, prompt, 40, sampling, logit_bias=bias).text
@@ -261,7 +261,8 @@ def test_chat_world_format_and_stop(ref, client):
 
 def test_concurrent_requests_batch_and_match_generate(ref, server):
     """Requests decoded together in one batch give the tokens each gives alone."""
-    prompts = [f"Story {i}: the {w} was" for i, w in enumerate(["cat", "sea", "king", "road", "star", "bell", "rain", "wolf"])]
+    words = ["cat", "sea", "king", "road", "star", "bell", "rain", "wolf"]
+    prompts = [f"Story {i}: the {w} was" for i, w in enumerate(words)]
     samplings = [GREEDY if i % 2 == 0 else sampled(100 + i) for i in range(len(prompts))]
     lengths = [32 - 2 * i for i in range(len(prompts))]
     before = server.metrics()

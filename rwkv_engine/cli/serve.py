@@ -53,7 +53,8 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 exposes the server to the network (default: %(default)s)")
-    g.add_argument("--port", type=_non_negative, default=8000, help="TCP port; 0 = any free port (default: %(default)s)")
+    g.add_argument("--port", type=_non_negative, default=8000,
+                   help="TCP port; 0 = any free port (default: %(default)s)")
     g.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model id of the API (default: the checkpoint's file or directory name)")
     g.add_argument("--api-key", metavar="KEY", default=None,

@@ -4,15 +4,15 @@ One thread, the engine thread, owns the model. Each turn of its loop it
 
 1. drops cancelled requests (their batch slot is free for the next turn) and admits waiting
    requests while fewer than `max_batch` hold a slot;
-2. prefills one chunk (`prefill_chunk` tokens) of the oldest admitted request whose prompt is
-   not read yet; when its prompt is done it samples the request's first token and the request
-   joins the decoding batch;
+2. prefills up to `prefill_chunk` prompt tokens: the next chunk of the oldest admitted request
+   whose prompt is not read yet, then (if the budget is not spent) of the next one; a prompt
+   that is done samples its first token and joins the decoding batch;
 3. runs one decode step for every decoding request together: their last tokens as [B, 1]
    through one `model.forward`, their states concatenated into one batch `State` [B, ...], then
    `Sampler.sample_batch`, each row with the request's own parameters and random generator.
 
-So a long new prompt delays the running requests by at most one chunk per token, and they are
-never paused for a whole prompt. A request leaves the batch when its `TextStream` ends (stop
+So new prompts delay the running requests by about one chunk of prefill per decode step;
+they are never paused for a whole prompt. A request leaves the batch when its `TextStream` ends (stop
 token, stop string, max_tokens) or when it is cancelled; the batch state drops its row.
 
 Every token is sampled exactly as `rwkv_engine.generate` samples it for the request alone (same
@@ -22,8 +22,8 @@ single-sequence step up to float rounding (~1e-5), which picks another token onl
 Prompt-state cache: prompts are prefilled in chunks aligned to multiples of `prefill_chunk`
 from their first token, and the state after every full chunk is kept in an LRU map keyed by
 (start state, token-id prefix), bounded in bytes. A new prompt resumes from the longest cached
-prefix (at most its length minus one token, since the logits of the last token are needed). Because
-the chunks are aligned, a resumed prefill runs the very same forward calls on the very same
+prefix (shorter than the prompt: the logits of its last token are needed). Because the chunks are
+aligned, a resumed prefill runs the very same forward calls on the very same
 state as a cold one: the cache changes how fast an answer starts, never what it is.
 
 Threads: `submit` and `cancel` may be called from any thread. Output goes to the request's
@@ -281,8 +281,11 @@ class Engine:
                     self._drop_cancelled()
                     self._admit()
                 try:
-                    if self._prefilling:
-                        self._prefill_step()
+                    # Prompt tokens up to one chunk per turn: one chunk of a long prompt, or
+                    # several short prompts, so that a burst of new requests joins quickly.
+                    budget = self.config.prefill_chunk
+                    while self._prefilling and budget > 0:
+                        budget -= self._prefill_step()
                     if self._decoding:
                         self._decode_step()
                 except Exception as e:  # a bug here: drop what is in flight, keep serving
@@ -316,7 +319,8 @@ class Engine:
         self._decoding = [self._decoding[i] for i in keep]
         self._batch = self._batch[keep] if keep else None
 
-    def _prefill_step(self) -> None:
+    def _prefill_step(self) -> int:
+        """Prefill the next chunk of the oldest prefilling request; the number of tokens (>= 1)."""
         seq = self._prefilling[0]
         req, chunk = seq.request, self.config.prefill_chunk
         ids = req.prompt_ids
@@ -331,20 +335,23 @@ class Engine:
                 else:
                     self.metrics.inc("prompt_cache_misses_total")
                     seq.state = req.start_state
-            end = min(seq.pos + chunk, len(ids))
-            logits, seq.state = self.model.forward(ids[seq.pos:end], state=seq.state)
-            self.metrics.inc("prefill_tokens_total", end - seq.pos)
+            start, end = seq.pos, min(seq.pos + chunk, len(ids))
+            logits, seq.state = self.model.forward(ids[start:end], state=seq.state)
+            self.metrics.inc("prefill_tokens_total", end - start)
             seq.pos = end
             if end % chunk == 0 and self.cache.capacity:
                 self.cache.put(req.start_key, ids[:end], seq.state)
+            done = end - start
             if end < len(ids):
-                return
+                return done
             self._prefilling.popleft()
             self._first_token(seq, logits)
+            return done
         except Exception as e:  # one request's failure must not stop the others
             if self._prefilling and self._prefilling[0] is seq:
                 self._prefilling.popleft()
             self._fail([seq], e)
+            return 1
 
     def _first_token(self, seq: _Sequence, logits: torch.Tensor) -> None:
         state, seq.state = seq.state, None

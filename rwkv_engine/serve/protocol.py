@@ -154,8 +154,8 @@ class CompletionRequest(_SamplingFields):
             return v[0]
         if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
             raise ValueError("one prompt per request: a string, a list of one string or a list of token ids")
-        ok = isinstance(v, str) or (isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v))
-        if not ok:
+        ids = isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        if not (isinstance(v, str) or ids):
             raise ValueError("must be a string or a list of token ids")
         return v
 

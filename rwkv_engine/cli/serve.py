@@ -47,13 +47,13 @@ def _non_negative(text: str) -> int:
 
 
 def add_arguments(parser) -> None:
+    # The model flags every command shares, --quantization / --group-size included: the engine
+    # serves whatever model `common.load_model` returns.
     common.add_model_args(parser)
-    # Quantization hook: when rwkv_engine.quant lands, add `--quantization SCHEME` here (or in
-    # common.add_model_args) and apply it in `load()` below, between loading and the engine.
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 exposes the server to the network (default: %(default)s)")
-    g.add_argument("--port", type=_non_negative, default=8000,
+    g.add_argument("--port", type=_non_negative, default=8000, metavar="PORT",
                    help="TCP port; 0 = any free port (default: %(default)s)")
     g.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model id of the API (default: the checkpoint's file or directory name)")
@@ -67,20 +67,20 @@ def add_arguments(parser) -> None:
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
     e = parser.add_argument_group("engine and limits")
-    e.add_argument("--max-batch", type=_positive, default=8,
+    e.add_argument("--max-batch", type=_positive, metavar="N", default=8,
                    help="most requests decoded together in one batched forward (default: %(default)s)")
-    e.add_argument("--max-queue", type=_positive, default=64,
+    e.add_argument("--max-queue", type=_positive, metavar="N", default=64,
                    help="most requests waiting for a batch slot; more get 429 (default: %(default)s)")
-    e.add_argument("--prefill-chunk", type=_positive, default=256,
+    e.add_argument("--prefill-chunk", type=_positive, metavar="N", default=256,
                    help="prompt tokens prefilled between two decode steps; also the prompt-cache "
                         "granularity (default: %(default)s)")
-    e.add_argument("--state-cache-mb", type=_non_negative, default=1024,
+    e.add_argument("--state-cache-mb", type=_non_negative, metavar="MB", default=1024,
                    help="memory for cached prompt-prefix states, in MiB; 0 = off (default: %(default)s)")
-    e.add_argument("--max-prompt-tokens", type=_positive, default=16384,
+    e.add_argument("--max-prompt-tokens", type=_positive, metavar="N", default=16384,
                    help="longest prompt accepted, in tokens (default: %(default)s)")
-    e.add_argument("--max-tokens", type=_positive, default=4096,
+    e.add_argument("--max-tokens", type=_positive, metavar="N", default=4096,
                    help="most tokens a request may generate; the default of chat requests (default: %(default)s)")
-    e.add_argument("--max-body-kb", type=_positive, default=4096,
+    e.add_argument("--max-body-kb", type=_positive, metavar="KB", default=4096,
                    help="largest request body, in KiB (default: %(default)s)")
 
 

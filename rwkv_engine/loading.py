@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import converted
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
 from .models import RWKV
@@ -571,6 +572,11 @@ def load(
         scheme = get_scheme(quantization, group_size)
     elif group_size is not None:
         raise InputError("group_size is only meaningful with a quantization scheme")
+    path = resolve(path_or_id)
+    hf_config = _peek_config(path)
+    if converted.is_converted(hf_config):  # already transformed and quantized: map it in
+        model = converted.load(path, hf_config, None if dtype is None else parse_dtype(dtype), quantization)
+        return _finish(model, path, device)
     if dtype is None:
         dt = scheme.dtype if scheme is not None and scheme.dtype is not None else torch.float32
     else:
@@ -583,7 +589,6 @@ def load(
         raise InputError(f"device: {e}") from None
     if rescale_every is None:
         rescale_every = FP16_RESCALE_EVERY if dt == torch.float16 else 0
-    path = resolve(path_or_id)
     ck = open_checkpoint(path)
     ck.rename(canonical_name, transposed=stored_transposed)
     cfg = infer_config(ck)
@@ -593,12 +598,27 @@ def load(
     model.load_state_dict(sd, strict=True, assign=True)
     model.initial_state = initial_state(ck, cfg)
     del sd, ck
+    model = _finish(model, path, device)
+    apply_scheme(model, scheme, policy)
+    return model
+
+
+def _finish(model: RWKV, path: Path, device: torch.device) -> RWKV:
     model.requires_grad_(False)
     model.eval()
     model.path = path
-    model = model.to(device)
-    apply_scheme(model, scheme, policy)
-    return model
+    return model.to(device)
+
+
+def _peek_config(path: Path) -> dict | None:
+    """config.json of a model directory, if it has a readable one (open_checkpoint reports errors)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return None
 
 
 def apply_scheme(model: RWKV, scheme, policy=None) -> None:

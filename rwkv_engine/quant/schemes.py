@@ -167,7 +167,7 @@ def _user_action(policy: PolicyLike, name: str, module: nn.Module) -> Action | N
     raise InputError(f"policy must be None, a dict of pattern -> action, or a callable; got {type(policy).__name__}")
 
 
-def _resolve(action: Action, scheme: Scheme, name: str) -> Scheme | None:
+def _resolve(action: Action, scheme: Scheme, name: str, width: int | None = None) -> Scheme | None:
     """The Scheme an action means for one module (None: keep). An action of the call's weight
     format takes the call's group size; another format takes its own default."""
     if not isinstance(action, str):
@@ -177,6 +177,11 @@ def _resolve(action: Action, scheme: Scheme, name: str) -> Scheme | None:
     target = get_scheme(action)
     if target.weights == scheme.weights and target.weights != "dense":
         target = replace(target, group_size=scheme.group_size)
+    elif target.weights != "dense" and width is not None and target.group_size and width % target.group_size:
+        # Another format's default group does not fit this matrix (e.g. the q8 head of a small q4
+        # model): take the largest group of that format that does.
+        fits = [g for g in (P.INT4_GROUP_SIZES if target.weights == "int4" else (128, 64, 32)) if width % g == 0]
+        target = replace(target, group_size=max(fits) if fits else (None if target.weights == "int8" else target.group_size))
     return replace(target, search=scheme.search)
 
 
@@ -228,7 +233,7 @@ def quantize_model(
         action = _user_action(policy, name, module)
         if action is None:
             action = default_action(name, module, sch)
-        target = _resolve(action, sch, name)
+        target = _resolve(action, sch, name, module.in_features)
         if target is None:
             continue
         plan.append((name, module, target, action))

@@ -1,0 +1,57 @@
+"""`rwkv-engine convert SRC OUT`: write a model as an rwkv-engine directory, quantized or in another dtype.
+
+The directory holds config.json (with the scheme), model.safetensors (packed weights, every
+load-time transform already applied) and the tokenizer. `rwkv_engine.load(OUT)` maps it in
+without transforming or quantizing again. OUT must not exist; the directory appears only when
+it is complete, so an interrupted convert leaves nothing that loads.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import InputError
+from . import common
+
+HELP = "Convert a checkpoint to an rwkv-engine directory (quantized, or in another dtype)."
+
+
+def add_arguments(parser) -> None:
+    common.add_model_args(parser)
+    parser.add_argument("out", help="output directory (must not exist)")
+
+
+def _tokenizer_file(model, args) -> Path | None:
+    """The tokenizer file to ship beside the weights."""
+    if args.tokenizer:
+        p = Path(args.tokenizer)
+        return p / "tokenizer.json" if p.is_dir() else p
+    src = model.path if model.path.is_dir() else model.path.parent
+    if (src / "tokenizer.json").is_file():
+        return src / "tokenizer.json"
+    if model.config.vocab_size == 65536:
+        from ..tokenizer.world import DEFAULT_VOCAB_PATH
+
+        return DEFAULT_VOCAB_PATH
+    return None
+
+
+def run(args) -> int:
+    import rwkv_engine
+    from .. import converted
+
+    out = Path(args.out)
+    if out.exists():
+        raise InputError(f"{out}: already exists; choose a new output directory")
+    if not out.resolve().parent.is_dir():
+        raise InputError(f"{out.parent}: no such directory")
+    model = rwkv_engine.load(args.model, device="cpu", dtype=args.dtype, quantization=args.quantization,
+                             group_size=args.group_size, progress=sys.stderr.isatty())
+    tok = _tokenizer_file(model, args)
+    converted.save(model, out, tok)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    scheme = model.quantization.name if getattr(model, "quantization", None) else "none"
+    print(f"wrote {out} (RWKV-{model.config.version}, {str(model.dtype).removeprefix('torch.')}, "
+          f"quantization {scheme}, {size / 1e6:.1f} MB)")
+    return 0

@@ -1,0 +1,153 @@
+"""rwkv-engine's own model directory: a loaded (and possibly quantized) model written to disk.
+
+    OUT/config.json          {"model_type": "rwkv-engine", "rwkv_engine": {format, config, dtype,
+                              rescale_every, quantization, linears: {name: [kind, group_size]}}}
+    OUT/model.safetensors    the model's state dict after every load-time transform (log decays,
+                              folded ln0, fp16 rescale) and quantization: packed weights and scales
+    OUT/tokenizer.json or rwkv_vocab_v20230424.txt   the tokenizer the model uses
+
+Loading it maps the safetensors file and assigns its tensors into modules of the recorded kinds:
+nothing is transformed or quantized again. `save` writes into a temporary directory beside OUT and
+renames it into place at the end, so an interrupted convert never leaves a directory that loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import CheckpointError, InputError
+
+FORMAT = 1
+MODEL_TYPE = "rwkv-engine"
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_INITIAL = "initial_state."
+
+
+def is_converted(hf_config: dict | None) -> bool:
+    return isinstance(hf_config, dict) and hf_config.get("model_type") == MODEL_TYPE
+
+
+def _linear_kinds(model) -> dict[str, list]:
+    from .quant import DenseLinear, Int4Linear, Int8Linear
+
+    kinds = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            kinds[name] = ["int4", m.group_size]
+        elif isinstance(m, Int8Linear):
+            kinds[name] = ["int8", m.group_size if m.group_size != m.in_features else None]
+        elif isinstance(m, DenseLinear):
+            kinds[name] = ["dense", _DTYPE_NAMES[m.weight.dtype]]
+        elif isinstance(m, torch.nn.Linear):
+            kinds[name] = ["linear", _DTYPE_NAMES[m.weight.dtype]]
+    return kinds
+
+
+def save(model, out: str | os.PathLike, tokenizer_source: Path | None = None) -> Path:
+    """Write `model` as an rwkv-engine directory at `out`, which must not exist."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists():
+        raise InputError(f"{out}: already exists; choose a new output directory")
+    if not out.parent.is_dir():
+        raise InputError(f"{out.parent}: no such directory")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+        tensors.update({_INITIAL + k: v.contiguous() for k, v in model.initial_state.items()})
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        scheme = getattr(model, "quantization", None)
+        meta = {
+            "format": FORMAT,
+            "config": dataclasses.asdict(model.config),
+            "dtype": _DTYPE_NAMES[model.dtype],
+            "rescale_every": model.rescale_every,
+            "quantization": scheme.to_dict() if scheme is not None else None,
+            "linears": _linear_kinds(model),
+        }
+        config = {"architectures": ["RWKV"], "model_type": MODEL_TYPE, "vocab_size": model.config.vocab_size,
+                  "num_hidden_layers": model.config.n_layer, "hidden_size": model.config.n_embd, "rwkv_engine": meta}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if tokenizer_source is not None:
+            shutil.copy(tokenizer_source, tmp / tokenizer_source.name)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~umask)
+        tmp.chmod(0o777 & ~umask)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -> "torch.nn.Module":
+    """Build the model recorded in an rwkv-engine directory (on the CPU) from its mapped tensors."""
+    from safetensors import safe_open
+
+    from .models import RWKV
+    from .quant import DenseLinear, Int4Linear, Int8Linear, get_scheme
+
+    meta = hf_config.get("rwkv_engine")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: an rwkv-engine directory of an unknown format version")
+    try:
+        cfg = ModelConfig(**meta["config"])
+        dt = {v: k for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
+        linears = meta["linears"]
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/config.json: incomplete rwkv_engine section ({e})") from None
+    if dtype is not None and dtype != dt:
+        raise InputError(f"{path} was converted for dtype {meta['dtype']}; convert it again for another dtype")
+    q = meta.get("quantization")
+    if quantization is not None and (q is None or get_scheme(quantization).name != q.get("name")):
+        raise InputError(f"{path} is already converted (quantization {q and q.get('name')}); "
+                         "load it without --quantization, or convert the original checkpoint")
+    with torch.device("meta"):
+        model = RWKV(cfg, dt, meta.get("rescale_every", 0))
+        for name, (kind, arg) in linears.items():
+            old = model.get_submodule(name)
+            K, N = old.in_features, old.out_features
+            if kind == "int4":
+                new = Int4Linear(K, N, arg)
+            elif kind == "int8":
+                new = Int8Linear(K, N, arg)
+            elif kind == "dense":
+                new = DenseLinear(K, N, dtype={v: k for k, v in _DTYPE_NAMES.items()}[arg])
+            else:  # a plain nn.Linear, as the model builds it
+                continue
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, new)
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{path}: model.safetensors is missing")
+    try:
+        f = safe_open(str(weights), framework="pt", device="cpu")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{weights}: cannot read ({str(e).splitlines()[0][:200]})") from None
+    initial = {k[len(_INITIAL):]: tensors.pop(k) for k in list(tensors) if k.startswith(_INITIAL)}
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unknown = sorted(set(tensors) - set(expected))
+    if missing or unknown:
+        raise CheckpointError(f"{weights}: does not match its config.json (missing {missing[:3]}, unknown {unknown[:3]})")
+    for k, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[k].shape) or t.dtype != expected[k].dtype:
+            raise CheckpointError(f"{weights}: tensor {k} is {tuple(t.shape)} {t.dtype}, "
+                                  f"expected {tuple(expected[k].shape)} {expected[k].dtype}")
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.initial_state = initial
+    model.quantization = get_scheme(q["name"], q.get("group_size")) if q else None
+    model.quantization_report = {name: " ".join(str(a) for a in kind if a is not None) for name, kind in linears.items()}
+    return model

@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InputError, StateError
+from ..errors import InputError, RWKVEngineError, StateError
 from ..sampling import SamplingParams
 from ..state import State
 from . import protocol as p
@@ -167,8 +167,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                 raise too_big
         try:
             obj = json.loads(bytes(body), parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
             raise APIError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise APIError(400, "the request body must be a JSON object")
         return obj
@@ -203,8 +205,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     async def prompt_ids(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = await asyncio.to_thread(tokenizer.encode, prompt) if len(prompt) > 4096 else tokenizer.encode(prompt)
-            ids = list(ids)
+            try:
+                if len(prompt) > 4096:
+                    ids = list(await asyncio.to_thread(tokenizer.encode, prompt))
+                else:
+                    ids = list(tokenizer.encode(prompt))
+            except (RWKVEngineError, UnicodeError) as e:  # e.g. a lone surrogate "\ud800"
+                raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
         else:
             ids = list(prompt)
         if not ids:
@@ -220,21 +227,26 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return None, ""
         if settings.state_dir is None:
             raise APIError(400, "this server loads no saved states (start it with --state-dir DIR)", param="state")
+        outside = APIError(400, "state must name a file inside the server's state directory", param="state")
+        if "\x00" in name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise outside
         root = settings.state_dir.resolve()
-        rel = Path(name)
-        path = (root / rel).resolve()
-        if rel.is_absolute() or ".." in rel.parts or "\x00" in name or not path.is_relative_to(root):
-            raise APIError(400, "state must name a file inside the server's state directory", param="state")
-        if not path.is_file():
-            raise APIError(400, f"no saved state named {name!r}", param="state", code="state_not_found")
-        st = path.stat()
+        try:
+            path = (root / name).resolve()
+            if not path.is_relative_to(root):
+                raise outside
+            st = path.stat()
+            if not path.is_file():
+                raise OSError
+        except (OSError, ValueError):
+            raise APIError(400, f"no saved state named {name[:200]!r}", param="state", code="state_not_found") from None
         key = (str(path), st.st_mtime_ns, st.st_size)
         state = loaded_states.get(key)
         if state is None:
             try:
                 state = await asyncio.to_thread(State.load, path, model.device)
-            except StateError as e:
-                raise APIError(400, f"state {name!r}: {e}", param="state") from None
+            except StateError:  # (its message names the server's path: not for clients)
+                raise APIError(400, f"state {name!r} is not a file written by State.save", param="state") from None
             if state.signature != model.config.state_signature():
                 raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
             if state.batch_size != 1:

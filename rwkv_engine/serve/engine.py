@@ -201,6 +201,7 @@ class Engine:
         self._prefilling: deque[_Sequence] = deque()  # engine thread only
         self._decoding: list[_Sequence] = []          # engine thread only; row i of _batch
         self._batch: State | None = None
+        self._joining: list[tuple[_Sequence, State]] = []  # prefilled this turn, join before decoding
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
 
@@ -259,7 +260,7 @@ class Engine:
         with self._cond:
             waiting = len(self._waiting)
         return {
-            "requests_running": len(self._prefilling) + len(self._decoding),
+            "requests_running": len(self._prefilling) + len(self._joining) + len(self._decoding),
             "requests_waiting": waiting,
             "prompt_cache_entries": len(self.cache),
             "prompt_cache_bytes": self.cache.nbytes,
@@ -286,15 +287,28 @@ class Engine:
                     budget = self.config.prefill_chunk
                     while self._prefilling and budget > 0:
                         budget -= self._prefill_step()
+                    if self._joining:
+                        self._join()
                     if self._decoding:
                         self._decode_step()
                 except Exception as e:  # a bug here: drop what is in flight, keep serving
-                    seqs = list(self._prefilling) + self._decoding
-                    self._prefilling.clear()
-                    self._decoding, self._batch = [], None
-                    self._fail(seqs, e)
+                    self._fail(self._clear(), e)
         finally:
             self._shutdown()
+
+    def _clear(self) -> list[_Sequence]:
+        """Forget every admitted request; returns them."""
+        seqs = list(self._prefilling) + self._decoding + [s for s, _ in self._joining]
+        self._prefilling.clear()
+        self._decoding, self._batch, self._joining = [], None, []
+        return seqs
+
+    def _join(self) -> None:
+        """Add the requests prefilled this turn to the decoding batch (one concatenation)."""
+        states = [st for _, st in self._joining]
+        self._batch = State.cat(states if self._batch is None else [self._batch, *states])
+        self._decoding += [s for s, _ in self._joining]
+        self._joining = []
 
     def _admit(self) -> None:
         while self._waiting and len(self._prefilling) + len(self._decoding) < self.config.max_batch:
@@ -363,8 +377,7 @@ class Engine:
         if not self._push(seq, token):
             return
         seq.next_token = token
-        self._decoding.append(seq)
-        self._batch = state if self._batch is None else State.cat([self._batch, state])
+        self._joining.append((seq, state))
 
     def _decode_step(self) -> None:
         rows = self._decoding
@@ -432,9 +445,7 @@ class Engine:
     def _shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-            left = list(self._waiting) + list(self._prefilling) + self._decoding
+            left = list(self._waiting) + self._clear()
             self._waiting.clear()
-        self._prefilling.clear()
-        self._decoding, self._batch = [], None
         for seq in left:
             self._finish(seq, "error", "the server is shutting down")

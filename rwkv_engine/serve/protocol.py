@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
@@ -83,7 +83,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     penalty_decay: float | None = Field(default=None, ge=0, le=1)
     logit_bias: dict[str, float] | None = None
-    stop: list[str] | None = Field(default=None, max_length=16)
+    stop: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=16)
     seed: int | None = None
     n: int | None = None
     stream: bool = False

@@ -129,6 +129,17 @@ def run_peer(fmt: str, x, t):
     return F.linear(x, t["w"])
 
 
+def _warm_up(ops, seconds: float = 0.5):
+    """Run both libraries' kernels for a moment first (thread pools, clocks): the first timed
+    entry was otherwise consistently slower."""
+    w = torch.randn(4096, 2048)
+    x = torch.randn(1, 2048)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        F.linear(x, w)
+        ops.gemv_dense(x, w)
+
+
 def bench_decode(ops, formats, shapes, rounds, batch=1):
     print(f"\n## Decode GEMV, x [{batch}, K], {torch.get_num_threads()} threads (best of {rounds} rounds)\n")
     print("| shape | format | torch GB/s | ours GB/s | torch Gw/s | ours Gw/s | ours/torch speed |")
@@ -311,6 +322,7 @@ def main(argv=None):
         ap.error(f"--only: unknown sections {sorted(only - set(SECTIONS))}")
     formats = args.formats.split(",")
     shapes = {k: v for k, v in SHAPES.items() if not (args.quick and k.startswith("head"))}
+    _warm_up(ops)
     if "decode" in only:
         times = bench_decode(ops, formats, shapes, rounds, args.batch)
         if args.batch == 1:

@@ -104,6 +104,11 @@ def test_dequant_tiles_equal_reference(dtype):
         q, s, b = P.quantize_int4(w, gs)
         assert torch.equal(ops.dequant_q4(q, s, b, 7, 50, dtype), P.dequantize_int4(q, s, b)[7:50].to(dtype))
     assert ops.dequant_q4(q, s, b, 5, 5, dtype).shape == (0, K)
+    buf = torch.empty(43, K, dtype=dtype)
+    tile = ops.dequant_q4(q, s, b, 7, 50, dtype, buf)
+    assert tile.data_ptr() == buf.data_ptr() and torch.equal(buf, P.dequantize_int4(q, s, b)[7:50].to(dtype))
+    with pytest.raises(RuntimeError, match="out must be"):
+        ops.dequant_q4(q, s, b, 0, 50, dtype, buf)
 
 
 def test_threads_give_identical_results():

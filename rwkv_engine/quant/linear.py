@@ -99,7 +99,7 @@ class _QuantLinearBase(nn.Module):
     def _gemv(self, ops, x2: Tensor) -> Tensor:  # native one-pass kernel, x2 [M, K] contiguous
         raise NotImplementedError
 
-    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
         raise NotImplementedError
 
     def _native_ok(self) -> bool:
@@ -121,14 +121,19 @@ class _QuantLinearBase(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def _prefill(self, ops, x2: Tensor) -> Tensor:
-        """x2 [M, K] -> [M, N]: dequantize PREFILL_TILE weight rows at a time, GEMM each tile."""
+        """x2 [M, K] -> [M, N]: dequantize PREFILL_TILE weight rows at a time into one reused
+        buffer and multiply each tile with the GEMM."""
         ct = prefill_dtype(x2.dtype)
         xc = x2.to(ct)
-        N = self.out_features
-        if N <= PREFILL_TILE:
-            return F.linear(xc, self._dequant_rows(ops, 0, N, ct)).to(x2.dtype)
-        parts = [F.linear(xc, self._dequant_rows(ops, r0, min(N, r0 + PREFILL_TILE), ct)) for r0 in range(0, N, PREFILL_TILE)]
-        return torch.cat(parts, dim=-1).to(x2.dtype)
+        N, K = self.out_features, self.in_features
+        buf = torch.empty(min(N, PREFILL_TILE), K, dtype=ct)
+        parts = []
+        for r0 in range(0, N, PREFILL_TILE):
+            r1 = min(N, r0 + PREFILL_TILE)
+            tile = self._dequant_rows(ops, r0, r1, ct, buf[: r1 - r0])
+            parts.append(F.linear(xc, tile))
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y.to(x2.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -174,8 +179,8 @@ class Int8Linear(_QuantLinearBase):
     def _gemv(self, ops, x2: Tensor) -> Tensor:
         return ops.gemv_q8(x2, self.qweight, self.scales)
 
-    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
-        return ops.dequant_q8(self.qweight, self.scales, r0, r1, dtype)
+    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
+        return ops.dequant_q8(self.qweight, self.scales, r0, r1, dtype, out)
 
 
 class Int4Linear(_QuantLinearBase):
@@ -213,8 +218,8 @@ class Int4Linear(_QuantLinearBase):
     def _gemv(self, ops, x2: Tensor) -> Tensor:
         return ops.gemv_q4(x2, self.qweight, self.scales, self.biases)
 
-    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
-        return ops.dequant_q4(self.qweight, self.scales, self.biases, r0, r1, dtype)
+    def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
+        return ops.dequant_q4(self.qweight, self.scales, self.biases, r0, r1, dtype, out)
 
 
 class DenseLinear(nn.Linear):

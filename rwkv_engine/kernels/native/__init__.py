@@ -19,8 +19,8 @@ any size, it is processed 8 rows per pass over the weights):
     gemv_q8(x, qweight, scales)           qweight int8 [N, K], scales fp32 [N, G]
     gemv_q4(x, qweight, scales, biases)   qweight uint8 [N, K/2], scales, biases fp16 [N, G],
                                           group size K/G in (32, 64, 128)
-    dequant_q8(qweight, scales, r0, r1, dtype)          rows r0..r1 as a dense [r1-r0, K] tile
-    dequant_q4(qweight, scales, biases, r0, r1, dtype)
+    dequant_q8(qweight, scales, r0, r1, dtype, out=None)          rows r0..r1 as a dense [r1-r0, K] tile
+    dequant_q4(qweight, scales, biases, r0, r1, dtype, out=None)  (into `out` when given)
 
 The formats are those of `rwkv_engine.quant.primitives`, which is also the reference they are
 tested against (tests/test_native_kernels.py).

@@ -5,6 +5,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
+
 #include "kernels.h"
 
 namespace {
@@ -94,7 +96,19 @@ void check_rows(int64_t r0, int64_t r1, int64_t N) {
   TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= N, "bad row range [", r0, ", ", r1, ") for ", N, " rows");
 }
 
-at::Tensor dequant_q8(const at::Tensor& q, const at::Tensor& scales, int64_t r0, int64_t r1, at::ScalarType dtype) {
+// A caller-provided `out` (contiguous [r1 - r0, K] of `dtype`) avoids a fresh allocation per tile.
+at::Tensor tile_out(const at::Tensor& q, int64_t rows, int64_t K, at::ScalarType dtype,
+                    const std::optional<at::Tensor>& out) {
+  if (!out.has_value()) return at::empty({rows, K}, q.options().dtype(dtype));
+  const at::Tensor& o = *out;
+  check_cpu_contiguous(o, "out");
+  TORCH_CHECK(o.scalar_type() == dtype && o.dim() == 2 && o.size(0) == rows && o.size(1) == K,
+              "out must be a [", rows, ", ", K, "] tensor of ", dtype, ", got ", o.sizes(), " ", o.scalar_type());
+  return o;
+}
+
+at::Tensor dequant_q8(const at::Tensor& q, const at::Tensor& scales, int64_t r0, int64_t r1, at::ScalarType dtype,
+                      const std::optional<at::Tensor>& out_opt) {
   check_cpu_contiguous(q, "qweight");
   check_cpu_contiguous(scales, "scales");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "qweight must be int8 [N, K]");
@@ -103,18 +117,18 @@ at::Tensor dequant_q8(const at::Tensor& q, const at::Tensor& scales, int64_t r0,
   const int64_t K = q.size(1), G = scales.size(1);
   TORCH_CHECK(G >= 1 && K % G == 0, "the number of groups must divide K");
   check_rows(r0, r1, q.size(0));
-  at::Tensor out = at::empty({r1 - r0, K}, q.options().dtype(dtype));
+  at::Tensor out = tile_out(q, r1 - r0, K, dtype, out_opt);
   rwkv_native::dequant_q8(q.data_ptr<int8_t>(), scales.data_ptr<float>(), K, G, r0, r1, out.data_ptr(),
                           dtype_of(dtype));
   return out;
 }
 
 at::Tensor dequant_q4(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& biases, int64_t r0, int64_t r1,
-                      at::ScalarType dtype) {
+                      at::ScalarType dtype, const std::optional<at::Tensor>& out_opt) {
   check_q4(q, scales, biases);
   const int64_t K = 2 * q.size(1), G = scales.size(1);
   check_rows(r0, r1, q.size(0));
-  at::Tensor out = at::empty({r1 - r0, K}, q.options().dtype(dtype));
+  at::Tensor out = tile_out(q, r1 - r0, K, dtype, out_opt);
   rwkv_native::dequant_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), K, G, r0, r1, out.data_ptr(),
                           dtype_of(dtype));
   return out;
@@ -128,6 +142,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_q8", &gemv_q8, "y = x @ (qweight * scales)^T; qweight int8 [N,K], scales fp32 [N,G]");
   m.def("gemv_q4", &gemv_q4,
         "y = x @ (codes * scales + biases)^T; qweight uint8 [N,K/2], scales/biases fp16 [N,G]");
-  m.def("dequant_q8", &dequant_q8, "rows [r0, r1) of an int8 weight as a dense tile of `dtype`");
-  m.def("dequant_q4", &dequant_q4, "rows [r0, r1) of an int4 weight as a dense tile of `dtype`");
+  m.def("dequant_q8", &dequant_q8, "rows [r0, r1) of an int8 weight as a dense tile of `dtype` (into `out` if given)",
+        py::arg("qweight"), py::arg("scales"), py::arg("r0"), py::arg("r1"), py::arg("dtype"), py::arg("out") = py::none());
+  m.def("dequant_q4", &dequant_q4, "rows [r0, r1) of an int4 weight as a dense tile of `dtype` (into `out` if given)",
+        py::arg("qweight"), py::arg("scales"), py::arg("biases"), py::arg("r0"), py::arg("r1"), py::arg("dtype"),
+        py::arg("out") = py::none());
 }

@@ -567,6 +567,35 @@ void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t N, 
 
 // Dequantization for prefill: the tile is then multiplied by the GEMM.
 
+namespace {
+
+// n floats -> out (dtype ot) at element offset off; bf16 rounds to nearest even, like torch.
+void store_row(const float* src, int64_t n, void* out, DType ot, int64_t off) {
+  if (ot == DType::kF32) {
+    std::memcpy(static_cast<float*>(out) + off, src, static_cast<size_t>(n) * 4);
+    return;
+  }
+  uint16_t* d = static_cast<uint16_t*>(out) + off;
+  int64_t k = 0;
+  if (ot == DType::kBF16) {
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+    for (; k + 8 <= n; k += 8) {
+      __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + k));
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, lsb)), 16);
+      const __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k), p);
+    }
+  } else {
+    for (; k + 8 <= n; k += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k),
+                       _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; k < n; ++k) store_elem(out, ot, off + k, src[k]);
+}
+
+}  // namespace
+
 void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot) {
   const int64_t gs = K / G;
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
@@ -575,33 +604,45 @@ void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r
       const int64_t n = r0 + i;
       for (int64_t g = 0; g < G; ++g) {
         const float sc = s[n * G + g];
+        const __m256 scv = _mm256_set1_ps(sc);
         const int8_t* qr = q + n * K + g * gs;
-        for (int64_t k = 0; k < gs; ++k) row[g * gs + k] = static_cast<float>(qr[k]) * sc;
+        float* o = row.data() + g * gs;
+        int64_t k = 0;
+        for (; k + 8 <= gs; k += 8) {
+          const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + k)));
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scv));
+        }
+        for (; k < gs; ++k) o[k] = static_cast<float>(qr[k]) * sc;
       }
-      for (int64_t k = 0; k < K; ++k) store_elem(out, ot, i * K + k, row[k]);
+      store_row(row.data(), K, out, ot, i * K);
     }
   });
 }
 
 void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,
                 void* out, DType ot) {
-  const int64_t gs = K / G;
+  const int64_t gs = K / G;  // 32, 64 or 128: whole 8-byte steps
+  const __m128i mask = _mm_set1_epi8(0x0F);
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
-    float lut[16];
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;
       for (int64_t g = 0; g < G; ++g) {
-        const float sc = half_to_float(s[n * G + g]), zz = half_to_float(z[n * G + g]);
-        for (int c = 0; c < 16; ++c) lut[c] = static_cast<float>(c) * sc + zz;
+        const __m256 sc = _mm256_set1_ps(half_to_float(s[n * G + g]));
+        const __m256 zz = _mm256_set1_ps(half_to_float(z[n * G + g]));
         const uint8_t* qr = q + n * (K / 2) + g * gs / 2;
         float* o = row.data() + g * gs;
-        for (int64_t j = 0; j < gs / 2; ++j) {
-          o[2 * j] = lut[qr[j] & 15];
-          o[2 * j + 1] = lut[qr[j] >> 4];
+        for (int64_t j = 0; j < gs / 2; j += 8) {
+          // 8 bytes = 16 codes; interleaving low and high nibbles gives column order
+          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + j));
+          const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(v, mask), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+          _mm256_storeu_ps(o + 2 * j, _mm256_fmadd_ps(lo, sc, zz));
+          _mm256_storeu_ps(o + 2 * j + 8, _mm256_fmadd_ps(hi, sc, zz));
         }
       }
-      for (int64_t k = 0; k < K; ++k) store_elem(out, ot, i * K + k, row[k]);
+      store_row(row.data(), K, out, ot, i * K);
     }
   });
 }

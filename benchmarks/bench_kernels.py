@@ -206,12 +206,22 @@ def bench_crossover(ops, rounds):
         cells = []
         for name, m in mods.items():
             if isinstance(m, QL.DenseLinear):
-                fns = {"gemv": [lambda: ops.gemv_dense(x, m.weight)], "gemm": [lambda: F.linear(x, m.weight)]}
+                fns = {"gemv": [lambda: ops.gemv_dense(x, m.weight)], "gemm": [lambda: _dense_prefill(m, x)]}
             else:
                 fns = {"gemv": [lambda: m._gemv(ops, x)], "gemm": [lambda: m._prefill(ops, x)]}
             t = best_of_rounds(fns, max(5, rounds // 3))
             cells += [f"{t['gemv'] * 1e3:.2f}", f"{t['gemm'] * 1e3:.2f}"]
         print(f"| {M} | " + " | ".join(cells) + " |")
+
+
+def _dense_prefill(m, x):
+    """DenseLinear's path for many rows (forced, whatever the row count)."""
+    old = QL.GEMV_MAX_ROWS
+    QL.GEMV_MAX_ROWS = 0
+    try:
+        return m(x)
+    finally:
+        QL.GEMV_MAX_ROWS = old
 
 
 def _lin(w):
@@ -221,14 +231,17 @@ def _lin(w):
 
 
 def bench_prefill(ops, T, rounds):
-    print(f"\n## Prefill GEMM, x [{T}, K], GFLOP/s (best of {rounds}); ratio = ours / torch fp32 F.linear speed\n")
+    print(f"\n## Prefill GEMM, x [{T}, K] bf16 (fp32 for torch fp32), GFLOP/s (best of {rounds}); "
+          f"ratio = our speed / torch's (fp32 F.linear for int8 / int4)\n")
     print(f"prefill compute dtype for bf16 x here: {QL.prefill_dtype(torch.bfloat16)}\n")
-    print("| shape | torch fp32 | torch bf16 | torch int8pack | torch int4pack g32 | ours int8g128 | ours int4g32 | ratio int8 | ratio int4 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | torch fp32 | torch bf16 | torch int8pack | torch int4pack g32 | ours bf16 DenseLinear | ours int8g128 | ours int4g32 "
+          "| ratio bf16 (vs torch bf16) | ratio int8 | ratio int4 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for sname in ("att/ffn.r 2048x2048", "ffn.key 7168x2048"):
         N, K = SHAPES[sname]
         w = torch.randn(N, K) / K**0.5
         wb = w.bfloat16()
+        dl = QL.DenseLinear.from_linear(_lin(w), torch.bfloat16)
         q8 = QL.Int8Linear.from_weight(w, 128)
         q4 = QL.Int4Linear.from_weight(w, 32, search=False)
         codes = torch.randint(0, 16, (N, K), dtype=torch.int32)
@@ -243,6 +256,7 @@ def bench_prefill(ops, T, rounds):
             "bf16": [lambda: F.linear(xb, wb)],
             "int8pack": [lambda: torch._weight_int8pack_mm(xb, q8pc, s8)],
             "int4pack": [lambda: torch._weight_int4pack_mm_for_cpu(xb, p4, 32, sz)],
+            "dense": [lambda: dl(xb)],
             "q8": [lambda: q8(xb)],
             "q4": [lambda: q4(xb)],
         }
@@ -251,7 +265,8 @@ def bench_prefill(ops, T, rounds):
         g = {k: flop / v / 1e9 for k, v in t.items()}
         print(
             f"| {sname} | {g['fp32']:.0f} | {g['bf16']:.0f} | {g['int8pack']:.0f} | {g['int4pack']:.0f} | "
-            f"{g['q8']:.0f} | {g['q4']:.0f} | {t['fp32'] / t['q8']:.2f} | {t['fp32'] / t['q4']:.2f} |"
+            f"{g['dense']:.0f} | {g['q8']:.0f} | {g['q4']:.0f} | {t['bf16'] / t['dense']:.2f} | "
+            f"{t['fp32'] / t['q8']:.2f} | {t['fp32'] / t['q4']:.2f} |"
         )
 
 

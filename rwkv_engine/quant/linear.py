@@ -13,8 +13,9 @@ right shapes, ready for `load_state_dict` (also on the meta device with `assign=
 * decode, x on the CPU with at most `GEMV_MAX_ROWS` rows and the native kernels available
   (`rwkv_engine.kernels.native`): one pass over the packed weight (memory-bound GEMV);
 * prefill, x on the CPU with more rows: the weight is dequantized `PREFILL_TILE` rows at a time
-  into a dense tile and multiplied with the GEMM (compute-bound), in bf16 where the CPU has fast
-  bf16 matrix instructions (AVX512-BF16 / AMX) and x is 16-bit, else in fp32;
+  into one reused dense buffer and multiplied with the GEMM (compute-bound), in bf16 where x is
+  bf16 and the CPU has bf16 matrix instructions (AVX512-BF16 / AMX), else in fp32
+  (`prefill_dtype`);
 * anywhere else (another device, no native kernels): dequantize the whole weight to x.dtype and
   `F.linear`, the plain reference.
 
@@ -56,25 +57,41 @@ def native_ops():
     return _native_ops
 
 
-def prefill_dtype(x_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the GEMM in prefill: bf16 for 16-bit x on CPUs with bf16 matrix units, else fp32."""
-    if x_dtype != torch.float32 and _fast_bf16_gemm():
+def prefill_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the CPU GEMM for 16-bit activations / weights of `dtype` in prefill: the 16-bit
+    type itself where the CPU has matrix instructions for it (AVX512-BF16 / AMX), else fp32 (on
+    AVX2 machines torch's bf16 / fp16 GEMMs run at 7-25 GFLOP/s against 45-95 for fp32)."""
+    if dtype == torch.bfloat16 and _cpu_has("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         return torch.bfloat16
+    if dtype == torch.float16 and _cpu_has("_is_amx_fp16_supported"):
+        return torch.float16
     return torch.float32
 
 
-_FAST_BF16 = None
+_CPU_FLAGS: dict[str, bool] = {}
 
 
-def _fast_bf16_gemm() -> bool:
-    global _FAST_BF16
-    if _FAST_BF16 is None:
-        cpu = torch.cpu
-        _FAST_BF16 = bool(
-            getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
-            or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-        )
-    return _FAST_BF16
+def _cpu_has(*checks: str) -> bool:
+    """Whether any of torch.cpu's `_is_..._supported()` checks is true (cached)."""
+    for name in checks:
+        if name not in _CPU_FLAGS:
+            _CPU_FLAGS[name] = bool(getattr(torch.cpu, name, lambda: False)())
+        if _CPU_FLAGS[name]:
+            return True
+    return False
+
+
+def _tiled_linear(x2: Tensor, n_rows: int, ct: torch.dtype, tile_fn) -> Tensor:
+    """x2 [M, K] @ W^T for a weight produced PREFILL_TILE rows at a time by
+    tile_fn(r0, r1, out) into a reused [rows, K] buffer of dtype ct; result in x2.dtype."""
+    xc = x2.to(ct)
+    buf = torch.empty(min(n_rows, PREFILL_TILE), x2.shape[1], dtype=ct)
+    parts = []
+    for r0 in range(0, n_rows, PREFILL_TILE):
+        r1 = min(n_rows, r0 + PREFILL_TILE)
+        parts.append(F.linear(xc, tile_fn(r0, r1, buf[: r1 - r0])))
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return y.to(x2.dtype)
 
 
 def _check_input(x: Tensor, in_features: int, who: str) -> None:
@@ -122,18 +139,9 @@ class _QuantLinearBase(nn.Module):
 
     def _prefill(self, ops, x2: Tensor) -> Tensor:
         """x2 [M, K] -> [M, N]: dequantize PREFILL_TILE weight rows at a time into one reused
-        buffer and multiply each tile with the GEMM."""
-        ct = prefill_dtype(x2.dtype)
-        xc = x2.to(ct)
-        N, K = self.out_features, self.in_features
-        buf = torch.empty(min(N, PREFILL_TILE), K, dtype=ct)
-        parts = []
-        for r0 in range(0, N, PREFILL_TILE):
-            r1 = min(N, r0 + PREFILL_TILE)
-            tile = self._dequant_rows(ops, r0, r1, ct, buf[: r1 - r0])
-            parts.append(F.linear(xc, tile))
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return y.to(x2.dtype)
+        buffer and multiply each tile with the GEMM (fp32 x stays fp32)."""
+        ct = torch.float32 if x2.dtype == torch.float32 else prefill_dtype(x2.dtype)
+        return _tiled_linear(x2, self.out_features, ct, lambda r0, r1, out: self._dequant_rows(ops, r0, r1, ct, out))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -223,9 +231,11 @@ class Int4Linear(_QuantLinearBase):
 
 
 class DenseLinear(nn.Linear):
-    """`nn.Linear(bias=False)` whose CPU decode (few rows of x) uses the native GEMV.
+    """`nn.Linear(bias=False)` with faster CPU paths: the native GEMV for decode (few rows of x),
+    and for prefill of 16-bit weights on CPUs without 16-bit matrix units, fp32 GEMMs on
+    weight tiles converted PREFILL_TILE rows at a time (see `prefill_dtype`).
 
-    Same parameter and state-dict key (`weight`) as nn.Linear; prefill and other devices use
+    Same parameter and state-dict key (`weight`) as nn.Linear; other devices and autograd use
     `F.linear` unchanged. The weight dtype is the module's (fp32 / bf16 / fp16); x is cast to it.
     """
 
@@ -245,13 +255,22 @@ class DenseLinear(nn.Linear):
         w = self.weight
         if x.dtype != w.dtype:
             x = x.to(w.dtype)
+        if x.device.type != "cpu" or w.device.type != "cpu" or w.requires_grad:
+            return F.linear(x, w)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if 0 < x2.shape[0] <= GEMV_MAX_ROWS and x.device.type == "cpu" and w.device.type == "cpu" and not w.requires_grad:
+        M = x2.shape[0]
+        if 0 < M <= GEMV_MAX_ROWS:
             ops = native_ops()
             if ops is not None and w.dtype in _NATIVE_DENSE_DTYPES and w.is_contiguous():
                 return ops.gemv_dense(x2.contiguous(), w).reshape(*lead, self.out_features)
-        return F.linear(x, w)
+            return F.linear(x, w)
+        ct = prefill_dtype(w.dtype)
+        if ct == w.dtype or M == 0:
+            return F.linear(x, w)
+        # 16-bit weights on a CPU without 16-bit matrix units: fp32 GEMM on converted tiles.
+        y = _tiled_linear(x2, self.out_features, ct, lambda r0, r1, out: out.copy_(w[r0:r1]))
+        return y.reshape(*lead, self.out_features)
 
 
 # Weight dtypes for which the native dense GEMV beats torch's (benchmarks/bench_kernels.py).

@@ -146,9 +146,14 @@ async def decode_round(url: str, c: int, tokens: int, salt: int) -> dict:
 async def ttft_pair(url: str, system_tokens: int, salt: int, tokens: int) -> dict:
     import httpx
 
+    from rwkv_engine import WorldTokenizer
+
     rng = random.Random(salt)
-    # ~2 tokens per numbered word with the World tokenizer; trimmed by the server's count below.
-    system = " ".join(f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(system_tokens // 2))
+    tok = WorldTokenizer()
+    words = []
+    while len(tok.encode(" ".join(words))) < system_tokens:
+        words += [f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(64)]
+    system = " ".join(words)
     body = {"model": MODEL, "messages": [{"role": "system", "content": system},
                                          {"role": "user", "content": "Summarise the list."}],
             "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True},

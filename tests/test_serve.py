@@ -372,6 +372,7 @@ BAD = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"70000": 1}}, 400, None),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, 70000]}, 400, None),
     (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),

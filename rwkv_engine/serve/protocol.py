@@ -111,7 +111,7 @@ class _SamplingFields(_Strict):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys are token ids (digit strings), got {key!r}")
             if not -100 <= value <= 100:
                 raise ValueError(f"values are in [-100, 100], got {value} for token {key}")

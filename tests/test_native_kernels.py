@@ -111,6 +111,24 @@ def test_dequant_tiles_equal_reference(dtype):
         ops.dequant_q4(q, s, b, 0, 50, dtype, buf)
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("search", [False, True])
+def test_quantize_q4_gives_the_reference_bytes(group_size, search):
+    from rwkv_engine.testing import random_state_dict
+
+    sd = random_state_dict("5.2", n_layer=1, n_embd=256, vocab_size=64, head_size=64, outliers=True, seed=2)
+    zeros = torch.zeros(3, 128)
+    zeros[1, 5] = 2.5
+    shrinks = list(P.SEARCH_SHRINKS) if search else [1.0]
+    for w in (torch.randn(37, 256), sd["blocks.0.ffn.value.weight"], zeros, torch.randn(4, 128) * 1e-6):
+        for dtype in DTYPES:
+            wd = w.to(dtype)
+            got = ops.quantize_q4(wd, group_size, shrinks)
+            ref = P.quantize_int4(wd, group_size, search=search)
+            for a, b in zip(got, ref):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_threads_give_identical_results():
     # Rows are split between threads, each row is computed the same way: bitwise equal.
     N, K = 1030, 2048

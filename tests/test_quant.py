@@ -133,10 +133,12 @@ MODULES = [
 @pytest.mark.parametrize("name,make", MODULES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quant_linear_equals_dequantized_matmul(name, make, dtype, path):
+    torch.manual_seed(0)
     w = torch.randn(70, 256) / 16
     m = make(w)
     wd = m.dequantize(torch.float64)
-    tol = {torch.float32: 3e-5, torch.bfloat16: 5e-3, torch.float16: 1e-3}[dtype]
+    # fp32: the native GEMV rounds x to int16 per 64 columns (~3e-5); 16-bit: output rounding
+    tol = {torch.float32: 1e-4, torch.bfloat16: 5e-3, torch.float16: 1e-3}[dtype]
     for shape in [(256,), (1, 256), (3, 256), (2, 4, 256), (1, 9, 256), (2, 40, 256)]:  # decode and prefill
         x = torch.randn(shape).to(dtype)
         y = m(x)

@@ -210,7 +210,16 @@ class Int4Linear(_QuantLinearBase):
 
     @classmethod
     def from_weight(cls, weight: Tensor, group_size: int = 32, search: bool = True) -> "Int4Linear":
-        q, s, b = P.quantize_int4(weight, group_size, symmetric=False, search=search)
+        """Quantize `weight` (N, K): natively on the CPU (same bytes, ~4x faster), else with
+        primitives.quantize_int4."""
+        ops = native_ops() if weight.device.type == "cpu" else None
+        if ops is not None and weight.dim() == 2 and weight.dtype in _FLOAT_DTYPES and group_size in P.INT4_GROUP_SIZES \
+                and weight.shape[1] % group_size == 0:
+            P.check_int4_weight(weight, "Int4Linear")
+            shrinks = list(P.SEARCH_SHRINKS) if search else [1.0]
+            q, s, b = ops.quantize_q4(weight.detach().contiguous(), group_size, shrinks)
+        else:
+            q, s, b = P.quantize_int4(weight, group_size, symmetric=False, search=search)
         m = cls(weight.shape[1], weight.shape[0], group_size, device="meta")
         m.qweight, m.scales, m.biases = q, s, b
         return m

@@ -180,7 +180,8 @@ def _resolve(action: Action, scheme: Scheme, name: str, width: int | None = None
     elif target.weights != "dense" and width is not None and target.group_size and width % target.group_size:
         # Another format's default group does not fit this matrix (e.g. the q8 head of a small q4
         # model): take the largest group of that format that does.
-        fits = [g for g in (P.INT4_GROUP_SIZES if target.weights == "int4" else (128, 64, 32)) if width % g == 0]
+        # (int8 groups that are multiples of 64 keep the native kernel; else one scale per row.)
+        fits = [g for g in (P.INT4_GROUP_SIZES if target.weights == "int4" else (128, 64)) if width % g == 0]
         target = replace(target, group_size=max(fits) if fits else (None if target.weights == "int8" else target.group_size))
     return replace(target, search=scheme.search)
 
@@ -246,8 +247,11 @@ def quantize_model(
                 f"choose another group_size or keep this module with policy={{{name!r}: 'keep'}}"
             )
     report: dict[str, str] = {}
-    for name, module, target, action in plan:
+    for i in range(len(plan)):
+        name, module, target, _ = plan[i]
+        plan[i] = None  # drop our reference: the old weight is freed once swapped out
         new = _convert(module, target, empty)
+        del module
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)

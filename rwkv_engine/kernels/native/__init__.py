@@ -21,6 +21,8 @@ any size, it is processed 8 rows per pass over the weights):
                                           group size K/G in (32, 64, 128)
     dequant_q8(qweight, scales, r0, r1, dtype, out=None)          rows r0..r1 as a dense [r1-r0, K] tile
     dequant_q4(qweight, scales, biases, r0, r1, dtype, out=None)  (into `out` when given)
+    quantize_q4(weight, group_size, shrinks)  -> (qweight, scales, biases), the bytes of
+                                          quant.primitives.quantize_int4 (asymmetric)
 
 The formats are those of `rwkv_engine.quant.primitives`, which is also the reference they are
 tested against (tests/test_native_kernels.py).
@@ -43,7 +45,8 @@ _SOURCES = ("bindings.cpp", "kernels.cpp")
 _HEADERS = ("kernels.h",)
 # Explicit ISA flags rather than -march=native: the cached library then runs on every AVX2
 # machine, even when the cache directory is shared between different CPUs.
-_CFLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG")
+# -ffp-contract=off: no silent a*b+c -> fma, so quantize_q4 repeats the reference's roundings.
+_CFLAGS = ("-O3", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")
 _LDFLAGS = ("-fopenmp",)
 
 

@@ -6,6 +6,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "kernels.h"
 
@@ -134,6 +136,25 @@ at::Tensor dequant_q4(const at::Tensor& q, const at::Tensor& scales, const at::T
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q4(const at::Tensor& w, int64_t group_size,
+                                                          const std::vector<double>& shrinks) {
+  check_cpu_contiguous(w, "weight");
+  TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, "group size must be 32, 64 or 128");
+  TORCH_CHECK(K % group_size == 0, "group size must divide K");
+  TORCH_CHECK(!shrinks.empty(), "at least one shrink factor");
+  const DType wt = dtype_of(w, "weight");
+  std::vector<float> sh(shrinks.begin(), shrinks.end());
+  at::Tensor q = at::empty({N, K / 2}, w.options().dtype(at::kByte));
+  at::Tensor s = at::empty({N, K / group_size}, w.options().dtype(at::kHalf));
+  at::Tensor z = at::empty({N, K / group_size}, w.options().dtype(at::kHalf));
+  rwkv_native::quantize_q4(w.data_ptr(), wt, N, K, group_size, sh.data(), static_cast<int>(sh.size()),
+                           q.data_ptr<uint8_t>(), static_cast<uint16_t*>(s.data_ptr()),
+                           static_cast<uint16_t*>(z.data_ptr()));
+  return {q, s, z};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -147,4 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_q4", &dequant_q4, "rows [r0, r1) of an int4 weight as a dense tile of `dtype` (into `out` if given)",
         py::arg("qweight"), py::arg("scales"), py::arg("biases"), py::arg("r0"), py::arg("r1"), py::arg("dtype"),
         py::arg("out") = py::none());
+  m.def("quantize_q4", &quantize_q4,
+        "(qweight, scales, biases) of primitives.quantize_int4(w, group_size) with the given range shrink factors",
+        py::arg("weight"), py::arg("group_size"), py::arg("shrinks"));
 }

@@ -647,4 +647,70 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// int4 quantization (asymmetric, with the range search of primitives.quantize_int4): the same
+// fp32 steps in the same order, so the bytes equal the reference's (the error sums are fp64 in
+// both; only their summation order differs, which could flip an exact tie at 1e-16).
+
+void quantize_q4(const void* w, DType wt, int64_t N, int64_t K, int64_t gs, const float* shrinks, int nshrink,
+                 uint8_t* q, uint16_t* s, uint16_t* z) {
+  const int64_t G = K / gs;
+  for_rows(N, K * 8 * nshrink, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> row(static_cast<size_t>(K));
+    alignas(32) float codes[128];
+    for (int64_t n = a; n < b; ++n) {
+      to_float(w, wt, n * K, K, row.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float* x = row.data() + g * gs;
+        float lo = x[0], hi = x[0];
+        for (int64_t k = 1; k < gs; ++k) {
+          lo = std::min(lo, x[k]);
+          hi = std::max(hi, x[k]);
+        }
+        const float mid = 0.5f * (lo + hi);
+        double best = 0.0;
+        uint16_t bs = 0, bz = 0;
+        for (int i = 0; i < nshrink; ++i) {
+          const float lo_s = mid + (lo - mid) * shrinks[i];
+          const float hi_s = mid + (hi - mid) * shrinks[i];
+          const uint16_t s16 = float_to_half((hi_s - lo_s) / 15.f), z16 = float_to_half(lo_s);
+          if (nshrink == 1) {
+            bs = s16, bz = z16;
+            break;
+          }
+          const float sf = half_to_float(s16), zf = half_to_float(z16);
+          const __m256 inv = _mm256_set1_ps(sf != 0.f ? 1.f / sf : 0.f), zv = _mm256_set1_ps(zf);
+          __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+          for (int64_t k = 0; k < gs; k += 8) {
+            const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + k), zv), inv);
+            __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
+            const __m256 d = _mm256_sub_ps(r, t);
+            const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
+            acc0 = _mm256_fmadd_pd(d0, d0, acc0);  // d*d is exact in fp64
+            acc1 = _mm256_fmadd_pd(d1, d1, acc1);
+          }
+          alignas(32) double parts[4];
+          _mm256_store_pd(parts, _mm256_add_pd(acc0, acc1));
+          const double err = ((parts[0] + parts[1]) + (parts[2] + parts[3])) * (static_cast<double>(sf) * sf);
+          if (i == 0 || err < best) best = err, bs = s16, bz = z16;
+        }
+        s[n * G + g] = bs;
+        z[n * G + g] = bz;
+        const float sf = half_to_float(bs), zf = half_to_float(bz);
+        const __m256 inv = _mm256_set1_ps(sf != 0.f ? 1.f / sf : 0.f), zv = _mm256_set1_ps(zf);
+        for (int64_t k = 0; k < gs; k += 8) {
+          const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + k), zv), inv);
+          __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
+          _mm256_storeu_ps(codes + k, r);
+        }
+        uint8_t* qr = q + n * (K / 2) + g * gs / 2;
+        for (int64_t j = 0; j < gs / 2; ++j)
+          qr[j] = static_cast<uint8_t>(static_cast<int>(codes[2 * j]) | (static_cast<int>(codes[2 * j + 1]) << 4));
+      }
+    }
+  });
+}
+
 }  // namespace rwkv_native

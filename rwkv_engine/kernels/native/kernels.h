@@ -26,4 +26,10 @@ void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r
 void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,
                 void* out, DType ot);
 
+// Asymmetric int4 quantization of w [N, K] (fp32 / bf16 / fp16) with group size gs in
+// {32, 64, 128}, trying each range shrink factor (the first is used alone when nshrink == 1):
+// q uint8 [N, K / 2], s and z fp16 bits [N, K / gs]. Same bytes as primitives.quantize_int4.
+void quantize_q4(const void* w, DType wt, int64_t N, int64_t K, int64_t gs, const float* shrinks, int nshrink,
+                 uint8_t* q, uint16_t* s, uint16_t* z);
+
 }  // namespace rwkv_native

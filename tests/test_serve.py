@@ -264,7 +264,7 @@ def test_concurrent_requests_batch_and_match_generate(ref, server):
     words = ["cat", "sea", "king", "road", "star", "bell", "rain", "wolf"]
     prompts = [f"Story {i}: the {w} was" for i, w in enumerate(words)]
     samplings = [GREEDY if i % 2 == 0 else sampled(100 + i) for i in range(len(prompts))]
-    lengths = [32 - 2 * i for i in range(len(prompts))]
+    lengths = [28 - 2 * i for i in range(len(prompts))]
     before = server.metrics()
 
     async def run():
@@ -474,7 +474,7 @@ def test_disconnect_frees_the_slot(server, client):
 
 def test_load_32_concurrent_streams(ref, server):
     """32 streaming clients at once (8 decode slots, the rest queued), two rounds: every answer complete."""
-    kinds = [(f"Item {k}: a list of", GREEDY if k % 2 else sampled(200 + k), 12 + k) for k in range(8)]
+    kinds = [(f"Item {k}: a list of", GREEDY if k % 2 else sampled(200 + k), 8 + k) for k in range(8)]
     wants = [reference(ref, p, n, s).text for p, s, n in kinds]
 
     async def one(ac, k):

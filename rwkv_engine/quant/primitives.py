@@ -36,6 +36,7 @@ Tensor = torch.Tensor
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT4_SCALE_DTYPE = torch.float16
+_CHUNK_ELEMS = 1 << 18  # weights quantized per step (keeps the temporaries small and in cache)
 
 
 # --- checks ---------------------------------------------------------------------------------
@@ -88,12 +89,17 @@ def quantize_int8(weight: Tensor, group_size: int | None = None) -> tuple[Tensor
     _check_weight(weight, "quantize_int8")
     N, K = weight.shape
     gs = check_group_size(K, group_size, None, "quantize_int8")
-    w = weight.detach().float().reshape(N, K // gs, gs)
-    absmax = w.abs().amax(dim=-1)  # (N, G)
-    scales = absmax / 127.0
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    q = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(N, K), scales.contiguous()
+    G = K // gs
+    q = torch.empty(N, G, gs, dtype=torch.int8, device=weight.device)
+    scales = torch.empty(N, G, dtype=torch.float32, device=weight.device)
+    rows = max(1, _CHUNK_ELEMS // K)
+    for r0 in range(0, N, rows):  # in row chunks: bounded temporaries for a 65536-row head
+        w = weight.detach()[r0 : r0 + rows].float().reshape(-1, G, gs)
+        s = w.abs().amax(dim=-1) / 127.0  # (n, G)
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        q[r0 : r0 + rows] = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        scales[r0 : r0 + rows] = s
+    return q.reshape(N, K), scales
 
 
 def dequantize_int8(qweight: Tensor, scales: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -151,7 +157,6 @@ def _int4_position(w: Tensor, scales: Tensor, biases: Tensor | None) -> Tensor:
 
 # Range shrink factors tried per group by `quantize_int4(search=True)`.
 SEARCH_SHRINKS = (1.0, 0.95, 0.90, 0.85)  # 7 or 16 factors measured no better
-_CHUNK_ELEMS = 1 << 18  # weights processed per step (keeps the temporaries in cache)
 
 
 def quantize_int4(

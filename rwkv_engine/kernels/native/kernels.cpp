@@ -1,15 +1,21 @@
-// Matrix-vector kernels for weight-only quantized and 16-bit linear layers (x86-64, AVX2 + FMA + F16C).
+// CPU kernels for weight-only quantized and 16-bit linear layers (x86-64, AVX2 + FMA + F16C).
 //
-// y[b, n] = sum_k x[b, k] * W[n, k]   for a short batch x [B, K] (8 rows of x per pass over W) and a
-// weight W [N, K] stored as fp32 / bf16 / fp16, int8 with fp32 scales, or packed int4 with fp16
-// scales and biases (formats defined in rwkv_engine/quant/primitives.py, also the test oracle).
+// GEMV: y[b, n] = sum_k x[b, k] * W[n, k] for a short batch x [B, K] (8 rows of x per pass over
+// W) and a weight W [N, K] stored as fp32 / bf16 / fp16, int8 with fp32 scales, or packed int4
+// with fp16 scales and biases (formats defined in rwkv_engine/quant/primitives.py, which is also
+// the reference these kernels are tested against). Plus dequantization into dense tiles (for the
+// prefill GEMM) and the int4 quantizer.
 //
-// Decode reads every weight once per token, so these kernels are memory-bound: the aim is to keep
-// the unpacking cheaper than the memory stream. Two ideas do most of the work:
-//   * x is converted to fp32 once per call and permuted to match the order in which the weights
-//     come out of a 256-bit register after cheap shifts and masks (no shuffles in the inner loop);
-//   * R rows are processed together so each x load is shared, and per-group partial sums are
-//     scaled once per group (the int4 bias term is sum_g bias_g * sum(x over group g)).
+// Decode reads every weight once per token, so the GEMVs are memory-bound: the aim is to keep the
+// unpacking cheaper than the memory stream.
+//   * Dense weights: x is converted to fp32 once per call (for bf16, permuted to match the even /
+//     odd split that a shift and a mask give), then FMAs.
+//   * int8 / int4: x is rounded to int16 per 64 columns and the products are summed exactly in
+//     int32 with vpmaddwd (16 per instruction); for int4, x is permuted so that `>> 4t & 15`
+//     puts the codes in the right lanes (no shuffles in the inner loop).
+//   * R rows are processed together so each x load is shared; per-chunk / per-group partial sums
+//     are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
+//   * Short quantized rows: the next block of rows is prefetched while the current one is read.
 // Rows are split across threads with OpenMP (the libgomp that torch loads, so torch.set_num_threads
 // applies). No torch headers here: this file compiles in seconds.
 

@@ -24,12 +24,13 @@ top-p 0.3, presence 0.5, frequency 0.5, decay 0.996; at most 500 tokens a reply.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from ..chat_format import TURN_SEPARATOR, render_chat
+from ..chat_format import normalize_text as normalize_message
 from ..errors import InputError, RWKVEngineError
 from . import common
 
@@ -42,7 +43,6 @@ DEFAULT_SYSTEM = (
     "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full details. "
     "Please feel free to ask any question and I will always answer it.\n\n"
 )
-TURN_SEPARATOR = "\n\n"
 EOS_TOKEN_ID = 0
 
 # SamplingParams fields (ChatRWKV API_DEMO_CHAT.py); `chat_params` adds the chat rules on top.
@@ -66,12 +66,6 @@ Ctrl-C stops a reply. End a line with \\ to continue the message on the next lin
 Start a message with // to send a text that begins with /."""
 
 
-def normalize_message(text: str) -> str:
-    """User text as it goes into the conversation: never contains the turn separator."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n").strip()
-    return re.sub(r"\n{2,}", "\n", text)
-
-
 def system_preamble(system: str | None) -> str:
     """The text before the first turn: the default exchange, "System: ...\\n\\n", or nothing."""
     if system is None:
@@ -81,7 +75,7 @@ def system_preamble(system: str | None) -> str:
 
 
 def turn_prompt(message: str) -> str:
-    return f"User: {message}{TURN_SEPARATOR}Assistant:"
+    return render_chat([("user", message)])
 
 
 def _plural(n: int, word: str) -> str:

@@ -43,7 +43,7 @@ from ..errors import InputError, RWKVEngineError, StateError
 from ..sampling import SamplingParams
 from ..state import State
 from . import protocol as p
-from .chat_format import TURN_SEPARATOR, ReplyText, render_chat
+from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from .engine import Delta, Engine, EngineStopped, Finished, QueueFull, Request
 
 EOS_TOKEN_ID = 0

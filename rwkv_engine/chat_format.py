@@ -13,8 +13,8 @@ space the server stripped: the history then reads exactly as the model wrote it,
 conversation's next prompt starts with the previous prompt plus the reply, and the prompt-state
 cache can resume it.
 
-This module knows nothing of HTTP or of the engine; the chat CLI (rwkv_engine/cli/chat.py)
-follows the same conventions.
+This module knows nothing of HTTP, the terminal or the engine: the server
+(rwkv_engine/serve/app.py) and the chat CLI (rwkv_engine/cli/chat.py) both render with it.
 """
 
 from __future__ import annotations

@@ -45,38 +45,53 @@ def test_gemv_dense_matches_reference(N, K, wdt):
             assert rel_rms(y, ref) < _round_out(y, xdt), (B, xdt)
 
 
+def _col_scales(K, g, on):
+    return (torch.rand(K, generator=g) * 3 + 0.2).half() if on else None
+
+
+def _scaled(x, c):
+    return x.float() if c is None else x.float() * c.float()
+
+
 @pytest.mark.parametrize(
     "N,K,group_size", [(N, K, gs) for N, K in SHAPES for gs in (None, 64, 128) if gs is None or K % gs == 0]
 )
-def test_gemv_q8_matches_reference(N, K, group_size):
+@pytest.mark.parametrize("col", [False, True])
+def test_gemv_q8_matches_reference(N, K, group_size, col):
     g = torch.Generator().manual_seed(N + K)
     q, s = P.quantize_int8(torch.randn(N, K, generator=g), group_size)
-    wd = P.dequantize_int8(q, s).double()
+    c = _col_scales(K, g, col)
+    wd = P.dequantize_int8(q, s).double()  # the kernel applies c to x
     for B in BATCHES:
         for xdt in DTYPES:
             x = torch.randn(B, K, generator=g).to(xdt)
-            y = ops.gemv_q8(x, q, s)
+            y = ops.gemv_q8(x, q, s, c)
             assert y.dtype == xdt and y.shape == (B, N)
-            # the spec: x rounded to int16 per 64 columns, then an exact product
-            ref = P.round_activations_int16(x).double() @ wd.T
+            # the spec: x times the column scales, rounded to int16 per 64 columns, then an
+            # exact product with the weight
+            xs = _scaled(x, c)
+            ref = P.round_activations_int16(xs).double() @ wd.T
             assert rel_rms(y, ref) < max(2e-5, _round_out(y, xdt))
             # and the rounding itself is small
-            assert rel_rms(y, x.double() @ wd.T) < max(1e-4, _round_out(y, xdt))
+            assert rel_rms(y, xs.double() @ wd.T) < max(1e-4, _round_out(y, xdt))
 
 
 @pytest.mark.parametrize("N,K,group_size", [(N, K, gs) for N, K in SHAPES for gs in (32, 64, 128) if K % gs == 0])
-def test_gemv_q4_matches_reference(N, K, group_size):
+@pytest.mark.parametrize("col", [False, True])
+def test_gemv_q4_matches_reference(N, K, group_size, col):
     g = torch.Generator().manual_seed(N * 7 + K)
     q, s, b = P.quantize_int4(torch.randn(N, K, generator=g), group_size)
+    c = _col_scales(K, g, col)
     wd = P.dequantize_int4(q, s, b).double()
     for B in BATCHES:
         for xdt in DTYPES:
             x = torch.randn(B, K, generator=g).to(xdt)
-            y = ops.gemv_q4(x, q, s, b)
+            y = ops.gemv_q4(x, q, s, b, c)
             assert y.dtype == xdt and y.shape == (B, N)
-            ref = P.round_activations_int16(x).double() @ wd.T
+            xs = _scaled(x, c)
+            ref = P.round_activations_int16(xs).double() @ wd.T
             assert rel_rms(y, ref) < max(2e-5, _round_out(y, xdt))
-            assert rel_rms(y, x.double() @ wd.T) < max(1e-4, _round_out(y, xdt))
+            assert rel_rms(y, xs.double() @ wd.T) < max(1e-4, _round_out(y, xdt))
 
 
 def test_int16_rounding_with_an_outlier_activation():
@@ -113,7 +128,8 @@ def test_dequant_tiles_equal_reference(dtype):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("search", [False, True])
-def test_quantize_q4_gives_the_reference_bytes(group_size, search):
+@pytest.mark.parametrize("col", [False, True])
+def test_quantize_q4_gives_the_reference_bytes(group_size, search, col):
     from rwkv_engine.testing import random_state_dict
 
     sd = random_state_dict("5.2", n_layer=1, n_embd=256, vocab_size=64, head_size=64, outliers=True, seed=2)
@@ -121,10 +137,11 @@ def test_quantize_q4_gives_the_reference_bytes(group_size, search):
     zeros[1, 5] = 2.5
     shrinks = list(P.SEARCH_SHRINKS) if search else [1.0]
     for w in (torch.randn(37, 256), sd["blocks.0.ffn.value.weight"], zeros, torch.randn(4, 128) * 1e-6):
+        c = P.column_scales(w) if col else None
         for dtype in DTYPES:
             wd = w.to(dtype)
-            got = ops.quantize_q4(wd, group_size, shrinks)
-            ref = P.quantize_int4(wd, group_size, search=search)
+            got = ops.quantize_q4(wd, group_size, shrinks, c)
+            ref = P.quantize_int4(wd, group_size, search=search, col_scales=c)
             for a, b in zip(got, ref):
                 assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -165,6 +182,8 @@ def test_kernels_reject_bad_tensors():
         ops.gemv_q8(torch.randn(1, 96), q8, s8)
     with pytest.raises(RuntimeError, match="row range"):
         ops.dequant_q4(q, s, b, 4, 9, torch.float32)
+    with pytest.raises(RuntimeError, match="col_scales"):
+        ops.gemv_q4(torch.randn(1, 64), q, s, b, torch.ones(32, dtype=torch.float16))
 
 
 def test_load_is_cached():

@@ -3,8 +3,10 @@
     layer = Int4Linear.from_linear(linear, group_size=32)
     y = layer(x)            # x [..., in_features] fp32 / bf16 / fp16 -> y [..., out_features], x.dtype
 
-Every module keeps its weight as buffers (`qweight`, `scales`, `biases`), so it saves and loads
-with `state_dict()` / safetensors like any module; shapes alone give the sizes and group size.
+Every module keeps its weight as buffers (`qweight`, `scales`, `biases`, `col_scales`), so it
+saves and loads with `state_dict()` / safetensors like any module; shapes alone give the sizes
+and group size. `col_scales` (fp16, one per input column; see quant.primitives) are divided out
+of the weight before quantizing and multiplied into x at run time (ones: no column scaling).
 A module built with `Int4Linear(in_features, out_features, group_size)` holds zero buffers of the
 right shapes, ready for `load_state_dict` (also on the meta device with `assign=True`).
 
@@ -142,7 +144,9 @@ class _QuantLinearBase(nn.Module):
         """x2 [M, K] -> [M, N]: dequantize PREFILL_TILE weight rows at a time into one reused
         buffer and multiply each tile with the GEMM (fp32 x stays fp32)."""
         ct = torch.float32 if x2.dtype == torch.float32 else prefill_dtype(x2.dtype)
-        return _tiled_linear(x2, self.out_features, ct, lambda r0, r1, out: self._dequant_rows(ops, r0, r1, ct, out))
+        xs = x2.float() * self.col_scales.float()  # the tiles hold weight / col_scales
+        y = _tiled_linear(xs.to(ct), self.out_features, ct, lambda r0, r1, out: self._dequant_rows(ops, r0, r1, ct, out))
+        return y.to(x2.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -155,7 +159,7 @@ class _QuantLinearBase(nn.Module):
 class Int8Linear(_QuantLinearBase):
     """int8 weight with fp32 scales per output channel (group_size None) or per group of columns.
 
-    Buffers: qweight int8 (N, K), scales float32 (N, K // group_size).
+    Buffers: qweight int8 (N, K), scales float32 (N, K // group_size), col_scales float16 (K,).
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int | None = None, device=None):
@@ -165,28 +169,31 @@ class Int8Linear(_QuantLinearBase):
         self.out_features = out_features
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.zeros(out_features, in_features // gs, dtype=torch.float32, device=device))
+        self.register_buffer("col_scales", torch.ones(in_features, dtype=torch.float16, device=device))
 
     @classmethod
-    def from_weight(cls, weight: Tensor, group_size: int | None = None) -> "Int8Linear":
-        q, s = P.quantize_int8(weight, group_size)
+    def from_weight(cls, weight: Tensor, group_size: int | None = None, col_scale: bool = True) -> "Int8Linear":
+        c = P.column_scales(weight) if col_scale else None
+        q, s = P.quantize_int8(weight, group_size, c)
         m = cls(weight.shape[1], weight.shape[0], group_size, device="meta")
         m.qweight, m.scales = q, s
+        m.col_scales = c if c is not None else torch.ones(weight.shape[1], dtype=torch.float16, device=q.device)
         return m
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int | None = None) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None, col_scale: bool = True) -> "Int8Linear":
         _check_no_bias(linear)
-        return cls.from_weight(linear.weight, group_size)
+        return cls.from_weight(linear.weight, group_size, col_scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return P.dequantize_int8(self.qweight, self.scales, dtype)
+        return P.dequantize_int8(self.qweight, self.scales, dtype, self.col_scales)
 
     def _native_ok(self) -> bool:
         G = self.scales.shape[1]
         return G == 1 or (self.in_features // G) % 64 == 0
 
     def _gemv(self, ops, x2: Tensor) -> Tensor:
-        return ops.gemv_q8(x2, self.qweight, self.scales)
+        return ops.gemv_q8(x2, self.qweight, self.scales, self.col_scales)
 
     def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
         return ops.dequant_q8(self.qweight, self.scales, r0, r1, dtype, out)
@@ -196,7 +203,7 @@ class Int4Linear(_QuantLinearBase):
     """int4 weight, groups of 32 / 64 / 128 columns, fp16 scales and biases: w = code * scale + bias.
 
     Buffers: qweight uint8 (N, K // 2) (column 2i in the low nibble of byte i), scales and biases
-    float16 (N, K // group_size). See rwkv_engine.quant.primitives for the format.
+    float16 (N, K // group_size), col_scales float16 (K,). See rwkv_engine.quant.primitives.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int = 32, device=None):
@@ -208,33 +215,38 @@ class Int4Linear(_QuantLinearBase):
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.zeros(out_features, G, dtype=P.INT4_SCALE_DTYPE, device=device))
         self.register_buffer("biases", torch.zeros(out_features, G, dtype=P.INT4_SCALE_DTYPE, device=device))
+        self.register_buffer("col_scales", torch.ones(in_features, dtype=torch.float16, device=device))
 
     @classmethod
-    def from_weight(cls, weight: Tensor, group_size: int = 32, search: bool = True) -> "Int4Linear":
+    def from_weight(cls, weight: Tensor, group_size: int = 32, search: bool = True, col_scale: bool = True) -> "Int4Linear":
         """Quantize `weight` (N, K): natively on the CPU (same bytes, ~4x faster), else with
         primitives.quantize_int4."""
+        c = P.column_scales(weight) if col_scale else None
         ops = native_ops() if weight.device.type == "cpu" else None
         if ops is not None and weight.dim() == 2 and weight.dtype in _FLOAT_DTYPES and group_size in P.INT4_GROUP_SIZES \
                 and weight.shape[1] % group_size == 0:
             P.check_int4_weight(weight, "Int4Linear")
             shrinks = list(P.SEARCH_SHRINKS) if search else [1.0]
-            q, s, b = ops.quantize_q4(weight.detach().contiguous(), group_size, shrinks)
+            q, s, b = ops.quantize_q4(weight.detach().contiguous(), group_size, shrinks, c)
         else:
-            q, s, b = P.quantize_int4(weight, group_size, symmetric=False, search=search)
+            q, s, b = P.quantize_int4(weight, group_size, symmetric=False, search=search, col_scales=c)
         m = cls(weight.shape[1], weight.shape[0], group_size, device="meta")
         m.qweight, m.scales, m.biases = q, s, b
+        m.col_scales = c if c is not None else torch.ones(weight.shape[1], dtype=torch.float16, device=q.device)
         return m
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 32, search: bool = True) -> "Int4Linear":
+    def from_linear(
+        cls, linear: nn.Linear, group_size: int = 32, search: bool = True, col_scale: bool = True
+    ) -> "Int4Linear":
         _check_no_bias(linear)
-        return cls.from_weight(linear.weight, group_size, search)
+        return cls.from_weight(linear.weight, group_size, search, col_scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return P.dequantize_int4(self.qweight, self.scales, self.biases, dtype)
+        return P.dequantize_int4(self.qweight, self.scales, self.biases, dtype, self.col_scales)
 
     def _gemv(self, ops, x2: Tensor) -> Tensor:
-        return ops.gemv_q4(x2, self.qweight, self.scales, self.biases)
+        return ops.gemv_q4(x2, self.qweight, self.scales, self.biases, self.col_scales)
 
     def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
         return ops.dequant_q4(self.qweight, self.scales, self.biases, r0, r1, dtype, out)
@@ -297,7 +309,7 @@ def _check_no_bias(linear: nn.Module) -> None:
 def weight_bytes(module: nn.Module) -> int:
     """Bytes a forward pass reads for the weight of a (quantized) linear module."""
     total = 0
-    for name in ("qweight", "scales", "biases", "weight"):
+    for name in ("qweight", "scales", "biases", "col_scales", "weight"):
         t = getattr(module, name, None)
         if isinstance(t, torch.Tensor):
             total += t.numel() * t.element_size()

@@ -40,6 +40,17 @@ void check_x(const at::Tensor& x, int64_t K) {
               ", got ", x.sizes());
 }
 
+const uint16_t* u16(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
+
+// Optional fp16 column scales [K] -> pointer (nullptr when absent).
+const uint16_t* col_scales_ptr(const std::optional<at::Tensor>& cs, int64_t K) {
+  if (!cs.has_value()) return nullptr;
+  check_cpu_contiguous(*cs, "col_scales");
+  TORCH_CHECK(cs->dim() == 1 && cs->size(0) == K && cs->scalar_type() == at::kHalf, "col_scales must be float16 [", K,
+              "]");
+  return u16(*cs);
+}
+
 at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w) {
   check_cpu_contiguous(w, "w");
   TORCH_CHECK(w.dim() == 2, "w must be [N, K]");
@@ -51,7 +62,8 @@ at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
-at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& col_scales) {
   check_cpu_contiguous(q, "qweight");
   check_cpu_contiguous(scales, "scales");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "qweight must be int8 [N, K]");
@@ -64,7 +76,8 @@ at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   check_x(x, K);
   const DType xt = dtype_of(x, "x");
   at::Tensor y = at::empty({B, N}, x.options());
-  rwkv_native::gemv_q8(q.data_ptr<int8_t>(), scales.data_ptr<float>(), N, K, G, x.data_ptr(), xt, B, y.data_ptr());
+  rwkv_native::gemv_q8(q.data_ptr<int8_t>(), scales.data_ptr<float>(), col_scales_ptr(col_scales, K), N, K, G,
+                       x.data_ptr(), xt, B, y.data_ptr());
   return y;
 }
 
@@ -82,15 +95,15 @@ void check_q4(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& b
   TORCH_CHECK(gs == 32 || gs == 64 || gs == 128, "group size must be 32, 64 or 128");
 }
 
-const uint16_t* u16(const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); }
-
-at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& biases) {
+at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const at::Tensor& biases,
+                   const std::optional<at::Tensor>& col_scales) {
   check_q4(q, scales, biases);
   const int64_t N = q.size(0), K = 2 * q.size(1), G = scales.size(1), B = x.size(0);
   check_x(x, K);
   const DType xt = dtype_of(x, "x");
   at::Tensor y = at::empty({B, N}, x.options());
-  rwkv_native::gemv_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), N, K, G, x.data_ptr(), xt, B, y.data_ptr());
+  rwkv_native::gemv_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), col_scales_ptr(col_scales, K), N, K, G,
+                       x.data_ptr(), xt, B, y.data_ptr());
   return y;
 }
 
@@ -137,7 +150,8 @@ at::Tensor dequant_q4(const at::Tensor& q, const at::Tensor& scales, const at::T
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q4(const at::Tensor& w, int64_t group_size,
-                                                          const std::vector<double>& shrinks) {
+                                                          const std::vector<double>& shrinks,
+                                                          const std::optional<at::Tensor>& col_scales) {
   check_cpu_contiguous(w, "weight");
   TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
   const int64_t N = w.size(0), K = w.size(1);
@@ -149,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q4(const at::Tensor& w, 
   at::Tensor q = at::empty({N, K / 2}, w.options().dtype(at::kByte));
   at::Tensor s = at::empty({N, K / group_size}, w.options().dtype(at::kHalf));
   at::Tensor z = at::empty({N, K / group_size}, w.options().dtype(at::kHalf));
-  rwkv_native::quantize_q4(w.data_ptr(), wt, N, K, group_size, sh.data(), static_cast<int>(sh.size()),
+  rwkv_native::quantize_q4(w.data_ptr(), wt, col_scales_ptr(col_scales, K), N, K, group_size, sh.data(), static_cast<int>(sh.size()),
                            q.data_ptr<uint8_t>(), static_cast<uint16_t*>(s.data_ptr()),
                            static_cast<uint16_t*>(z.data_ptr()));
   return {q, s, z};
@@ -160,9 +174,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q4(const at::Tensor& w, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rwkv_engine native CPU kernels (AVX2/FMA/F16C GEMV and dequantization)";
   m.def("gemv_dense", &gemv_dense, "y[B,N] = x[B,K] @ w[N,K]^T, w fp32/bf16/fp16; y in x's dtype");
-  m.def("gemv_q8", &gemv_q8, "y = x @ (qweight * scales)^T; qweight int8 [N,K], scales fp32 [N,G]");
+  m.def("gemv_q8", &gemv_q8,
+        "y = x @ (qweight * scales * col_scales)^T; qweight int8 [N,K], scales fp32 [N,G], col_scales fp16 [K] or None",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("col_scales") = py::none());
   m.def("gemv_q4", &gemv_q4,
-        "y = x @ (codes * scales + biases)^T; qweight uint8 [N,K/2], scales/biases fp16 [N,G]");
+        "y = x @ ((codes * scales + biases) * col_scales)^T; qweight uint8 [N,K/2], scales/biases fp16 [N,G]",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("biases"), py::arg("col_scales") = py::none());
   m.def("dequant_q8", &dequant_q8, "rows [r0, r1) of an int8 weight as a dense tile of `dtype` (into `out` if given)",
         py::arg("qweight"), py::arg("scales"), py::arg("r0"), py::arg("r1"), py::arg("dtype"), py::arg("out") = py::none());
   m.def("dequant_q4", &dequant_q4, "rows [r0, r1) of an int4 weight as a dense tile of `dtype` (into `out` if given)",
@@ -170,5 +187,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("quantize_q4", &quantize_q4,
         "(qweight, scales, biases) of primitives.quantize_int4(w, group_size) with the given range shrink factors",
-        py::arg("weight"), py::arg("group_size"), py::arg("shrinks"));
+        py::arg("weight"), py::arg("group_size"), py::arg("shrinks"), py::arg("col_scales") = py::none());
 }

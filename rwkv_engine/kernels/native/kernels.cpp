@@ -269,13 +269,20 @@ void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
   for (; i < n; ++i) d[i] = load_elem(x, xt, off + i);
 }
 
-XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm) {
+// cs: optional fp16 column scales (K,): x is multiplied by them first (fp32), see kernels.h.
+XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const uint16_t* cs) {
   const int64_t C = K / 64;
   XQ r;
   r.q.resize(static_cast<size_t>(B * K));
   r.dx.resize(static_cast<size_t>(B * C));
   r.xf.resize(static_cast<size_t>(B * K));
   to_float(x, xt, 0, B * K, r.xf.data());
+  if (cs != nullptr) {
+    std::vector<float> c(static_cast<size_t>(K));
+    to_float(cs, DType::kF16, 0, K, c.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t k = 0; k < K; ++k) r.xf[b * K + k] *= c[k];
+  }
   r.xh = r.xf;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   alignas(32) int16_t tmp[64];
@@ -533,9 +540,9 @@ void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DT
   }
 }
 
-void gemv_q8(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t G, const void* x, DType xt, int64_t B,
-             void* y) {
-  const XQ xq = prepare_xq(x, xt, B, K, false);
+void gemv_q8(const int8_t* q, const float* s, const uint16_t* cs, int64_t N, int64_t K, int64_t G, const void* x,
+             DType xt, int64_t B, void* y) {
+  const XQ xq = prepare_xq(x, xt, B, K, false, cs);
   const Out yo{y, xt};
   for_batches(B, [&]<int Bc>(int64_t b0) {
     constexpr int R = Shape<Bc>::R;
@@ -546,9 +553,9 @@ void gemv_q8(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t G, c
   });
 }
 
-void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t N, int64_t K, int64_t G, const void* x,
-             DType xt, int64_t B, void* y) {
-  const XQ xq = prepare_xq(x, xt, B, K, true);
+void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint16_t* cs, int64_t N, int64_t K,
+             int64_t G, const void* x, DType xt, int64_t B, void* y) {
+  const XQ xq = prepare_xq(x, xt, B, K, true, cs);
   // xsum[b, g] = sum of the rounded x[b] over the columns of group g (for the bias term), so
   // that the result is exactly x_rounded . (code * scale + bias).
   const int64_t gs = K / G;
@@ -658,14 +665,21 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
 // fp32 steps in the same order, so the bytes equal the reference's (the error sums are fp64 in
 // both; only their summation order differs, which could flip an exact tie at 1e-16).
 
-void quantize_q4(const void* w, DType wt, int64_t N, int64_t K, int64_t gs, const float* shrinks, int nshrink,
-                 uint8_t* q, uint16_t* s, uint16_t* z) {
+void quantize_q4(const void* w, DType wt, const uint16_t* cs, int64_t N, int64_t K, int64_t gs, const float* shrinks,
+                 int nshrink, uint8_t* q, uint16_t* s, uint16_t* z) {
+  std::vector<float> c;
+  if (cs != nullptr) {
+    c.resize(static_cast<size_t>(K));
+    to_float(cs, DType::kF16, 0, K, c.data());
+  }
   const int64_t G = K / gs;
   for_rows(N, K * 8 * nshrink, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
     alignas(32) float codes[128];
     for (int64_t n = a; n < b; ++n) {
       to_float(w, wt, n * K, K, row.data());
+      if (cs != nullptr)
+        for (int64_t k = 0; k < K; ++k) row[k] /= c[k];
       for (int64_t g = 0; g < G; ++g) {
         const float* x = row.data() + g * gs;
         float lo = x[0], hi = x[0];

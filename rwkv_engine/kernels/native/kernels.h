@@ -12,14 +12,17 @@ enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 // y[b, n] = sum_k x[b, k] * w[n, k].  x [B, K] and y [B, N] have dtype xt; w [N, K] has dtype wt.
 void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y);
 
+// The int8 / int4 GEMVs take optional column scales cs (fp16 bits [K], or nullptr): the weight
+// is then w[n, k] * cs[k], computed as x[b, k] * cs[k] (fp32) before anything else.
+
 // w[n, k] = q[n, k] * s[n, k / (K / G)]; q int8 [N, K], s fp32 [N, G].
-void gemv_q8(const int8_t* q, const float* s, int64_t N, int64_t K, int64_t G, const void* x, DType xt, int64_t B,
-             void* y);
+void gemv_q8(const int8_t* q, const float* s, const uint16_t* cs, int64_t N, int64_t K, int64_t G, const void* x,
+             DType xt, int64_t B, void* y);
 
 // w[n, k] = code(n, k) * s[n, g] + z[n, g], g = k / (K / G); q uint8 [N, K / 2] (column 2i in the
 // low nibble of byte i), s and z fp16 bits [N, G]; K / G in {32, 64, 128}.
-void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t N, int64_t K, int64_t G, const void* x,
-             DType xt, int64_t B, void* y);
+void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint16_t* cs, int64_t N, int64_t K,
+             int64_t G, const void* x, DType xt, int64_t B, void* y);
 
 // Rows [r0, r1) of the dequantized weight into out [r1 - r0, K] of dtype ot.
 void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot);
@@ -27,9 +30,10 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
                 void* out, DType ot);
 
 // Asymmetric int4 quantization of w [N, K] (fp32 / bf16 / fp16) with group size gs in
-// {32, 64, 128}, trying each range shrink factor (the first is used alone when nshrink == 1):
-// q uint8 [N, K / 2], s and z fp16 bits [N, K / gs]. Same bytes as primitives.quantize_int4.
-void quantize_q4(const void* w, DType wt, int64_t N, int64_t K, int64_t gs, const float* shrinks, int nshrink,
-                 uint8_t* q, uint16_t* s, uint16_t* z);
+// {32, 64, 128}, trying each range shrink factor (the first is used alone when nshrink == 1),
+// of w / cs when column scales cs (fp16 bits [K]) are given: q uint8 [N, K / 2], s and z fp16
+// bits [N, K / gs]. Same bytes as primitives.quantize_int4.
+void quantize_q4(const void* w, DType wt, const uint16_t* cs, int64_t N, int64_t K, int64_t gs, const float* shrinks,
+                 int nshrink, uint8_t* q, uint16_t* s, uint16_t* z);
 
 }  // namespace rwkv_native

@@ -282,6 +282,12 @@ def bench_errors():
         "head 16384x2048": sd["head.weight"],
     }
     del sd
+    def col(f):  # the same format on weight / column scales, as the modules store it
+        def run(w):
+            c = P.column_scales(w)
+            return f(w / c.float()) * c.float()
+        return run
+
     fmts = {
         "bf16": lambda w: w.bfloat16().float(),
         "fp16": lambda w: w.half().float(),
@@ -294,6 +300,8 @@ def bench_errors():
         "int4 g64": lambda w: P.dequantize_int4(*P.quantize_int4(w, 64)),
         "int4 g128": lambda w: P.dequantize_int4(*P.quantize_int4(w, 128)),
     }
+    for name in ("int8 per channel", "int8 g128", "int4 g32", "int4 g64", "int4 g128"):
+        fmts[name + " + col scales (module default)"] = col(fmts[name])
     print("\n## Quantization error: relative RMS of x @ W^T, heavy-tailed random weights "
           "(testing.random_state_dict(outliers=True)), x ~ N(0, 1) [32, K]\n")
     print("| format | bytes/weight | " + " | ".join(mats) + " |")
@@ -301,6 +309,8 @@ def bench_errors():
     bpw = {"bf16": 2, "fp16": 2, "int8 per channel": 1.0, "int8 g128": 1 + 4 / 128, "int8 g32": 1 + 4 / 32,
            "int4 g32 symmetric": 0.5 + 2 / 32, "int4 g32 no search": 0.5 + 4 / 32, "int4 g32": 0.5 + 4 / 32,
            "int4 g64": 0.5 + 4 / 64, "int4 g128": 0.5 + 4 / 128}
+    for name in list(bpw):
+        bpw[name + " + col scales (module default)"] = bpw[name]  # + 2 bytes per column: negligible
     g = torch.Generator().manual_seed(0)
     xs = {k: torch.randn(32, w.shape[1], generator=g) for k, w in mats.items()}
     refs = {k: xs[k] @ w.T for k, w in mats.items()}

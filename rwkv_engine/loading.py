@@ -109,11 +109,14 @@ class Checkpoint:
         self.where = where
         self._getters: dict[str, Callable[[], Tensor]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self.mapped: set[str] = set()  # tensors that live in a read-only file mapping
         self.hf_config: dict | None = None
 
-    def add(self, name: str, shape: tuple[int, ...], getter: Callable[[], Tensor]) -> None:
+    def add(self, name: str, shape: tuple[int, ...], getter: Callable[[], Tensor], mapped: bool = False) -> None:
         if name in self._getters:
             raise CheckpointError(f"{self.where}: tensor {name!r} appears twice")
+        if mapped:
+            self.mapped.add(name)
         self._getters[name] = getter
         self._shapes[name] = tuple(shape)
 
@@ -131,13 +134,13 @@ class Checkpoint:
 
     def rename(self, mapping: Callable[[str], str], transposed: Callable[[str], bool] = lambda name: False) -> None:
         """New names for every tensor; the 2-D ones for which `transposed(old name)` holds are transposed."""
-        getters, shapes = self._getters, self._shapes
-        self._getters, self._shapes = {}, {}
+        getters, shapes, mapped = self._getters, self._shapes, self.mapped
+        self._getters, self._shapes, self.mapped = {}, {}, set()
         for k in getters:
-            if transposed(k) and len(shapes[k]) == 2:
+            if transposed(k) and len(shapes[k]) == 2:  # a copy: no longer the mapped tensor
                 self.add(mapping(k), shapes[k][::-1], lambda g=getters[k]: g().t().contiguous())
             else:
-                self.add(mapping(k), shapes[k], getters[k])
+                self.add(mapping(k), shapes[k], getters[k], mapped=k in mapped)
 
 
 def _sniff(path: Path) -> str:
@@ -182,7 +185,7 @@ def _add_torch_file(ck: Checkpoint, path: Path, kind: str) -> None:
             )
         if not isinstance(k, str) or not isinstance(v, Tensor):
             raise CheckpointError(f"{path}: expected a flat dict of tensors, but {k!r} is a {type(v).__name__}")
-        ck.add(k, v.shape, lambda v=v: v)
+        ck.add(k, v.shape, lambda v=v: v, mapped=kind == "torch-zip")
 
 
 def _add_safetensors_file(ck: Checkpoint, path: Path) -> None:
@@ -195,7 +198,7 @@ def _add_safetensors_file(ck: Checkpoint, path: Path) -> None:
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read the safetensors file ({str(e).splitlines()[0][:200]})") from None
     for k in names:
-        ck.add(k, shapes[k], lambda k=k, f=f: f.get_tensor(k))
+        ck.add(k, shapes[k], lambda k=k, f=f: f.get_tensor(k), mapped=True)
 
 
 def _add_file(ck: Checkpoint, path: Path) -> None:
@@ -496,12 +499,14 @@ def build_state_dict(ck: Checkpoint, cfg: ModelConfig, model: RWKV, dtype: torch
         for name, target in mapping.items():
             if target is None:
                 continue
-            t = ck.get(name)
+            src = ck.get(name)
             if name == "emb.weight":
-                t = F.layer_norm(t.float(), (cfg.n_embd,), ck.get("blocks.0.ln0.weight").float(),
+                t = F.layer_norm(src.float(), (cfg.n_embd,), ck.get("blocks.0.ln0.weight").float(),
                                  ck.get("blocks.0.ln0.bias").float()).to(dtype)
             else:
-                t = _transform(name, t, cfg, dtype, rescale_every, real_bonus)
+                t = _transform(name, src, cfg, dtype, rescale_every, real_bonus)
+            if name in ck.mapped and t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+                release_pages(src)  # consumed: its file pages need not stay resident
             want = tuple(expected[target].shape)
             if tuple(t.shape) != want:
                 raise CheckpointError(
@@ -536,6 +541,33 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
             raise CheckpointError(f"{ck.where}: tensor {n} has shape {ck.shape(n)}, expected {(H, N, N)}")
         states.append(ck.get(n).float().reshape(H, N, N).transpose(1, 2))
     return {"att_kv": torch.stack(states).contiguous()}
+
+
+_LIBC = None
+
+
+def release_pages(t: Tensor) -> None:
+    """Drop the resident pages of a tensor in a read-only file mapping (Linux; they are re-read if touched).
+
+    Converting a checkpoint touches every page of the mapped file; without this, the file's pages
+    and the converted weights would both count in memory until the load returns.
+    """
+    global _LIBC
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return
+    if _LIBC is None:
+        import ctypes
+
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    import ctypes
+    import mmap
+
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, end // page * page
+    if hi > lo:
+        _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
 
 
 # --- 6. build ------------------------------------------------------------------------------

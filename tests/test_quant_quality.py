@@ -3,11 +3,10 @@
 The logits of a quantized model against fp32 over a prompt and 64 decode steps, both fed the same
 tokens. Every matrix is large enough to be quantized (n_embd 512), as in real models.
 
-These bounds guard what the quantizers reach today, measured on this generator's model, where
-bf16 weights alone already move the logits by ~2%: q8 0.11, q4 (group 32) 0.53. They are NOT the
-targets of the quantization issue (q8 <= 0.03, q4/32 <= 0.15): round-to-nearest with per-group
-scales loses to the outlier columns this generator plants; per-input-channel scaling is the next
-step (it measured q8 0.047 / q4 0.38 on the same model as a Python experiment).
+These bounds guard what the quantizers reach today on this generator's model, where bf16 weights
+alone already move the logits by ~2% (measured, RWKV-5.2 / RWKV-7): q8 0.039 / 0.033, q4 group 32
+0.42 / 0.34, q4 group 128 0.49 / 0.38 (without the per-column scales: q8 0.11, q4/32 0.55). They
+are NOT the targets of the quantization issue (q8 <= 0.03, q4/32 <= 0.15), which are not met yet.
 """
 
 import pytest
@@ -18,7 +17,7 @@ from rwkv_engine import testing
 
 from .conftest import rel_rms
 
-LIMITS = {("q0bf16", None): 0.03, ("q8", None): 0.15, ("q4", 32): 0.65, ("q4", 128): 0.95}
+LIMITS = {("q0bf16", None): 0.03, ("q8", None): 0.06, ("q4", 32): 0.5, ("q4", 128): 0.6}
 
 
 @pytest.fixture(scope="module", params=["5.2", "7"])
@@ -55,4 +54,4 @@ def test_quantized_logits_close_to_fp32(checkpoint, scheme, group):
     assert err <= LIMITS[(scheme, group)], err
     if scheme in ("q0bf16", "q8"):
         agree = (q[-65:].argmax(-1) == ref[-65:].argmax(-1)).float().mean().item()
-        assert agree >= 0.8, agree
+        assert agree >= 0.9, agree

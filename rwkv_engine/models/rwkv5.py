@@ -13,6 +13,20 @@ from .layers import head_group_norm, mix, token_shift
 Tensor = torch.Tensor
 
 
+def add_head_projections(module: nn.Module, cfg: ModelConfig, dtype: torch.dtype, gated: bool) -> None:
+    """The projections and per-head GroupNorm that RWKV-5 and RWKV-6 time mixes share."""
+    C, A, H, N = cfg.n_embd, cfg.dim_att, cfg.n_head, cfg.head_size
+    module.receptance = nn.Linear(C, A, bias=False, dtype=dtype)
+    module.key = nn.Linear(C, A, bias=False, dtype=dtype)
+    module.value = nn.Linear(C, A, bias=False, dtype=dtype)
+    if gated:
+        module.gate = nn.Linear(C, A, bias=False, dtype=dtype)
+    module.output = nn.Linear(A, C, bias=False, dtype=dtype)
+    module.ln_x = nn.GroupNorm(H, A)  # its affine weight/bias, applied by head_group_norm
+    module.n_head, module.head_size = H, N
+    module.dtype = dtype
+
+
 class TimeMix5(nn.Module):
     """Multi-head linear attention with a matrix state per head.
 
@@ -22,22 +36,14 @@ class TimeMix5(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
-        C, A, H, N = cfg.n_embd, cfg.dim_att, cfg.n_head, cfg.head_size
+        C, H, N = cfg.n_embd, cfg.n_head, cfg.head_size
         self.gated = cfg.version != "5.0"
         names = ("mix_k", "mix_v", "mix_r") + (("mix_g",) if self.gated else ())
         for name in names:
             setattr(self, name, nn.Parameter(torch.empty(C), requires_grad=False))
         self.log_decay = nn.Parameter(torch.empty(H, N), requires_grad=False)
         self.bonus = nn.Parameter(torch.empty(H, N), requires_grad=False)
-        self.key = nn.Linear(C, A, bias=False, dtype=dtype)
-        self.value = nn.Linear(C, A, bias=False, dtype=dtype)
-        self.receptance = nn.Linear(C, A, bias=False, dtype=dtype)
-        if self.gated:
-            self.gate = nn.Linear(C, A, bias=False, dtype=dtype)
-        self.output = nn.Linear(A, C, bias=False, dtype=dtype)
-        self.ln_x = nn.GroupNorm(H, A)  # its affine weight/bias, applied by head_group_norm
-        self.n_head, self.head_size = H, N
-        self.dtype = dtype
+        add_head_projections(self, cfg, dtype, self.gated)
 
     @staticmethod
     def state_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float]]:

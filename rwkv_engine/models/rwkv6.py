@@ -9,6 +9,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kernels import wkv5
 from .layers import head_group_norm, mix, token_shift
+from .rwkv5 import TimeMix5, add_head_projections
 
 Tensor = torch.Tensor
 
@@ -43,19 +44,9 @@ class TimeMix6(nn.Module):
         self.decay_w1 = param(C, D_decay)
         self.decay_w2 = param(D_decay, A)
         self.bonus = param(H, N)
-        self.receptance = nn.Linear(C, A, bias=False, dtype=dtype)
-        self.key = nn.Linear(C, A, bias=False, dtype=dtype)
-        self.value = nn.Linear(C, A, bias=False, dtype=dtype)
-        self.gate = nn.Linear(C, A, bias=False, dtype=dtype)
-        self.output = nn.Linear(A, C, bias=False, dtype=dtype)
-        self.ln_x = nn.GroupNorm(H, A)  # its affine weight/bias, applied by head_group_norm
-        self.n_head, self.head_size = H, N
-        self.dtype = dtype
+        add_head_projections(self, cfg, dtype, gated=True)
 
-    @staticmethod
-    def state_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], float]]:
-        N = cfg.head_size
-        return {"att_kv": ((cfg.n_head, N, N), 0.0)}
+    state_shapes = staticmethod(TimeMix5.state_shapes)  # the same matrix state per head
 
     def forward(self, xx: Tensor, x_prev: Tensor, st: dict[str, Tensor]) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         B, T, _ = xx.shape

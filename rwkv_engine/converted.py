@@ -124,8 +124,8 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
                 new = Int8Linear(K, N, arg)
             elif kind == "dense":
                 new = DenseLinear(K, N, dtype={v: k for k, v in _DTYPE_NAMES.items()}[arg])
-            else:  # a plain nn.Linear, as the model builds it
-                continue
+            else:  # kept as the model builds it; DenseLinear for the same CPU paths as the rest
+                new = DenseLinear(K, N, dtype=old.weight.dtype)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, new)
     weights = path / "model.safetensors"

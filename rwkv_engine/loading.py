@@ -28,11 +28,13 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from . import converted
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
 from .models import RWKV
+from .quant.linear import DenseLinear
 
 Tensor = torch.Tensor
 
@@ -661,3 +663,9 @@ def apply_scheme(model: RWKV, scheme, policy=None) -> None:
         scheme = get_scheme(_DENSE_SCHEME[model.dtype])
     model.quantization = scheme
     model.quantization_report = quantize_model(model, scheme, policy=policy)
+    # The matrices the policy kept (too small to quantize) get DenseLinear's CPU paths too, so
+    # every matrix of a decode step runs through the same per-row kernels (batch-invariant).
+    for name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module.bias is None:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, DenseLinear.from_linear(module))

@@ -18,7 +18,10 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import InputError, StateError
 from ..state import State
+from ..quant.linear import GEMV_MAX_ROWS
 from .layers import ChannelMix
+from . import native_step
+from .native_step import DecodeStep
 from .rwkv4 import TimeMix4
 from .rwkv5 import TimeMix5
 from .rwkv6 import TimeMix6
@@ -78,6 +81,10 @@ class RWKV(nn.Module):
         }
         # Learned starting values [L, ...] of some state fields (a state-tuned checkpoint's time_state).
         self.initial_state: dict[str, Tensor] = {}
+        # One-token steps of at most GEMV_MAX_ROWS rows on the CPU go through the fused native
+        # step (models/native_step.py) where it can run; False: always the PyTorch modules.
+        self.native_decode = True
+        self._native_step: tuple[int, DecodeStep | None] | None = None  # (generation, step)
 
     @property
     def device(self) -> torch.device:
@@ -162,6 +169,10 @@ class RWKV(nn.Module):
         else:
             self._check_state(state, B)
         state = state.to(self.device) if state.device != self.device else state
+        if T == 1 and B <= GEMV_MAX_ROWS and self.native_decode and self.device.type == "cpu":
+            step = self._decode_step()
+            if step is not None:
+                return self._forward_native(step, ids, state, all_logits, one_d)
         L = self.config.n_layer
         layers = [{k: v[:, i] for k, v in state.items()} for i in range(L)]
         chunk = max(16, PREFILL_CHUNK // B)
@@ -178,3 +189,30 @@ class RWKV(nn.Module):
         logits = torch.cat(outs, dim=1) if all_logits else self._logits(x[:, -1])
         new_state = State({k: torch.stack([ls[k] for ls in layers], dim=1) for k in state.fields}, state.signature)
         return (logits[0] if one_d else logits), new_state
+
+    def _decode_step(self) -> DecodeStep | None:
+        """The fused native step for the model's current tensors (rebuilt when one is replaced)."""
+        gen = native_step.generation()
+        if self._native_step is None or self._native_step[0] != gen:
+            self._native_step = (gen, DecodeStep.build(self))
+        return self._native_step[1]
+
+    def reset_decode_step(self) -> None:
+        """Forget the fused decode step; the next one-token forward builds it from the current tensors."""
+        self._native_step = None
+
+    def _apply(self, *args, **kwargs):  # .to(), .float(), ...: tensors may be converted in place
+        self.reset_decode_step()
+        return super()._apply(*args, **kwargs)
+
+    def _forward_native(self, step: DecodeStep, ids: Tensor, state: State, all_logits: bool, one_d: bool):
+        """forward() for one token per row through `step`; the same results as the block loop."""
+        x = self.emb(ids[:, 0]).float().contiguous()
+        fields = state.fields
+        ins = [t.contiguous() for _, t in state.items()]
+        outs = [torch.empty_like(t) for t in ins]
+        step(x, ins, outs)
+        logits = self._logits(x)
+        if all_logits:
+            logits = logits[:, None]
+        return (logits[0] if one_d else logits), State(dict(zip(fields, outs)), state.signature)

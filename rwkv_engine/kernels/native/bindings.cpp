@@ -6,10 +6,12 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "kernels.h"
+#include "step.h"
 
 namespace {
 
@@ -169,6 +171,189 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q4(const at::Tensor& w, 
   return {q, s, z};
 }
 
+// --- the fused decode step (step.h) ---------------------------------------------------------
+
+// A model's parameters for rwkv_native::decode_step, built once from Python (models/native_step.py)
+// and holding references to the tensors it points into.
+class DecodePlan {
+ public:
+  // blocks: one dict per block, name -> fp32 tensor, or name -> tuple for a linear: (weight,) dense;
+  // (qweight int8, scales, None, col_scales) int8; (qweight uint8, scales, biases, col_scales) int4.
+  DecodePlan(int64_t family, bool gated, int64_t C, int64_t A, int64_t H, int64_t N, int64_t F, at::ScalarType dtype,
+             int64_t rescale_every, const std::vector<py::dict>& blocks) {
+    TORCH_CHECK(family == 4 || family == 5 || family == 6 || family == 7, "family must be 4, 5, 6 or 7");
+    TORCH_CHECK(!blocks.empty(), "a model has at least one block");
+    TORCH_CHECK(family == 4 || (H > 0 && H * N == A), "heads of size N must make A");
+    TORCH_CHECK(family != 7 || A == C, "RWKV-7 needs A == C");
+    p_.family = static_cast<int>(family);
+    p_.gated = gated;
+    p_.C = C, p_.A = A, p_.H = H, p_.N = N, p_.F = F;
+    p_.dt = dtype_of(dtype);
+    p_.rescale_every = static_cast<int>(rescale_every);
+    for (const py::dict& d : blocks) p_.blocks.push_back(parse_block(d, static_cast<int64_t>(p_.blocks.size())));
+  }
+
+  int64_t n_layer() const { return static_cast<int64_t>(p_.blocks.size()); }
+
+  // x [B, C] fp32 (in: embedded tokens; out: the residual stream after the last block).
+  // state_in / state_out: the State's fields in order, each [B, L, ...] fp32 contiguous.
+  void step(const at::Tensor& x, const std::vector<at::Tensor>& state_in, const std::vector<at::Tensor>& state_out) {
+    check_cpu_contiguous(x, "x");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == p_.C, "x must be float32 [B, ", p_.C, "]");
+    const int64_t B = x.size(0), L = n_layer();
+    const std::vector<int64_t> widths = p_.family == 4 ? std::vector<int64_t>{p_.C, p_.A, p_.A, p_.A, p_.C}
+                                                       : std::vector<int64_t>{p_.C, p_.H * p_.N * p_.N, p_.C};
+    TORCH_CHECK(state_in.size() == widths.size() && state_out.size() == widths.size(), "the state has ",
+                widths.size(), " fields");
+    rwkv_native::StateRef st;
+    for (size_t f = 0; f < widths.size(); ++f) {
+      for (const at::Tensor* t : {&state_in[f], &state_out[f]}) {
+        check_cpu_contiguous(*t, "state");
+        TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() >= 2 && t->size(0) == B && t->size(1) == L &&
+                        t->numel() == B * L * widths[f],
+                    "state field ", f, " must be float32 [B, L, ...] with ", widths[f], " values per layer");
+      }
+      st.in[f] = state_in[f].data_ptr<float>();
+      st.out[f] = state_out[f].data_ptr<float>();
+    }
+    float* xp = x.data_ptr<float>();
+    py::gil_scoped_release nogil;
+    rwkv_native::decode_step(p_, B, xp, st);
+  }
+
+ private:
+  rwkv_native::ModelParams p_;
+  std::vector<at::Tensor> keep_;  // every tensor the plan points into
+
+  const at::Tensor& hold(const at::Tensor& t, const std::string& what) {
+    check_cpu_contiguous(t, what.c_str());
+    keep_.push_back(t);
+    return keep_.back();
+  }
+
+  // An fp32 parameter of `numel` values (0: any), or nullptr when absent and not required.
+  const float* vec(const py::dict& d, const char* key, int64_t numel, bool required = true) {
+    if (!d.contains(key) || d[key].is_none()) {
+      TORCH_CHECK(!required, "decode plan: block parameter '", key, "' is missing");
+      return nullptr;
+    }
+    const at::Tensor t = hold(d[key].cast<at::Tensor>(), key);
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "decode plan: '", key, "' must be float32");
+    TORCH_CHECK(numel == 0 || t.numel() == numel, "decode plan: '", key, "' has ", t.numel(), " values, expected ",
+                numel);
+    return t.data_ptr<float>();
+  }
+
+  rwkv_native::Linear linear(const py::dict& d, const char* key, int64_t N, int64_t K, bool required = true) {
+    using rwkv_native::Linear;
+    Linear l;
+    if (!d.contains(key) || d[key].is_none()) {
+      TORCH_CHECK(!required, "decode plan: linear '", key, "' is missing");
+      return l;
+    }
+    const py::tuple parts = d[key].cast<py::tuple>();
+    TORCH_CHECK(parts.size() >= 1, "decode plan: linear '", key, "' is empty");
+    const at::Tensor w = hold(parts[0].cast<at::Tensor>(), key);
+    auto part = [&](size_t i) -> std::optional<at::Tensor> {
+      if (parts.size() <= i || parts[i].is_none()) return std::nullopt;
+      return hold(parts[i].cast<at::Tensor>(), key);
+    };
+    l.N = N, l.K = K;
+    if (w.scalar_type() == at::kChar) {
+      const auto s = part(1);
+      TORCH_CHECK(s && s->scalar_type() == at::kFloat && s->dim() == 2 && s->size(0) == N, "decode plan: '", key,
+                  "' int8 scales must be float32 [N, G]");
+      TORCH_CHECK(w.dim() == 2 && w.size(0) == N && w.size(1) == K, "decode plan: '", key, "' must be [", N, ", ", K, "]");
+      l.kind = Linear::Kind::kQ8;
+      l.q8 = w.data_ptr<int8_t>();
+      l.s8 = s->data_ptr<float>();
+      l.G = s->size(1);
+      TORCH_CHECK(K % l.G == 0 && (l.G == 1 || (K / l.G) % 64 == 0), "decode plan: '", key, "' group size unsupported");
+    } else if (w.scalar_type() == at::kByte) {
+      const auto s = part(1), z = part(2);
+      TORCH_CHECK(s && z && s->scalar_type() == at::kHalf && z->sizes() == s->sizes() && s->size(0) == N,
+                  "decode plan: '", key, "' int4 scales and biases must be float16 [N, G]");
+      TORCH_CHECK(w.dim() == 2 && w.size(0) == N && 2 * w.size(1) == K, "decode plan: '", key, "' must be [", N,
+                  ", ", K / 2, "] packed");
+      l.kind = Linear::Kind::kQ4;
+      l.q4 = w.data_ptr<uint8_t>();
+      l.s4 = u16(*s), l.z4 = u16(*z);
+      l.G = s->size(1);
+      const int64_t gs = K % l.G == 0 ? K / l.G : 0;
+      TORCH_CHECK(gs == 32 || gs == 64 || gs == 128, "decode plan: '", key, "' group size must be 32, 64 or 128");
+    } else {
+      TORCH_CHECK(w.dim() == 2 && w.size(0) == N && w.size(1) == K, "decode plan: '", key, "' must be [", N, ", ", K, "]");
+      l.kind = Linear::Kind::kDense;
+      l.w = w.data_ptr();
+      l.wt = dtype_of(w, key);
+    }
+    if (l.kind != Linear::Kind::kDense) {
+      const auto cs = part(3);
+      l.cs = cs ? col_scales_ptr(cs, K) : nullptr;
+    }
+    return l;
+  }
+
+  rwkv_native::BlockParams parse_block(const py::dict& d, int64_t layer) {
+    const int64_t C = p_.C, A = p_.A, F = p_.F, H = p_.H, N = p_.N;
+    rwkv_native::BlockParams q;
+    q.ln1_w = vec(d, "ln1_w", C), q.ln1_b = vec(d, "ln1_b", C);
+    q.ln2_w = vec(d, "ln2_w", C), q.ln2_b = vec(d, "ln2_b", C);
+    q.ffn_mix_k = vec(d, "ffn_mix_k", C);
+    q.ffn_k = linear(d, "ffn_k", F, C);
+    q.ffn_v = linear(d, "ffn_v", C, F);
+    if (p_.family != 7) {
+      q.ffn_mix_r = vec(d, "ffn_mix_r", C);
+      q.ffn_r = linear(d, "ffn_r", C, C);
+    }
+    q.att_r = linear(d, "att_r", A, C);
+    q.att_k = linear(d, "att_k", A, C);
+    q.att_v = linear(d, "att_v", A, C);
+    q.att_o = linear(d, "att_o", C, A);
+    if (p_.family == 4) {
+      for (auto [dst, key] : {std::pair{&q.mix_k, "mix_k"}, {&q.mix_v, "mix_v"}, {&q.mix_r, "mix_r"}}) *dst = vec(d, key, C);
+      q.decay = vec(d, "decay", A), q.bonus = vec(d, "bonus", A);
+      return q;
+    }
+    q.lnx_w = vec(d, "lnx_w", A), q.lnx_b = vec(d, "lnx_b", A);
+    const bool gated = p_.family == 6 || (p_.family == 5 && p_.gated);
+    if (gated) q.att_g = linear(d, "att_g", A, C);
+    for (auto [dst, key] : {std::pair{&q.mix_r, "mix_r"}, {&q.mix_k, "mix_k"}, {&q.mix_v, "mix_v"}}) *dst = vec(d, key, C);
+    if (gated || p_.family == 7) q.mix_g = vec(d, "mix_g", C);
+    if (p_.family == 5) {
+      q.decay = vec(d, "decay", H * N), q.bonus = vec(d, "bonus", H * N);
+    } else if (p_.family == 6) {
+      q.mix_x = vec(d, "mix_x", C), q.mix_w = vec(d, "mix_w", C);
+      q.bonus = vec(d, "bonus", H * N);
+      q.decay_base = vec(d, "decay_base", A);
+      q.d_mix = rank(d, "maa_w1", C) / 5;
+      q.d_decay = rank(d, "decay_w1", C);
+      q.maa_w1 = vec(d, "maa_w1", C * 5 * q.d_mix), q.maa_w2 = vec(d, "maa_w2", 5 * q.d_mix * C);
+      q.decay_w1 = vec(d, "decay_w1", C * q.d_decay), q.decay_w2 = vec(d, "decay_w2", q.d_decay * A);
+    } else {
+      q.mix_w = vec(d, "mix_w", C), q.mix_a = vec(d, "mix_a", C);
+      q.d_decay = rank(d, "w1", C), q.d_iclr = rank(d, "a1", C), q.d_gate = rank(d, "g1", C);
+      q.w0 = vec(d, "w0", C), q.w1 = vec(d, "w1", C * q.d_decay), q.w2 = vec(d, "w2", q.d_decay * C);
+      q.a0 = vec(d, "a0", C), q.a1 = vec(d, "a1", C * q.d_iclr), q.a2 = vec(d, "a2", q.d_iclr * C);
+      q.g1 = vec(d, "g1", C * q.d_gate), q.g2 = vec(d, "g2", q.d_gate * C);
+      if (layer > 0) {
+        q.d_value = rank(d, "v1", C);
+        q.v0 = vec(d, "v0", C), q.v1 = vec(d, "v1", C * q.d_value), q.v2 = vec(d, "v2", q.d_value * C);
+      }
+      q.k_k = vec(d, "k_k", C), q.k_a = vec(d, "k_a", C), q.r_k = vec(d, "r_k", C);
+    }
+    return q;
+  }
+
+  // The rank D of a LoRA matrix [rows, D].
+  static int64_t rank(const py::dict& d, const char* key, int64_t rows) {
+    TORCH_CHECK(d.contains(key), "decode plan: block parameter '", key, "' is missing");
+    const at::Tensor t = d[key].cast<at::Tensor>();
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) > 0, "decode plan: '", key, "' must be [", rows, ", D]");
+    return t.size(1);
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -188,4 +373,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_q4", &quantize_q4,
         "(qweight, scales, biases) of primitives.quantize_int4(w, group_size) with the given range shrink factors",
         py::arg("weight"), py::arg("group_size"), py::arg("shrinks"), py::arg("col_scales") = py::none());
+  py::class_<DecodePlan>(m, "DecodePlan", "one-token forward of every block of a model (see models/native_step.py)")
+      .def(py::init<int64_t, bool, int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t,
+                    const std::vector<py::dict>&>(),
+           py::arg("family"), py::arg("gated"), py::arg("C"), py::arg("A"), py::arg("H"), py::arg("N"), py::arg("F"),
+           py::arg("dtype"), py::arg("rescale_every"), py::arg("blocks"))
+      .def_property_readonly("n_layer", &DecodePlan::n_layer)
+      .def("step", &DecodePlan::step, "x [B, C] fp32 in place; state_in -> state_out (field lists)", py::arg("x"),
+           py::arg("state_in"), py::arg("state_out"));
 }

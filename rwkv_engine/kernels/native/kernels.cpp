@@ -20,6 +20,7 @@
 // applies). No torch headers here: this file compiles in seconds.
 
 #include "kernels.h"
+#include "numeric.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -43,22 +44,6 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
-}
-
-inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
-  if (std::isnan(f)) return 0x7FC0;
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
 }
 
 inline float load_elem(const void* p, DType t, int64_t i) {
@@ -192,12 +177,11 @@ struct DenseF16 {
 };
 
 // R rows n0..n0+R of W against B rows of xp; out[b][r].
-template <typename D, int R, int B, int U>
+template <typename D, int R, int B>
 inline void dense_block(const typename D::T* W, int64_t K, int64_t n0, const float* xp, float out[][R]) {
-  __m256 acc[R][B][U];
+  __m256 acc[R][B];
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b)
-      for (int u = 0; u < U; ++u) acc[r][b][u] = _mm256_setzero_ps();
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_ps();
   const typename D::T* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = W + (n0 + r) * K;
   int64_t k = 0;
@@ -209,16 +193,14 @@ inline void dense_block(const typename D::T* W, int64_t K, int64_t n0, const flo
 #pragma GCC unroll 8
       for (int b = 0; b < B; ++b) {
         const float* xb = xp + b * K + k;
-        acc[r][b][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[r][b][0]);
-        acc[r][b][U - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[r][b][U - 1]);
+        acc[r][b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[r][b]);
+        acc[r][b] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[r][b]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
-      __m256 s = acc[r][b][0];
-      for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[r][b][u]);
-      float v = hsum(s);
+      float v = hsum(acc[r][b]);
       for (int64_t kk = k; kk < K; ++kk) v += D::scalar(rows[r], kk) * xp[b * K + kk];
       out[b][r] = v;
     }
@@ -475,7 +457,9 @@ inline void q4_block(const uint8_t* Q, const uint16_t* S, const uint16_t* Z, int
 
 template <int B> struct Shape {
   static constexpr int R = B == 1 ? 4 : B <= 4 ? 2 : 1;
-  static constexpr int U = B <= 2 ? 2 : 1;  // fp32 accumulators per (row, x row) in dense_block
+  // Dense: one fp32 accumulator per (weight row, x row), so the summation order of every output
+  // is the same whatever the batch size (a row of a batch equals the row alone, bit for bit).
+  static constexpr int RD = B == 1 ? 8 : B == 2 ? 4 : B <= 4 ? 2 : 1;
 };
 
 // Calls block.template operator()<R>(n, out) on R-row blocks and <1> on the leftover rows.
@@ -519,10 +503,10 @@ void dense_all(const typename D::T* W, int64_t N, int64_t K, const void* x, DTyp
   const std::vector<float> xp = prepare_x(x, xt, B, K, D::perm);
   const Out yo{y, xt};
   for_batches(B, [&]<int Bc>(int64_t b0) {
-    constexpr int R = Shape<Bc>::R, U = Shape<Bc>::U;
+    constexpr int R = Shape<Bc>::RD;
     const float* xb = xp.data() + b0 * K;
     run_rows<Bc, R>(N, K, yo.offset(b0 * N), [&]<int Rr>(int64_t n, float (*out)[Rr]) {
-      dense_block<D, Rr, Bc, (Rr == 1 ? 2 : U)>(W, K, n, xb, out);
+      dense_block<D, Rr, Bc>(W, K, n, xb, out);
     });
   });
 }

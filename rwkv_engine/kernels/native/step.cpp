@@ -1,0 +1,397 @@
+// One decode step of a whole RWKV model: see step.h. The per-token formulas are those of
+// rwkv_engine/models (FORMATS A.2-A.8); the comments name the PyTorch line each loop repeats.
+//
+// Everything but the GEMVs is a few thousand floats per row and layer, so it runs on one
+// thread, except the matrix-state updates (H x N x N per row and layer), which are split over
+// heads. The GEMVs split their rows over all threads themselves.
+
+#include "step.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "numeric.h"
+
+namespace rwkv_native {
+namespace {
+
+constexpr float kLayerNormEps = 1e-5f;
+constexpr float kGroupNormEps = 64e-5f;
+const float kDecayScale7 = std::exp(-0.5f);  // RWKV-7: log w = -e^-0.5 sigmoid(...)
+
+// The value the PyTorch path holds after `.to(dt)`: fp32 rounded to the model dtype.
+inline float round_to(DType t, float v) {
+  switch (t) {
+    case DType::kBF16: return bf16_to_float(float_to_bf16(v));
+    case DType::kF16: return half_to_float(float_to_half(v));
+    default: return v;
+  }
+}
+
+void round_all(DType t, float* v, int64_t n) {
+  if (t == DType::kF32) return;
+  for (int64_t i = 0; i < n; ++i) v[i] = round_to(t, v[i]);
+}
+
+inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
+
+// out = LayerNorm(x) over n, as torch (biased variance, eps 1e-5).
+void layer_norm(const float* x, const float* w, const float* b, int64_t n, float* out) {
+  double mean = 0;
+  for (int64_t i = 0; i < n; ++i) mean += x[i];
+  mean /= n;
+  double var = 0;
+  for (int64_t i = 0; i < n; ++i) var += (x[i] - mean) * (x[i] - mean);
+  var /= n;
+  const float m = static_cast<float>(mean);
+  const float inv = static_cast<float>(1.0 / std::sqrt(var + kLayerNormEps));
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - m) * inv * w[i] + b[i];
+}
+
+// The per-head GroupNorm of RWKV-5/6/7 (head_group_norm): y [A] in place, heads of N channels.
+void head_group_norm(float* y, const float* w, const float* b, int64_t H, int64_t N) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* yh = y + h * N;
+    const float* wh = w + h * N;
+    const float* bh = b + h * N;
+    double mean = 0;
+    for (int64_t j = 0; j < N; ++j) mean += yh[j];
+    mean /= N;
+    double var = 0;
+    for (int64_t j = 0; j < N; ++j) var += (yh[j] - mean) * (yh[j] - mean);
+    var /= N;
+    const float m = static_cast<float>(mean);
+    const float inv = static_cast<float>(1.0 / std::sqrt(var + kGroupNormEps));
+    for (int64_t j = 0; j < N; ++j) yh[j] = (yh[j] - m) * inv * wh[j] + bh[j];
+  }
+}
+
+// out = prev + (x - prev) * m, rounded to dt (mix(...).to(dt)).
+void mix_to(const float* x, const float* prev, const float* m, int64_t n, DType dt, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = round_to(dt, prev[i] + (x[i] - prev[i]) * m[i]);
+}
+
+// y [n] = x [k] @ W [k, n] (a small fp32 LoRA matrix, row-major).
+void small_matvec(const float* x, const float* W, int64_t k, int64_t n, float* y) {
+  std::fill(y, y + n, 0.0f);
+  for (int64_t i = 0; i < k; ++i) {
+    const float xi = x[i];
+    const float* wr = W + i * n;
+    for (int64_t j = 0; j < n; ++j) y[j] += xi * wr[j];
+  }
+}
+
+// A linear whose output the PyTorch path holds in dt (`self.key(kx)` with kx in dt).
+void linear_dt(const Linear& l, const float* x, int64_t B, DType dt, float* y) {
+  linear_f32(l, x, B, y);
+  round_all(dt, y, B * l.N);
+}
+
+// Runs fn(b, h) over all rows and heads, split across threads.
+template <class Fn>
+void for_heads(int64_t B, int64_t H, const Fn& fn) {
+  const int64_t n = B * H;
+#pragma omp parallel for schedule(static) if (n > 1 && !omp_in_parallel())
+  for (int64_t i = 0; i < n; ++i) fn(i / H, i % H);
+}
+
+// RWKV-5/6 WKV, one token (kernels/wkv5.py, wkv5_naive): for key i and value j,
+//   y[j] = sum_i r[i] (u[i] k[i] v[j] + S[i, j]);   S[i, j] <- w[i] S[i, j] + k[i] v[j],  w = exp(log_w).
+void wkv5_head(const float* r, const float* k, const float* v, const float* log_w, const float* u, const float* S,
+               float* So, float* y, int64_t N) {
+  std::vector<float> acc(N, 0.0f);
+  for (int64_t i = 0; i < N; ++i) {
+    const float ri = r[i], ki = k[i], rui = r[i] * u[i] * k[i], wi = std::exp(log_w[i]);
+    const float* Si = S + i * N;
+    float* Soi = So + i * N;
+    for (int64_t j = 0; j < N; ++j) {
+      const float s = Si[j];
+      acc[j] += rui * v[j] + ri * s;
+      Soi[j] = wi * s + ki * v[j];
+    }
+  }
+  std::copy(acc.begin(), acc.end(), y);
+}
+
+// RWKV-7 WKV, one token (kernels/wkv7.py, wkv7_naive), a = -kk, b = kk * iclr:
+//   read[j] = sum_i a[i] S[i, j];  S[i, j] <- w[i] S[i, j] + b[i] read[j] + k[i] v[j];
+//   y[j] = sum_i r[i] S[i, j] (the updated state).
+void wkv7_head(const float* r, const float* k, const float* v, const float* w, const float* a, const float* b,
+               const float* S, float* So, float* y, int64_t N) {
+  std::vector<float> read(N, 0.0f), acc(N, 0.0f);
+  for (int64_t i = 0; i < N; ++i) {
+    const float ai = a[i];
+    const float* Si = S + i * N;
+    for (int64_t j = 0; j < N; ++j) read[j] += ai * Si[j];
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    const float wi = w[i], bi = b[i], ki = k[i], ri = r[i];
+    const float* Si = S + i * N;
+    float* Soi = So + i * N;
+    for (int64_t j = 0; j < N; ++j) {
+      const float s = wi * Si[j] + bi * read[j] + ki * v[j];
+      Soi[j] = s;
+      acc[j] += ri * s;
+    }
+  }
+  std::copy(acc.begin(), acc.end(), y);
+}
+
+// Row-major scratch for B rows.
+struct Rows {
+  std::vector<float> buf;
+  int64_t width;
+  Rows(int64_t B, int64_t width) : buf(B * width), width(width) {}
+  float* operator[](int64_t b) { return buf.data() + b * width; }
+  float* data() { return buf.data(); }
+};
+
+// The state of row b, layer i of a field [B, L, n].
+inline const float* at(const float* base, int64_t b, int64_t i, int64_t L, int64_t n) { return base + (b * L + i) * n; }
+inline float* at(float* base, int64_t b, int64_t i, int64_t L, int64_t n) { return base + (b * L + i) * n; }
+
+// The channel mix (layers.py ChannelMix): x += sigmoid(rx Wr) * (relu(kx Wk)^2 Wv), no gate in RWKV-7.
+void channel_mix(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st,
+                 int prev_field) {
+  const int64_t C = p.C, F = p.F, L = static_cast<int64_t>(p.blocks.size());
+  const DType dt = p.dt;
+  Rows xx(B, C), kx(B, C), rx(B, C), k(B, F), v(B, C), r(B, C);
+  for (int64_t b = 0; b < B; ++b) {
+    layer_norm(x + b * C, q.ln2_w, q.ln2_b, C, xx[b]);
+    const float* prev = at(st.in[prev_field], b, layer, L, C);
+    mix_to(xx[b], prev, q.ffn_mix_k, C, dt, kx[b]);
+    if (q.ffn_r.kind != Linear::Kind::kNone) mix_to(xx[b], prev, q.ffn_mix_r, C, dt, rx[b]);
+  }
+  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[prev_field], b, layer, L, C));
+  linear_dt(q.ffn_k, kx.data(), B, dt, k.data());
+  for (int64_t i = 0; i < B * F; ++i) {  // torch.relu(...).square() in dt
+    const float h = std::max(k.data()[i], 0.0f);
+    k.data()[i] = round_to(dt, h * h);
+  }
+  linear_dt(q.ffn_v, k.data(), B, dt, v.data());
+  if (q.ffn_r.kind != Linear::Kind::kNone) {
+    linear_dt(q.ffn_r, rx.data(), B, dt, r.data());
+    for (int64_t i = 0; i < B * C; ++i) x[i] += sigmoid(r.data()[i]) * v.data()[i];
+  } else {
+    for (int64_t i = 0; i < B * C; ++i) x[i] += v.data()[i];
+  }
+}
+
+// RWKV-4 time mix (models/rwkv4.py) with the log-space WKV (kernels/wkv4.py).
+void time_mix4(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st) {
+  const int64_t C = p.C, A = p.A, L = static_cast<int64_t>(p.blocks.size());
+  const DType dt = p.dt;
+  Rows xx(B, C), xk(B, C), xv(B, C), xr(B, C), k(B, A), v(B, A), r(B, A), y(B, A), out(B, C);
+  for (int64_t b = 0; b < B; ++b) {
+    layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
+    const float* prev = at(st.in[0], b, layer, L, C);
+    mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
+    mix_to(xx[b], prev, q.mix_v, C, dt, xv[b]);
+    mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
+  }
+  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+  linear_dt(q.att_k, xk.data(), B, dt, k.data());
+  linear_dt(q.att_v, xv.data(), B, dt, v.data());
+  linear_dt(q.att_r, xr.data(), B, dt, r.data());
+  for (int64_t b = 0; b < B; ++b) {
+    const float *num = at(st.in[1], b, layer, L, A), *den = at(st.in[2], b, layer, L, A);
+    const float* mx = at(st.in[3], b, layer, L, A);
+    float *num_o = at(st.out[1], b, layer, L, A), *den_o = at(st.out[2], b, layer, L, A);
+    float* mx_o = at(st.out[3], b, layer, L, A);
+    for (int64_t c = 0; c < A; ++c) {
+      const float kt = k[b][c], vt = v[b][c], n0 = num[c], d0 = den[c], m0 = mx[c];
+      float ww = q.bonus[c] + kt;
+      float pm = std::max(m0, ww);
+      float e1 = std::exp(m0 - pm), e2 = std::exp(ww - pm);
+      const float wkv = (e1 * n0 + e2 * vt) / (e1 * d0 + e2);
+      ww = q.decay[c] + m0;
+      pm = std::max(ww, kt);
+      e1 = std::exp(ww - pm);
+      e2 = std::exp(kt - pm);
+      num_o[c] = e1 * n0 + e2 * vt;
+      den_o[c] = e1 * d0 + e2;
+      mx_o[c] = pm;
+      y[b][c] = round_to(dt, sigmoid(r[b][c]) * wkv);  // (r * y).to(dt)
+    }
+  }
+  linear_dt(q.att_o, y.data(), B, dt, out.data());
+  for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
+}
+
+// RWKV-5.x and 6.0 time mix (models/rwkv5.py, rwkv6.py): multi-head WKV with a matrix state.
+void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st) {
+  const int64_t C = p.C, A = p.A, H = p.H, N = p.N, L = static_cast<int64_t>(p.blocks.size());
+  const DType dt = p.dt;
+  const bool v6 = p.family == 6;
+  Rows xx(B, C), xr(B, C), xk(B, C), xv(B, C), xg(B, C), r(B, A), k(B, A), v(B, A), g(B, A), y(B, A), out(B, C);
+  Rows log_w(v6 ? B : 0, A);
+  for (int64_t b = 0; b < B; ++b) {
+    layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
+    const float* prev = at(st.in[0], b, layer, L, C);
+    if (!v6) {
+      mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
+      mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
+      mix_to(xx[b], prev, q.mix_v, C, dt, xv[b]);
+      if (p.gated) mix_to(xx[b], prev, q.mix_g, C, dt, xg[b]);
+      continue;
+    }
+    // RWKV-6: each mix coefficient gets a per-token offset from a LoRA of mix(xx, sx, mix_x).
+    const int64_t D = q.d_mix;
+    std::vector<float> xxx(C), lora(5 * D), off(C), wx(C), dec(q.d_decay);
+    for (int64_t c = 0; c < C; ++c) xxx[c] = prev[c] + (xx[b][c] - prev[c]) * q.mix_x[c];
+    small_matvec(xxx.data(), q.maa_w1, C, 5 * D, lora.data());
+    for (auto& l : lora) l = std::tanh(l);
+    const float* mixes[5] = {q.mix_w, q.mix_k, q.mix_v, q.mix_r, q.mix_g};  // the LoRA's output order
+    float* dests[5] = {wx.data(), xk[b], xv[b], xr[b], xg[b]};
+    for (int f = 0; f < 5; ++f) {
+      small_matvec(lora.data() + f * D, q.maa_w2 + f * D * C, D, C, off.data());
+      for (int64_t c = 0; c < C; ++c) {
+        const float m = prev[c] + (xx[b][c] - prev[c]) * (mixes[f][c] - off[c]);
+        dests[f][c] = f == 0 ? m : round_to(dt, m);  // wx stays fp32 (it feeds the fp32 decay LoRA)
+      }
+    }
+    // log w = -exp(decay_base + tanh(wx @ decay_w1) @ decay_w2)
+    small_matvec(wx.data(), q.decay_w1, C, q.d_decay, dec.data());
+    for (auto& d : dec) d = std::tanh(d);
+    small_matvec(dec.data(), q.decay_w2, q.d_decay, A, log_w[b]);
+    for (int64_t c = 0; c < A; ++c) log_w[b][c] = -std::exp(q.decay_base[c] + log_w[b][c]);
+  }
+  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+  linear_dt(q.att_r, xr.data(), B, dt, r.data());
+  linear_dt(q.att_k, xk.data(), B, dt, k.data());
+  linear_dt(q.att_v, xv.data(), B, dt, v.data());
+  if (p.gated) linear_dt(q.att_g, xg.data(), B, dt, g.data());
+  for_heads(B, H, [&](int64_t b, int64_t h) {
+    const int64_t o = h * N;
+    const float* wb = v6 ? log_w[b] + o : q.decay + o;
+    wkv5_head(r[b] + o, k[b] + o, v[b] + o, wb, q.bonus + o, at(st.in[1], b, layer, L, H * N * N) + h * N * N,
+              at(st.out[1], b, layer, L, H * N * N) + h * N * N, y[b] + o, N);
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    head_group_norm(y[b], q.lnx_w, q.lnx_b, H, N);
+    if (p.gated) {  // y * silu(gate(xg))
+      for (int64_t c = 0; c < A; ++c) y[b][c] *= g[b][c] * sigmoid(g[b][c]);
+    }
+  }
+  round_all(dt, y.data(), B * A);
+  linear_dt(q.att_o, y.data(), B, dt, out.data());
+  for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
+}
+
+// RWKV-7 time mix (models/rwkv7.py). v_first [B, C]: layer 0's values, read by the later layers.
+void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st,
+               float* v_first) {
+  const int64_t C = p.C, H = p.H, N = p.N, L = static_cast<int64_t>(p.blocks.size());
+  const DType dt = p.dt;
+  Rows xx(B, C), xr(B, C), xw(B, C), xk(B, C), xv(B, C), xa(B, C), xg(B, C);
+  Rows r(B, C), k(B, C), v(B, C), w(B, C), iclr(B, C), g(B, C), kk(B, C), ka(B, C), y(B, C), out(B, C);
+  for (int64_t b = 0; b < B; ++b) {
+    layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
+    const float* prev = at(st.in[0], b, layer, L, C);
+    // The LoRA inputs (xw, xa, xg, and xv for the value residual) stay fp32; r, k, v's are in dt.
+    mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
+    mix_to(xx[b], prev, q.mix_w, C, DType::kF32, xw[b]);
+    mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
+    mix_to(xx[b], prev, q.mix_v, C, DType::kF32, xv[b]);
+    mix_to(xx[b], prev, q.mix_a, C, DType::kF32, xa[b]);
+    mix_to(xx[b], prev, q.mix_g, C, DType::kF32, xg[b]);
+  }
+  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+  linear_dt(q.att_r, xr.data(), B, dt, r.data());
+  linear_dt(q.att_k, xk.data(), B, dt, k.data());
+  Rows xv_dt(B, C);
+  for (int64_t i = 0; i < B * C; ++i) xv_dt.data()[i] = round_to(dt, xv.data()[i]);
+  linear_dt(q.att_v, xv_dt.data(), B, dt, v.data());
+  const int64_t dmax = std::max({q.d_decay, q.d_iclr, q.d_value, q.d_gate});
+  std::vector<float> low(dmax), tmp(C);
+  for (int64_t b = 0; b < B; ++b) {
+    // log w = -e^-0.5 sigmoid(w0 + tanh(xw @ w1) @ w2); the WKV takes w = exp(log w).
+    small_matvec(xw[b], q.w1, C, q.d_decay, low.data());
+    for (int64_t d = 0; d < q.d_decay; ++d) low[d] = std::tanh(low[d]);
+    small_matvec(low.data(), q.w2, q.d_decay, C, tmp.data());
+    for (int64_t c = 0; c < C; ++c) w[b][c] = std::exp(-kDecayScale7 * sigmoid(q.w0[c] + tmp[c]));
+    // iclr = sigmoid(a0 + (xa @ a1) @ a2)
+    small_matvec(xa[b], q.a1, C, q.d_iclr, low.data());
+    small_matvec(low.data(), q.a2, q.d_iclr, C, tmp.data());
+    for (int64_t c = 0; c < C; ++c) iclr[b][c] = sigmoid(q.a0[c] + tmp[c]);
+    // g = sigmoid(xg @ g1) @ g2
+    small_matvec(xg[b], q.g1, C, q.d_gate, low.data());
+    for (int64_t d = 0; d < q.d_gate; ++d) low[d] = sigmoid(low[d]);
+    small_matvec(low.data(), q.g2, q.d_gate, C, g[b]);
+    // kk = normalize(k * k_k) per head (F.normalize: / max(norm, 1e-12))
+    for (int64_t h = 0; h < H; ++h) {
+      double ss = 0;
+      for (int64_t j = 0; j < N; ++j) {
+        const float e = k[b][h * N + j] * q.k_k[h * N + j];
+        kk[b][h * N + j] = e;
+        ss += static_cast<double>(e) * e;
+      }
+      const float inv = 1.0f / std::max(static_cast<float>(std::sqrt(ss)), 1e-12f);
+      for (int64_t j = 0; j < N; ++j) kk[b][h * N + j] *= inv;
+    }
+    // k = k * (1 + (iclr - 1) * k_a); a = -kk, b = kk * iclr
+    for (int64_t c = 0; c < C; ++c) {
+      k[b][c] = k[b][c] * (1 + (iclr[b][c] - 1) * q.k_a[c]);
+      ka[b][c] = kk[b][c] * iclr[b][c];
+      kk[b][c] = -kk[b][c];
+    }
+    if (layer == 0) {
+      std::copy(v[b], v[b] + C, v_first + b * C);
+    } else {  // v = v + (v_first - v) * sigmoid(v0 + (xv @ v1) @ v2)
+      small_matvec(xv[b], q.v1, C, q.d_value, low.data());
+      small_matvec(low.data(), q.v2, q.d_value, C, tmp.data());
+      for (int64_t c = 0; c < C; ++c) v[b][c] += (v_first[b * C + c] - v[b][c]) * sigmoid(q.v0[c] + tmp[c]);
+    }
+  }
+  for_heads(B, H, [&](int64_t b, int64_t h) {
+    const int64_t o = h * N;
+    wkv7_head(r[b] + o, k[b] + o, v[b] + o, w[b] + o, kk[b] + o, ka[b] + o,
+              at(st.in[1], b, layer, L, H * N * N) + h * N * N, at(st.out[1], b, layer, L, H * N * N) + h * N * N,
+              y[b] + o, N);
+  });
+  for (int64_t b = 0; b < B; ++b) {
+    head_group_norm(y[b], q.lnx_w, q.lnx_b, H, N);
+    for (int64_t h = 0; h < H; ++h) {  // + (r . (k * r_k)) v per head: the current token's own term
+      float dot = 0;
+      for (int64_t j = 0; j < N; ++j) dot += r[b][h * N + j] * k[b][h * N + j] * q.r_k[h * N + j];
+      for (int64_t j = 0; j < N; ++j) y[b][h * N + j] += dot * v[b][h * N + j];
+    }
+    for (int64_t c = 0; c < C; ++c) y[b][c] = round_to(dt, y[b][c] * g[b][c]);
+  }
+  linear_dt(q.att_o, y.data(), B, dt, out.data());
+  for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
+}
+
+}  // namespace
+
+void linear_f32(const Linear& l, const float* x, int64_t B, float* y) {
+  switch (l.kind) {
+    case Linear::Kind::kDense: gemv_dense(l.w, l.wt, l.N, l.K, x, DType::kF32, B, y); break;
+    case Linear::Kind::kQ8: gemv_q8(l.q8, l.s8, l.cs, l.N, l.K, l.G, x, DType::kF32, B, y); break;
+    case Linear::Kind::kQ4: gemv_q4(l.q4, l.s4, l.z4, l.cs, l.N, l.K, l.G, x, DType::kF32, B, y); break;
+    default: std::fill(y, y + B * l.N, 0.0f);
+  }
+}
+
+void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st) {
+  const int64_t L = static_cast<int64_t>(p.blocks.size());
+  const int ffn_field = p.family == 4 ? 4 : 2;
+  std::vector<float> v_first(p.family == 7 ? B * p.C : 0);
+  for (int64_t i = 0; i < L; ++i) {
+    const BlockParams& q = p.blocks[i];
+    switch (p.family) {
+      case 4: time_mix4(p, q, B, i, x, st); break;
+      case 7: time_mix7(p, q, B, i, x, st, v_first.data()); break;
+      default: time_mix56(p, q, B, i, x, st); break;
+    }
+    channel_mix(p, q, B, i, x, st, ffn_field);
+    if (p.rescale_every > 0 && (i + 1) % p.rescale_every == 0) {
+      for (int64_t j = 0; j < B * p.C; ++j) x[j] *= 0.5f;
+    }
+  }
+}
+
+}  // namespace rwkv_native

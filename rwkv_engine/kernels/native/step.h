@@ -1,0 +1,78 @@
+// One decode step of a whole RWKV model (every block, one token per sequence) in plain C++:
+// the fused path behind rwkv_engine/models/native_step.py. No torch headers (see kernels.h).
+//
+// The math is that of rwkv_engine/models (the PyTorch modules are the specification and the
+// tests compare the two): fp32 residual stream, LayerNorms, mixes and recurrent state; each
+// big matrix through the GEMVs of kernels.h, its input and output rounded to the model dtype
+// exactly where the PyTorch path converts (`.to(dtype)`, the dtype of a linear's output).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace rwkv_native {
+
+// A linear layer y = x W^T in one of the GEMV formats of kernels.h.
+struct Linear {
+  enum class Kind : int { kNone = 0, kDense, kQ8, kQ4 } kind = Kind::kNone;
+  int64_t N = 0, K = 0, G = 1;
+  const void* w = nullptr;  // dense [N, K] of dtype wt
+  DType wt = DType::kF32;
+  const int8_t* q8 = nullptr;  // int8 [N, K], scales fp32 [N, G]
+  const float* s8 = nullptr;
+  const uint8_t* q4 = nullptr;  // packed int4 [N, K / 2], scales / biases fp16 [N, G]
+  const uint16_t* s4 = nullptr;
+  const uint16_t* z4 = nullptr;
+  const uint16_t* cs = nullptr;  // optional fp16 column scales [K]
+};
+
+// y [B, N] = x [B, K] W^T, both fp32.
+void linear_f32(const Linear& l, const float* x, int64_t B, float* y);
+
+// The parameters of one block (fp32 unless said otherwise; nullptr where the version has none).
+// They point into the model's own tensors, so in-place changes of the model show.
+struct BlockParams {
+  const float *ln1_w = nullptr, *ln1_b = nullptr, *ln2_w = nullptr, *ln2_b = nullptr;
+  // Time mix. Mixes use the shared convention mix(x, prev, m) = prev + (x - prev) * m.
+  const float *mix_r = nullptr, *mix_k = nullptr, *mix_v = nullptr, *mix_g = nullptr;
+  const float *mix_w = nullptr, *mix_a = nullptr, *mix_x = nullptr;
+  const float* decay = nullptr;      // log_decay: v4 [A], v5 [H, N]
+  const float* bonus = nullptr;      // v4 [A], v5/v6 [H, N] (u)
+  const float *maa_w1 = nullptr, *maa_w2 = nullptr;  // v6 mix LoRA [C, 5 D], [5, D, C] (order w k v r g)
+  const float *decay_base = nullptr, *decay_w1 = nullptr, *decay_w2 = nullptr;  // v6 [A], [C, Dd], [Dd, A]
+  const float *w0 = nullptr, *w1 = nullptr, *w2 = nullptr;  // v7 decay LoRA
+  const float *a0 = nullptr, *a1 = nullptr, *a2 = nullptr;  // v7 in-context learning rate LoRA
+  const float *v0 = nullptr, *v1 = nullptr, *v2 = nullptr;  // v7 value residual LoRA (not in layer 0)
+  const float *g1 = nullptr, *g2 = nullptr;                  // v7 gate LoRA
+  const float *k_k = nullptr, *k_a = nullptr, *r_k = nullptr;
+  const float *lnx_w = nullptr, *lnx_b = nullptr;  // per-head GroupNorm affine [A]
+  int64_t d_mix = 0, d_decay = 0, d_iclr = 0, d_value = 0, d_gate = 0;  // LoRA ranks
+  Linear att_r, att_k, att_v, att_g, att_o;
+  // Channel mix.
+  const float *ffn_mix_k = nullptr, *ffn_mix_r = nullptr;
+  Linear ffn_k, ffn_v, ffn_r;  // ffn_r absent (kNone) in RWKV-7
+};
+
+struct ModelParams {
+  int family = 5;        // 4, 5, 6 or 7
+  bool gated = true;     // RWKV-5.0 has no output gate
+  int64_t C = 0, A = 0, H = 0, N = 0, F = 0;
+  DType dt = DType::kF32;  // the model dtype: where the PyTorch path rounds
+  int rescale_every = 0;   // fp16: halve the residual after every rescale_every blocks
+  std::vector<BlockParams> blocks;
+};
+
+// The recurrent state of B rows, each field [B, L, ...] fp32 contiguous, in the State's field
+// order: RWKV-4 (att_x_prev, att_num, att_den, att_max, ffn_x_prev), RWKV-5/6/7 (att_x_prev,
+// att_kv, ffn_x_prev). `out` may alias `in`.
+struct StateRef {
+  const float* in[5] = {};
+  float* out[5] = {};
+};
+
+// x [B, C] fp32: the embedded tokens in, the residual stream after the last block out.
+void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st);
+
+}  // namespace rwkv_native

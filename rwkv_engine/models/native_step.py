@@ -1,0 +1,127 @@
+"""The fused decode step: one token per sequence through every block in one native call.
+
+Decode is memory-bound: a step reads each weight once, and everything else (LayerNorms, mixes,
+the WKV state update, a few hundred small tensor ops per step in PyTorch) should cost next to
+nothing. `DecodeStep` hands the whole block stack to `kernels/native/step.cpp`, which runs the
+same math as the PyTorch modules in this package (they stay the specification; the tests
+compare the two) with the big matrices through the native GEMVs.
+
+    step = DecodeStep.build(model)      # None where the native kernels or the model's layers don't allow it
+    x = step(x, state_fields_in, state_fields_out)
+
+`RWKV.forward` uses it for one-token inputs of at most GEMV_MAX_ROWS rows on the CPU. The step
+points into the model's own tensors, so in-place changes (`load_state_dict`) show at once; when
+a module, parameter or buffer is replaced (a quantization swap, `.to()`), `generation()` changes
+and the model builds a new step. (Rebinding `param.data` directly is not seen: call
+`model.reset_decode_step()` after that.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quant.linear import DenseLinear, Int4Linear, Int8Linear, native_ops
+
+Tensor = torch.Tensor
+
+_DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Bumped whenever any module anywhere registers a submodule, parameter or buffer (nn.Module's
+# global registration hooks fire on assignment), so a cached step can tell that it may be stale.
+_generation = 0
+
+
+def _bump(*_args) -> None:
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    return _generation
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_bump)
+torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
+
+
+def _linear_parts(m: nn.Module) -> tuple | None:
+    """A linear module as the tuple DecodePlan reads, or None where the native GEMVs can't run it."""
+    if isinstance(m, Int8Linear):
+        return (m.qweight, m.scales, None, m.col_scales) if m._native_ok() else None
+    if isinstance(m, Int4Linear):
+        return (m.qweight, m.scales, m.biases, m.col_scales)
+    if type(m) is nn.Linear or isinstance(m, DenseLinear):
+        w = m.weight
+        if m.bias is None and w.dtype in _DENSE_DTYPES and w.is_contiguous():
+            return (w,)
+    return None
+
+
+def _fp32(t: Tensor) -> Tensor:
+    return t.detach().float().contiguous()
+
+
+def _block_dict(block: nn.Module, family: int) -> dict | None:
+    att, ffn = block.att, block.ffn
+    d: dict[str, object] = {
+        "ln1_w": block.ln1.weight, "ln1_b": block.ln1.bias, "ln2_w": block.ln2.weight, "ln2_b": block.ln2.bias,
+        "ffn_mix_k": ffn.mix_k,
+    }
+    linears = {"att_r": att.receptance, "att_k": att.key, "att_v": att.value, "att_o": att.output,
+               "ffn_k": ffn.key, "ffn_v": ffn.value}
+    if ffn.gated:
+        d["ffn_mix_r"] = ffn.mix_r
+        linears["ffn_r"] = ffn.receptance
+    if getattr(att, "gate", None) is not None:
+        linears["att_g"] = att.gate
+    if family == 4:
+        d.update(mix_k=att.mix_k, mix_v=att.mix_v, mix_r=att.mix_r, decay=att.log_decay, bonus=att.bonus)
+    else:
+        d.update(lnx_w=att.ln_x.weight, lnx_b=att.ln_x.bias)
+        names = {5: ("mix_r", "mix_k", "mix_v", "mix_g"),
+                 6: ("mix_r", "mix_k", "mix_v", "mix_g", "mix_x", "mix_w", "bonus", "decay_base",
+                     "maa_w1", "maa_w2", "decay_w1", "decay_w2"),
+                 7: ("mix_r", "mix_k", "mix_v", "mix_g", "mix_w", "mix_a", "w0", "w1", "w2", "a0", "a1", "a2",
+                     "v0", "v1", "v2", "g1", "g2", "k_k", "k_a", "r_k")}[family]
+        for name in names:
+            t = getattr(att, name, None)
+            if t is not None:
+                d[name] = t
+        if family == 5:
+            d.update(decay=att.log_decay, bonus=att.bonus)
+    d = {k: _fp32(v) for k, v in d.items()}
+    for key, m in linears.items():
+        parts = _linear_parts(m)
+        if parts is None:
+            return None
+        d[key] = parts
+    return d
+
+
+class DecodeStep:
+    """A model's block stack as one native call (see the module docstring)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    @classmethod
+    def build(cls, model) -> "DecodeStep | None":
+        ops = native_ops()
+        if ops is None or not hasattr(ops, "DecodePlan") or model.device.type != "cpu":
+            return None
+        cfg = model.config
+        blocks = [_block_dict(b, cfg.family) for b in model.blocks]
+        if any(b is None for b in blocks):
+            return None
+        plan = ops.DecodePlan(
+            family=cfg.family, gated=cfg.version != "5.0", C=cfg.n_embd, A=cfg.dim_att, H=cfg.n_head,
+            N=cfg.head_size, F=cfg.ffn_dim, dtype=model.dtype, rescale_every=model.rescale_every, blocks=blocks,
+        )
+        return cls(plan)
+
+    def __call__(self, x: Tensor, state_in: list[Tensor], state_out: list[Tensor]) -> Tensor:
+        """x [B, C] fp32 (updated in place and returned); the state fields in the State's order."""
+        self.plan.step(x, state_in, state_out)
+        return x

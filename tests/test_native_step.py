@@ -1,0 +1,152 @@
+"""The fused native decode step (models/native_step.py, kernels/native/step.cpp) against the
+PyTorch modules it replaces, for every version, dtype and weight format; and when it is rebuilt.
+
+Skipped where the native kernels cannot be built (the PyTorch path then serves every call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rwkv_engine
+from rwkv_engine import testing
+from rwkv_engine.kernels import native
+from rwkv_engine.quant.linear import GEMV_MAX_ROWS
+from rwkv_engine.quant.schemes import quantize_model
+
+from .conftest import rel_rms
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native kernels unavailable here")
+
+VOCAB = 300
+# (dtype, quantization) -> tolerance of native vs PyTorch on logits and state. Both paths round
+# at the same places; fp32 differs only in summation order, 16-bit by an occasional rounding flip.
+FORMATS = {("fp32", None): 1e-5, ("bf16", None): 2e-2, ("fp16", None): 5e-3, ("fp32", "q8"): 1e-4, ("bf16", "q4"): 2e-2}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("native_step")
+    paths = {}
+    for i, version in enumerate(testing.SUPPORTED_RANDOM_VERSIONS):
+        torch.manual_seed(100 + i)
+        sd = testing.random_state_dict(version, n_layer=3, n_embd=128, vocab_size=VOCAB, head_size=32)
+        paths[version] = testing.save_pth(sd, d / f"v{version}.pth")
+    return paths
+
+
+def _decode_both(model, tokens, state, steps=3):
+    """(native, pytorch) results of `steps` one-token forwards from the same state."""
+    out = {}
+    for native_decode in (True, False):
+        model.native_decode = native_decode
+        st, logits_all = state, []
+        for t in range(steps):
+            logits, st = model.forward(tokens[:, t : t + 1], st)
+            logits_all.append(logits)
+        out[native_decode] = (torch.stack(logits_all), st)
+    model.native_decode = True
+    return out[True], out[False]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: f"{f[0]}-{f[1] or 'dense'}")
+@pytest.mark.parametrize("version", testing.SUPPORTED_RANDOM_VERSIONS)
+def test_native_step_matches_pytorch_modules(checkpoints, version, fmt):
+    dtype, quantization = fmt
+    model = rwkv_engine.load(checkpoints[version], dtype=dtype, quantization=quantization, progress=False)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, VOCAB, (3, 6), generator=g)
+    _, state = model.forward(prompt)  # a non-trivial state to start from
+    before = {k: v.clone() for k, v in state.items()}
+    (ln, sn), (lt, stt) = _decode_both(model, torch.randint(0, VOCAB, (3, 3), generator=g), state)
+    assert model._native_step[1] is not None, "the native step was not used"
+    tol = FORMATS[fmt]
+    assert rel_rms(ln, lt) < tol
+    for name in state.fields:
+        assert rel_rms(getattr(sn, name), getattr(stt, name)) < tol, name
+    for name, t in state.items():  # the state given in is never modified
+        assert torch.equal(t, before[name]), name
+
+
+def test_native_step_one_dimensional_input_and_all_logits(checkpoints):
+    model = rwkv_engine.load(checkpoints["5.2"], progress=False)
+    _, state = model.forward([1, 2, 3])
+    logits, _ = model.forward([4], state)
+    assert logits.shape == (VOCAB,)
+    logits, _ = model.forward(torch.tensor([[4], [5]]), rwkv_engine.State.cat([state, state]), all_logits=True)
+    assert logits.shape == (2, 1, VOCAB)
+    assert model._native_step[1] is not None
+
+
+def test_rows_are_independent_in_the_native_step(checkpoints):
+    # Row i of a batch decodes exactly as it does alone (int8 GEMVs are exact per 64 columns).
+    model = rwkv_engine.load(checkpoints["7"], quantization="q8", progress=False)
+    g = torch.Generator().manual_seed(3)
+    states = [model.forward(torch.randint(0, VOCAB, (4,), generator=g))[1] for _ in range(3)]
+    toks = torch.randint(0, VOCAB, (3, 1), generator=g)
+    batched, bst = model.forward(toks, rwkv_engine.State.cat(states))
+    for i, st in enumerate(states):
+        alone, ast = model.forward(toks[i], st)
+        assert torch.equal(batched[i], alone)
+        assert torch.equal(bst.att_kv[i], ast.att_kv[0])
+
+
+def test_step_is_rebuilt_when_the_model_changes(checkpoints):
+    model = rwkv_engine.load(checkpoints["5.2"], progress=False)
+    _, state = model.forward([1, 2, 3])
+    model.forward([4], state)
+    first = model._native_step[1]
+    assert first is not None
+    # An in-place change of a parameter is seen at once (the step points into the model's tensors).
+    model.native_decode = False
+    ref_before, _ = model.forward([4], state)
+    with torch.no_grad():
+        model.blocks[1].att.bonus.mul_(3.0)  # (log_decay would first show a step later)
+    ref_after, _ = model.forward([4], state)
+    model.native_decode = True
+    assert rel_rms(model.forward([4], state)[0], ref_after) < 1e-5
+    assert rel_rms(ref_before, ref_after) > 1e-4
+    # .to() may convert tensors: the step is rebuilt.
+    model.to(torch.float32)
+    model.forward([4], state)
+    assert model._native_step[1] is not first
+    # Swapping the linears for quantized ones rebuilds the step.
+    before = model._native_step[1]
+    quantize_model(model, "q8", group_size=64, policy={"blocks.*": "q8"})  # (small ones are kept by default)
+    model.native_decode = False
+    ref_q8, _ = model.forward([4], state)
+    model.native_decode = True
+    assert rel_rms(model.forward([4], state)[0], ref_q8) < 1e-4
+    assert model._native_step[1] is not before
+
+
+def test_wide_batches_and_multi_token_inputs_use_the_pytorch_path(checkpoints):
+    model = rwkv_engine.load(checkpoints["6.0"], progress=False)
+    B = GEMV_MAX_ROWS + 1
+    g = torch.Generator().manual_seed(5)
+    state = model.new_state(B)
+    logits, new = model.forward(torch.randint(0, VOCAB, (B, 1), generator=g), state)
+    assert logits.shape == (B, VOCAB) and new.batch_size == B
+    model.native_decode = False
+    ref, _ = model.forward(torch.randint(0, VOCAB, (B, 1), generator=torch.Generator().manual_seed(5)), state)
+    assert rel_rms(logits, ref) < 1e-6
+
+
+def test_plan_rejects_malformed_parameters():
+    ops = native.load()
+    with pytest.raises(RuntimeError, match="missing"):
+        ops.DecodePlan(family=5, gated=True, C=8, A=8, H=2, N=4, F=16, dtype=torch.float32, rescale_every=0,
+                       blocks=[{"ln1_w": torch.ones(8)}])
+    with pytest.raises(RuntimeError, match="has 4 values"):
+        ops.DecodePlan(family=5, gated=True, C=8, A=8, H=2, N=4, F=16, dtype=torch.float32, rescale_every=0,
+                       blocks=[{"ln1_w": torch.ones(4)}])
+
+
+def test_step_checks_the_state_it_is_given(checkpoints):
+    model = rwkv_engine.load(checkpoints["4"], progress=False)
+    step = model._decode_step()
+    state = model.new_state(2)
+    fields = [t for _, t in state.items()]
+    with pytest.raises(RuntimeError, match="state field"):
+        step(torch.zeros(1, 128), fields, [torch.empty_like(t) for t in fields])  # 1 row of x, 2 of state

@@ -4,9 +4,10 @@ The logits of a quantized model against fp32 over a prompt and 64 decode steps, 
 tokens. Every matrix is large enough to be quantized (n_embd 512), as in real models.
 
 These bounds guard what the quantizers reach today on this generator's model, where bf16 weights
-alone already move the logits by ~2% (measured, RWKV-5.2 / RWKV-7): q8 0.039 / 0.033, q4 group 32
-0.42 / 0.34, q4 group 128 0.49 / 0.38 (without the per-column scales: q8 0.11, q4/32 0.55). They
-are NOT the targets of the quantization issue (q8 <= 0.03, q4/32 <= 0.15), which are not met yet.
+alone already move the logits by ~2% (measured, RWKV-5.2 / RWKV-7): q8 (group 64) 0.032 / 0.030
+(group 128: 0.039 / 0.034), q4 group 32 0.40 / 0.32, q4 group 128 0.49 / 0.38 (without the
+per-column scales: q8/128 0.11, q4/32 0.55). The quantization issue's targets are q8 <= 0.03
+(met for RWKV-7, 0.032 for RWKV-5.2) and q4/32 <= 0.15 (not met).
 """
 
 import pytest
@@ -17,7 +18,7 @@ from rwkv_engine import testing
 
 from .conftest import rel_rms
 
-LIMITS = {("q0bf16", None): 0.03, ("q8", None): 0.06, ("q4", 32): 0.5, ("q4", 128): 0.6}
+LIMITS = {("q0bf16", None): 0.03, ("q8", None): 0.04, ("q4", 32): 0.5, ("q4", 128): 0.6}
 
 
 @pytest.fixture(scope="module", params=["5.2", "7"])

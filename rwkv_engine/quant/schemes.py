@@ -11,7 +11,7 @@ Schemes (weights only; activations stay in the model dtype):
     q0f32    unquantized fp32                              fp32
     q0bf16   unquantized bf16                              bf16
     q0f16    unquantized fp16                              fp16
-    q8       int8, fp32 scale per 128 columns (default; group_size=-1: one scale per row)   unchanged
+    q8       int8, fp32 scale per 64 columns (default; group_size=-1: one scale per row)    unchanged
     q4       int4, fp16 scale + bias per 32 columns (group_size 32 / 64 / 128)             unchanged
 
 MLC-LLM names (`qAfB_id`: A weight bits, B activation dtype) map onto these by their weight bits
@@ -22,7 +22,7 @@ and group size; `Scheme.dtype` carries the B part for the loader:
     q4f16_0, q4f16_1, q4f16_2   -> q4, group 32, dtype fp16
     q4bf16_0, q4bf16_1          -> q4, group 32, dtype bf16
     q4f32_0, q4f32_1            -> q4, group 32, dtype fp32
-    q8f16_0, q8f16_1            -> q8, group 128, dtype fp16   (q8bf16_*, q8f32_* likewise)
+    q8f16_0, q8f16_1            -> q8, group 64, dtype fp16    (q8bf16_*, q8f32_* likewise)
 
 MLC's `_0` / `_1` differ only in its storage layout and `_2` in leaving the embedding and the
 final projection unquantized; our default policy already keeps the head at 8 bits. MLC's int4 is
@@ -65,7 +65,7 @@ from rwkv_engine.quant.linear import DenseLinear, Int4Linear, Int8Linear
 # Linear layers with fewer weights than this stay as they are under the default policy.
 MIN_QUANT_WEIGHTS = 1 << 16
 
-INT8_DEFAULT_GROUP = 128
+INT8_DEFAULT_GROUP = 64
 INT4_DEFAULT_GROUP = 32
 PER_CHANNEL = -1  # group_size value for one int8 scale per output row
 

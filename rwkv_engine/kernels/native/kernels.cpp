@@ -311,47 +311,40 @@ template <int R, int B>
 inline void q8_block(const int8_t* Q, const float* S, int64_t K, int64_t G, int64_t n0, const XQView& x, float out[][R]) {
   const int64_t gs = K / G, C = K / 64;
   const int64_t cpg = std::max<int64_t>(1, gs / 64);  // chunks per group (per channel: all of them)
-  float tot[R][B] = {};
   const int8_t* rows[R];
   for (int r = 0; r < R; ++r) rows[r] = Q + (n0 + r) * K;
   const int8_t* next = Q + (n0 + R) * K;
   const bool pf = K <= kPrefetchMaxRow;
-  for (int64_t c0 = 0; c0 < C; c0 += cpg) {
-    const int64_t c1 = std::min(C, c0 + cpg);
-    __m256 gacc[R][B];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) gacc[r][b] = _mm256_setzero_ps();
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t k = c * 64;
-      if (pf) prefetch_next(next, c * R * 64, R * 64);
-      __m256i acc[R][B];
-      for (int r = 0; r < R; ++r)
-        for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_si256();
+  __m256 acc[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t k = c * 64, g = c / cpg;
+    if (pf) prefetch_next(next, c * R * 64, R * 64);
+    // One row's 64 weights stay in four registers while every x row takes its exact int32 dot
+    // product over the chunk, scaled by (x chunk scale) * (weight group scale) into one fp32
+    // accumulator per (row, x row): wide batches keep everything in the 16 vector registers.
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-        for (int h = 0; h < 4; ++h) {
-          const __m256i w =
-              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k + 16 * h)));
-#pragma GCC unroll 8
-          for (int b = 0; b < B; ++b) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * K + k + 16 * h));
-            acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(w, xv));
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) {
-        const __m256 dxv = _mm256_set1_ps(x.dx[b * C + c]);
-        for (int r = 0; r < R; ++r) gacc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][b]), dxv, gacc[r][b]);
-      }
-    }
-    const int64_t g = c0 * 64 / gs;
     for (int r = 0; r < R; ++r) {
       const float sc = S[(n0 + r) * G + g];
-      for (int b = 0; b < B; ++b) tot[r][b] += hsum(gacc[r][b]) * sc;
+      __m256i w[4];
+#pragma GCC unroll 4
+      for (int h = 0; h < 4; ++h)
+        w[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k + 16 * h)));
+#pragma GCC unroll 8
+      for (int b = 0; b < B; ++b) {
+        const int16_t* xb = x.q + b * K + k;
+        __m256i a = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(w[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32))));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(w[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 48))));
+        acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(x.dx[b * C + c] * sc), acc[r][b]);
+      }
     }
   }
+  float tot[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) tot[r][b] = hsum(acc[r][b]);
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
       float v = tot[r][b];
@@ -394,31 +387,28 @@ inline void q4_block(const uint8_t* Q, const uint16_t* S, const uint16_t* Z, int
   for (int64_t c = 0; c < C; ++c) {
     const int64_t k = c * 64;
     if (pf) prefetch_next(next, c * R * 32, R * 32);
-    __m256i acc[R][B];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_si256();
+    // As in q8_block: a row's 64 codes stay in four registers while each x row takes its exact
+    // int32 dot product over the chunk; only the R x B fp32 totals live across chunks.
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + k / 2));
+      __m256i codes[4];
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
-        __m256i codes = t == 0 ? v : _mm256_srli_epi16(v, 4 * t);
-        if (t < 3) codes = _mm256_and_si256(codes, mask);
-#pragma GCC unroll 8
-        for (int b = 0; b < B; ++b) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + b * K + k + 16 * t));
-          acc[r][b] = _mm256_add_epi32(acc[r][b], _mm256_madd_epi16(codes, xv));
-        }
+        codes[t] = t == 0 ? v : _mm256_srli_epi16(v, 4 * t);
+        if (t < 3) codes[t] = _mm256_and_si256(codes[t], mask);
       }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
       const float* sr = sf + r * G;
       const __m256 sv = gs == 32 ? _mm256_set_m128(_mm_broadcast_ss(sr + 2 * c + 1), _mm_broadcast_ss(sr + 2 * c))
                                  : _mm256_broadcast_ss(sr + k / gs);
 #pragma GCC unroll 8
       for (int b = 0; b < B; ++b) {
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][b]), _mm256_broadcast_ss(x.dx + b * C + c));
+        const int16_t* xb = x.q + b * K + k;
+        __m256i a = _mm256_madd_epi16(codes[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(codes[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(codes[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32))));
+        a = _mm256_add_epi32(a, _mm256_madd_epi16(codes[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 48))));
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_broadcast_ss(x.dx + b * C + c));
         tot[r][b] = _mm256_fmadd_ps(f, sv, tot[r][b]);
       }
     }
@@ -456,7 +446,7 @@ inline void q4_block(const uint8_t* Q, const uint16_t* S, const uint16_t* Z, int
 // accumulators fit in the 16 vector registers.
 
 template <int B> struct Shape {
-  static constexpr int R = B == 1 ? 4 : B <= 4 ? 2 : 1;
+  static constexpr int R = B <= 2 ? 4 : B <= 4 ? 2 : 1;
   // Dense: one fp32 accumulator per (weight row, x row), so the summation order of every output
   // is the same whatever the batch size (a row of a batch equals the row alone, bit for bit).
   static constexpr int RD = B == 1 ? 8 : B == 2 ? 4 : B <= 4 ? 2 : 1;

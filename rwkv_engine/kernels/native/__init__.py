@@ -5,8 +5,9 @@
     if ops is not None:
         y = ops.gemv_q4(x, qweight, scales, biases)
 
-`load()` JIT-compiles `kernels.cpp` (the kernels) and `bindings.cpp` with `torch.utils.cpp_extension.load` once per machine and caches
-the shared library under torch's extension directory (`~/.cache/torch_extensions`, or
+`load()` JIT-compiles `kernels.cpp` (GEMVs, dequantization), `step.cpp` (the fused decode step of
+models/native_step.py) and `bindings.cpp` with `torch.utils.cpp_extension.load` once per machine
+and caches the shared library under torch's extension directory (`~/.cache/torch_extensions`, or
 `$TORCH_EXTENSIONS_DIR`); later processes only load it (well under a second). The build needs a
 C++20 compiler (gcc >= 10) and `ninja` on PATH (`pip install ninja`). On a CPU without
 AVX2/FMA/F16C, on a non-x86 machine, or when the build fails, `load()` returns None and logs why
@@ -42,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("bindings.cpp", "kernels.cpp", "step.cpp")
-_HEADERS = ("kernels.h", "numeric.h", "step.h")
+_HEADERS = ("kernels.h", "numeric.h", "pool.h", "step.h")
 # Explicit ISA flags rather than -march=native: the cached library then runs on every AVX2
 # machine, even when the cache directory is shared between different CPUs.
 # -ffp-contract=off: no silent a*b+c -> fma, so quantize_q4 repeats the reference's roundings.

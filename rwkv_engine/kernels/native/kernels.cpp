@@ -16,11 +16,12 @@
 //   * R rows are processed together so each x load is shared; per-chunk / per-group partial sums
 //     are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
 //   * Short quantized rows: the next block of rows is prefetched while the current one is read.
-// Rows are split across threads with OpenMP (the libgomp that torch loads, so torch.set_num_threads
-// applies). No torch headers here: this file compiles in seconds.
+// Rows are split across threads by pool.h (torch.set_num_threads applies). No torch headers
+// here: this file compiles in seconds.
 
 #include "kernels.h"
 #include "numeric.h"
+#include "pool.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -115,30 +116,23 @@ std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, Perm
   return xp;
 }
 
-// Runs fn(n0, n1) over all rows in ranges that are multiples of `block` rows, on all threads.
-// Threads take ranges of about 1/8 of their share from a shared counter, so a thread that the OS
-// runs late (a shared machine) leaves its work to the others instead of holding everyone up.
-// Not inside another parallel region, and not for small matrices (waking threads costs more).
+// Runs fn(n0, n1) over all rows in ranges that are multiples of `block` rows, on all threads
+// (pool.h). Ranges are about 1/8 of a thread's share, so a thread that the OS runs late (a shared
+// machine) leaves its work to the others instead of holding everyone up. Small matrices run on
+// the calling thread (waking threads costs more).
 template <typename F>
 void for_rows(int64_t N, int64_t K, int64_t block, const F& fn) {
   const int64_t nblocks = (N + block - 1) / block;
-  const bool parallel = N * K >= kMinParallel && !omp_in_parallel() && omp_get_max_threads() > 1;
-  if (!parallel) {
+  const int T = omp_get_max_threads();
+  if (N * K < kMinParallel || T <= 1) {
     fn(0, N);
     return;
   }
-  std::atomic<int64_t> next{0};
-#pragma omp parallel
-  {
-    const int64_t T = omp_get_num_threads();
-    const int64_t step = std::max<int64_t>(1, nblocks / (8 * T));
-    for (;;) {
-      const int64_t b0 = next.fetch_add(step, std::memory_order_relaxed);
-      if (b0 >= nblocks) break;
-      const int64_t b1 = std::min(nblocks, b0 + step);
-      fn(b0 * block, std::min(N, b1 * block));
-    }
-  }
+  const int64_t step = std::max<int64_t>(1, nblocks / (8 * T));
+  parallel_for((nblocks + step - 1) / step, [&](int64_t i) {
+    const int64_t b0 = i * step, b1 = std::min(nblocks, b0 + step);
+    fn(b0 * block, std::min(N, b1 * block));
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,13 +7,12 @@
 
 #include "step.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "numeric.h"
+#include "pool.h"
 
 namespace rwkv_native {
 namespace {
@@ -93,9 +92,7 @@ void linear_dt(const Linear& l, const float* x, int64_t B, DType dt, float* y) {
 // Runs fn(b, h) over all rows and heads, split across threads.
 template <class Fn>
 void for_heads(int64_t B, int64_t H, const Fn& fn) {
-  const int64_t n = B * H;
-#pragma omp parallel for schedule(static) if (n > 1 && !omp_in_parallel())
-  for (int64_t i = 0; i < n; ++i) fn(i / H, i % H);
+  parallel_for(B * H, [&](int64_t i) { fn(i / H, i % H); });
 }
 
 // RWKV-5/6 WKV, one token (kernels/wkv5.py, wkv5_naive): for key i and value j,

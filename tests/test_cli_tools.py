@@ -27,7 +27,8 @@ def test_bench_json(world_model):
                "--json", "-q", "q8", "--group-size", "32")
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    for key in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "weight_bytes_per_token", "bandwidth_gb_s"):
+    for key in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "weight_bytes_per_token", "bandwidth_gb_s",
+                "memory_read_gb_s", "decode_bound_tok_s"):
         assert r[key] > 0, key
     assert r["quantization"] == "q8" and r["batch"] == 2 and r["version"] == "5.2"
 

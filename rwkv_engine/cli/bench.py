@@ -4,7 +4,9 @@ Prefill runs `--batch` rows of `--prompt-len` tokens through one forward (best o
 decode then feeds one token per row per step from that state and reports the median step. The
 token ids are fixed pseudo-random ids, so runs are comparable. Decode is memory-bound: every
 step reads every weight but the embedding once, so bytes per step x steps per second is the
-memory bandwidth the run achieved.
+memory bandwidth the run achieved. Beside it, bench measures what this machine's memory delivers
+to a plain streaming read on the same threads (a 256 MB fp32 sum, best of 5) and prints the
+decode speed that bandwidth allows at batch 1: the ceiling no engine passes on this machine.
 """
 
 from __future__ import annotations
@@ -86,6 +88,20 @@ def measure(model, prompt_len: int, decode_tokens: int, batch: int, repeats: int
     }
 
 
+def read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
+    """GB/s of a streaming read of a buffer far larger than the caches (torch's sum, all threads)."""
+    import torch
+
+    buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
 def peak_rss_mb() -> float:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
@@ -101,6 +117,8 @@ def run(args) -> int:
     model = _load(args)  # no tokenizer: bench feeds token ids
     load_s = time.perf_counter() - t0
     r = measure(model, args.prompt_len, args.decode_tokens, args.batch, args.repeats)
+    rss = peak_rss_mb()  # before the bandwidth probe's buffer
+    read_bw = read_bandwidth_gb_s()
     c = model.config
     result = {
         "model": str(args.model),
@@ -117,9 +135,11 @@ def run(args) -> int:
         "prefill_tok_s": round(r["prefill_tok_s"], 2),
         "decode_tok_s": round(r["decode_tok_s"], 2),
         "decode_step_ms": round(r["decode_step_ms"], 2),
-        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "peak_rss_mb": round(rss, 1),
         "weight_bytes_per_token": r["weight_bytes_per_step"],
         "bandwidth_gb_s": round(r["bandwidth_gb_s"], 2),
+        "memory_read_gb_s": round(read_bw, 2),
+        "decode_bound_tok_s": round(read_bw * 1e9 / r["weight_bytes_per_step"], 2),
     }
     if args.json:
         print(json.dumps(result))
@@ -130,6 +150,8 @@ def run(args) -> int:
     print(f"prefill         {result['prefill_tok_s']:.1f} tok/s ({args.batch} x {args.prompt_len} tokens)")
     print(f"decode          {result['decode_tok_s']:.2f} tok/s (batch {args.batch}, median step {result['decode_step_ms']:.1f} ms)")
     print(f"weights / step  {result['weight_bytes_per_token'] / 1e6:.1f} MB -> {result['bandwidth_gb_s']:.1f} GB/s")
+    print(f"memory read     {result['memory_read_gb_s']:.1f} GB/s (streaming sum) -> batch-1 decode bound "
+          f"{result['decode_bound_tok_s']:.1f} tok/s")
     print(f"peak RSS        {result['peak_rss_mb']:.0f} MB")
     return 0
 

@@ -44,6 +44,19 @@ def test_wkv5_chunk_size_does_not_change_result(chunk):
     assert rel_rms(y, y_ref) < 1e-5 and rel_rms(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["constant", "per_token"])
+def test_wkv5_split_at_a_chunk_boundary_is_bit_identical(per_token):
+    # Prefill in pieces (the server) must give the bits of one call (generate): a last piece of
+    # one partial chunk, of one whole chunk and of several, each against the same tokens in one call.
+    for tail in (17, 20, 31, 32, 45, 64, 75):
+        r, k, v, log_w, u, state = _inputs(1, 128 + tail, 2, 16, DECAYS["mixed"], seed=tail, per_token=per_token)
+        y, s = wkv5(r, k, v, log_w, u, state)
+        w = (lambda a, b: log_w[:, a:b]) if per_token else (lambda a, b: log_w)
+        y1, s1 = wkv5(r[:, :128], k[:, :128], v[:, :128], w(0, 128), u, state)
+        y2, s2 = wkv5(r[:, 128:], k[:, 128:], v[:, 128:], w(128, None), u, s1)
+        assert torch.equal(torch.cat([y1, y2], dim=1), y) and torch.equal(s2, s), tail
+
+
 def test_wkv5_does_not_modify_inputs():
     args = _inputs(1, 20, 2, 8, DECAYS["mixed"])
     before = [a.clone() for a in args]

@@ -47,6 +47,18 @@ def test_wkv7_chunk_size_does_not_change_result(chunk):
     assert rel_rms(y, y_ref) < 1e-5 and rel_rms(s, s_ref) < 1e-5
 
 
+def test_wkv7_split_at_a_chunk_boundary_is_bit_identical():
+    # Prefill in pieces (the server) must give the bits of one call (generate): a last piece of
+    # one partial chunk, of one whole chunk and of several, each against the same tokens in one call.
+    for tail in (17, 20, 22, 31, 32, 45, 64, 75):
+        args = _inputs(1, 128 + tail, 2, 16, DECAYS["mixed"], seed=tail)
+        *xs, state = args
+        y, s = wkv7(*args)
+        y1, s1 = wkv7(*(x[:, :128] for x in xs), state)
+        y2, s2 = wkv7(*(x[:, 128:] for x in xs), s1)
+        assert torch.equal(torch.cat([y1, y2], dim=1), y) and torch.equal(s2, s), tail
+
+
 def test_wkv7_value_size_differs_from_key_size():
     args = _inputs(2, 40, 2, 8, DECAYS["mixed"], seed=2, V=12)
     y_ref, s_ref = wkv7_naive(*args)

@@ -7,9 +7,16 @@ never sends. The reference for every generated text is `rwkv_engine.generate` ru
 test process, on the same checkpoint: the server's batched, chunk-prefilled, cached decoding
 must give the same tokens as one sequence run alone.
 
-Sampled comparisons use top_k 40: with the flat distributions of a random model, a nucleus of
-thousands of near-equal tokens lets the float rounding of a batched matmul (~1e-5 in the
-logits) move a draw; with 40 candidates that is vanishingly rare, as with a trained model.
+They are the same bit for bit, not just up to rounding, so the comparisons hold for any
+sampling, also a nucleus of thousands of near-equal tokens (top_p up to 1, no top_k, on the
+flat distributions of a random model), where a logit moved by 1e-6 could move a draw:
+* decode runs per-row kernels (the fused native step for up to GEMV_MAX_ROWS rows; the engine
+  steps a larger batch in groups of that many), so row i of a batched step has the logits and
+  state of its sequence stepped alone;
+* the sampler samples row by row with each request's own generator, as `generate` does;
+* the server prefills a prompt in --prefill-chunk pieces and `generate` in one forward, both cut
+  by `prefill_end`, whose pieces always take the same row-wise kernels, so the two give the same
+  bits (checked directly by test_prefill_pieces_and_decode_groups_are_bit_identical).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -34,6 +42,9 @@ pytest.importorskip("uvicorn")
 
 import rwkv_engine  # noqa: E402
 from rwkv_engine import SamplingParams  # noqa: E402
+from rwkv_engine.models.model import prefill_end  # noqa: E402
+from rwkv_engine.quant.linear import GEMV_MAX_ROWS  # noqa: E402
+from rwkv_engine.serve.engine import decode_rows  # noqa: E402
 from rwkv_engine.state import State  # noqa: E402
 from rwkv_engine.testing import random_state_dict, save_pth  # noqa: E402
 
@@ -48,6 +59,12 @@ GREEDY = dict(temperature=0.0, top_p=1.0, top_k=0, presence_penalty=0.0, frequen
 
 def sampled(seed: int) -> dict:
     return dict(temperature=0.9, top_p=0.9, top_k=40, presence_penalty=0.3, frequency_penalty=0.3,
+                penalty_decay=0.996, seed=seed)
+
+
+def nucleus(seed: int, top_p: float, penalty: float = 0.0) -> dict:
+    """Wide nucleus sampling: temperature 1, no top_k (thousands of candidates on a random model)."""
+    return dict(temperature=1.0, top_p=top_p, presence_penalty=penalty, frequency_penalty=penalty,
                 penalty_decay=0.996, seed=seed)
 
 
@@ -286,6 +303,76 @@ def test_concurrent_requests_batch_and_match_generate(ref, server):
     assert rows / steps > 1.5, f"requests were not decoded together (mean batch {rows / steps:.2f})"
 
 
+def test_wide_nucleus_sampling_batched_matches_generate(ref, server):
+    """Concurrent requests with top_p 0.9-1.0 and no top_k give, token for token, what each gives alone.
+
+    The prompts (token ids) have lengths on both sides of every cut: shorter than GEMV_MAX_ROWS,
+    a chunk and a few tokens (which a cut at the chunk would leave to the GEMV), a chunk and a
+    WKV block's part, and more than `generate`'s own PREFILL_CHUNK of 512.
+    """
+    tok = ref[1]
+    text = " ".join(f"{w}{i}" for i, w in enumerate(("harbour lantern meadow copper whistle " * 200).split()))
+    ids = tok.encode(text)
+    lengths = [3, 12, 40, CHUNK + 5, CHUNK + 20, 2 * CHUNK + 9, 520, 600]
+    starts = [17 * i for i in range(len(lengths))]  # different prompts, partly shared prefixes don't matter
+    prompts = [ids[s: s + n] for s, n in zip(starts, lengths)]
+    assert [len(q) for q in prompts] == lengths
+    top_ps = [1.0, 0.9, 0.95, 0.99, 1.0, 0.97, 0.9, 1.0]
+    samplings = [nucleus(300 + i, tp, penalty=0.3 * (i % 2)) for i, tp in enumerate(top_ps)]
+    assert all("top_k" not in s for s in samplings)
+    n_tokens = 40
+    before = server.metrics()
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        async with ac:
+            return await asyncio.gather(*(
+                ac.completions.create(model=MODEL, prompt=q, max_tokens=n_tokens, **client_kwargs(s))
+                for q, s in zip(prompts, samplings)))
+
+    results = asyncio.run(run())
+    after = server.metrics()
+    for q, s, r in zip(prompts, samplings, results):
+        want = reference(ref, q, n_tokens, s)
+        assert len(want.tokens) > 10, "the reference should sample for a while"
+        assert r.choices[0].text == want.text, (len(q), s)
+        assert r.usage.completion_tokens == len(want.tokens)
+        assert r.choices[0].finish_reason == want.finish_reason
+    steps = after["rwkv_engine_decode_steps_total"] - before["rwkv_engine_decode_steps_total"]
+    rows = after["rwkv_engine_decode_rows_total"] - before["rwkv_engine_decode_rows_total"]
+    assert rows / steps > 1.5, f"requests were not decoded together (mean batch {rows / steps:.2f})"
+
+
+def test_prefill_pieces_and_decode_groups_are_bit_identical(ref):
+    """What the comparisons with `generate` rest on, checked on the logits and states themselves."""
+    model, _ = ref
+    g = torch.Generator().manual_seed(5)
+    V = model.config.vocab_size
+    # Prefill: the server's pieces (--prefill-chunk CHUNK and 256) and one forward, bit for bit.
+    for n in (12, 40, CHUNK + 5, CHUNK + 16, CHUNK + 17, CHUNK + 20, 2 * CHUNK + 9, 520, 529, 600):
+        ids = torch.randint(1, V, (n,), generator=g).tolist()
+        want, want_state = model.forward(ids)
+        for chunk in (CHUNK, 256):
+            pos, state, pieces = 0, None, []
+            while pos < n:
+                end = prefill_end(pos, n, chunk)
+                pieces.append(end - pos)
+                logits, state = model.forward(ids[pos:end], state=state)
+                pos = end
+            assert all(k > GEMV_MAX_ROWS for k in pieces) or pieces == [n], pieces
+            assert torch.equal(logits, want), (n, chunk, pieces)
+            assert all(torch.equal(t, getattr(want_state, f)) for f, t in state.items()), (n, chunk, pieces)
+    # Decode: a batch of more than GEMV_MAX_ROWS rows, each row as if stepped alone.
+    B = GEMV_MAX_ROWS + 5
+    states = [model.forward(torch.randint(1, V, (4,), generator=g).tolist())[1] for _ in range(B)]
+    tokens = torch.randint(1, V, (B, 1), generator=g)
+    logits, batch = decode_rows(model, tokens, State.cat(states))
+    for i in range(B):
+        alone, alone_state = model.forward(tokens[i], state=states[i])
+        assert torch.equal(logits[i], alone), i
+        assert all(torch.equal(t, getattr(batch, f)[i : i + 1]) for f, t in alone_state.items()), i
+
+
 def test_prompt_cache_resumes_long_system_prompt(ref, server, client):
     """A second request with the same 2k-token system prompt resumes from the cached state, same output."""
     tok = ref[1]
@@ -316,7 +403,8 @@ def test_prompt_cache_resumes_long_system_prompt(ref, server, client):
 
     assert cold_usage.prompt_tokens == warm_usage.prompt_tokens == n
     assert cold_usage.prompt_tokens_details.cached_tokens == 0
-    assert warm_usage.prompt_tokens_details.cached_tokens == (n - 1) // CHUNK * CHUNK
+    # Resumed at the last chunk boundary with more than GEMV_MAX_ROWS tokens after it (prefill_end).
+    assert warm_usage.prompt_tokens_details.cached_tokens == (n - GEMV_MAX_ROWS - 1) // CHUNK * CHUNK
     assert warm_text == cold_text
     prefilled = lambda a, b: b["rwkv_engine_prefill_tokens_total"] - a["rwkv_engine_prefill_tokens_total"]
     assert prefilled(m0, m1) == n

@@ -83,9 +83,13 @@ def wkv5_chunked(
         total = c * lw
     else:
         lw = blocks(log_w)  # padded tokens get log_w = 0: no decay, the state passes unchanged
-        before = F.pad(lw.cumsum(dim=3)[..., :-1, :], (0, 0, 1, 0))
+        upto = lw.cumsum(dim=3)
+        before = F.pad(upto[..., :-1, :], (0, 0, 1, 0))
         after = F.pad(lw.flip(3).cumsum(dim=3).flip(3)[..., 1:, :], (0, 0, 0, 1))
-        total = lw.sum(dim=3, keepdim=True)
+        # The running sum's last term, not lw.sum(): a scan adds in token order whatever the
+        # layout, while sum()'s order depends on it (one chunk or more), and a chunk must give
+        # the same bits in a call of its own as inside a longer one (prefill in pieces = in one go).
+        total = upto[..., -1:, :]
 
     # Inside each chunk: A[t, s] = sum_i r[t, i] k[s, i] exp(sum_{s < tau < t} lw[tau, i]) for s < t,
     # built one lag (t - s) at a time so that every tensor stays contiguous; the bonus on s = t.

@@ -37,6 +37,24 @@ TIME_MIX = {4: TimeMix4, 5: TimeMix5, 6: TimeMix6, 7: TimeMix7}
 PREFILL_CHUNK = 512
 
 
+def prefill_end(start: int, total: int, chunk: int, rows: int = 1) -> int:
+    """End of the prefill piece that begins at token `start` of `total`, `chunk` tokens a piece.
+
+    A piece is `chunk` tokens, except that a rest that would be left for a last piece of at most
+    GEMV_MAX_ROWS rows (`rows` rows per token) joins this one. Why: a linear over at most
+    GEMV_MAX_ROWS rows runs the per-row GEMV, a longer one the GEMM (and very short pieces take
+    the recurrent WKV), which round differently. With no short last piece, every piece of a
+    prompt longer than GEMV_MAX_ROWS tokens runs the GEMM (whose rows do not depend on how many
+    there are, for more than 11 with the MKL of PyTorch's CPU builds) and the chunked WKV (which
+    sums in an order independent of the number of chunks). So a prompt prefilled in pieces of a
+    multiple of 32 tokens (the WKV chunk; the server's --prefill-chunk) gives bit for bit the
+    logits and state of one `forward` over it (pieces of PREFILL_CHUNK): a sequence served gets
+    the tokens it gets alone.
+    """
+    end = min(start + chunk, total)
+    return total if total - end <= GEMV_MAX_ROWS // max(rows, 1) else end
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_id: int = 0):
         super().__init__()
@@ -160,7 +178,7 @@ class RWKV(nn.Module):
         Returns (logits, new_state). logits are fp32: [V] for a 1-D input and [B, V] for [B, T]
         (the last position), or [T, V] / [B, T, V] with all_logits=True. The given state is
         never modified. Any length runs in bounded memory: the sequence is processed in chunks
-        of PREFILL_CHUNK tokens with the state carried between them.
+        of PREFILL_CHUNK tokens (see `prefill_end`) with the state carried between them.
         """
         ids, one_d = self._check_tokens(tokens)
         B, T = ids.shape
@@ -177,8 +195,11 @@ class RWKV(nn.Module):
         layers = [{k: v[:, i] for k, v in state.items()} for i in range(L)]
         chunk = max(16, PREFILL_CHUNK // B)
         outs = []
-        for start in range(0, T, chunk):
-            x = self.emb(ids[:, start : start + chunk]).float()
+        start = 0
+        while start < T:
+            end = prefill_end(start, T, chunk, B)
+            x = self.emb(ids[:, start:end]).float()
+            start = end
             ctx = {}
             for i, block in enumerate(self.blocks):
                 x, layers[i] = block(x, layers[i], ctx)

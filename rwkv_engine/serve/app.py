@@ -31,7 +31,7 @@ from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -307,6 +307,39 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                                code="engine_error")
         return _sse(p.ErrorResponse(error=detail))
 
+    async def stream_events(handle, receiver: _Receiver, delta: Callable[[str], str | None],
+                            finish: Callable[[str], str], usage_chunk: Callable[[Finished], str] | None,
+                            opening: str | None = None) -> AsyncIterator[str]:
+        """The server-sent events of a streamed request, completion or chat.
+
+        `opening` first (if any); `delta(text)` for each piece of text (nothing where it gives
+        None); at the end `finish(reason)` and then `usage_chunk(event)` (if the client asked for
+        usage), or an error event; then `data: [DONE]`. A cancelled request's stream just ends.
+        Whenever the stream ends (the client gone too) the request is cancelled in the engine.
+        """
+        try:
+            if opening is not None:
+                yield opening
+            while True:
+                event = await receiver.queue.get()
+                if isinstance(event, Delta):
+                    piece = delta(event.text)
+                    if piece is not None:
+                        yield piece
+                    continue
+                if event.reason == "cancelled":
+                    return
+                if event.reason == "error":
+                    yield stream_error(event)
+                else:
+                    yield finish(event.reason)
+                    if usage_chunk is not None:
+                        yield usage_chunk(event)
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            handle.cancel()
+
     # --- routes ---------------------------------------------------------------------------------
 
     @app.get("/health")
@@ -354,27 +387,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return p.CompletionResponse(id=rid, created=when, model=settings.model_name, usage=usage(event),
                                         choices=[p.CompletionChoice(text=text, finish_reason=event.reason)])
 
-        async def events():
-            try:
-                while True:
-                    event = await receiver.queue.get()
-                    if isinstance(event, Delta):
-                        yield chunk(event.text)
-                        continue
-                    if event.reason == "cancelled":
-                        return
-                    if event.reason == "error":
-                        yield stream_error(event)
-                    else:
-                        yield chunk("", finish=event.reason)
-                        if req.include_usage_in_stream:
-                            yield chunk("", use=usage(event), choices=False)
-                    yield "data: [DONE]\n\n"
-                    return
-            finally:
-                handle.cancel()
-
-        return stream_response(events())
+        with_usage = req.include_usage_in_stream
+        return stream_response(stream_events(
+            handle, receiver,
+            delta=chunk,
+            finish=lambda reason: chunk("", finish=reason),
+            usage_chunk=(lambda event: chunk("", use=usage(event), choices=False)) if with_usage else None,
+        ))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
@@ -401,30 +420,18 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             cs = [p.ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
             return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=cs, usage=use))
 
-        async def events():
-            reply = ReplyText()
-            try:
-                yield chunk(p.Delta(role="assistant", content=""))
-                while True:
-                    event = await receiver.queue.get()
-                    if isinstance(event, Delta):
-                        text = reply(event.text)
-                        if text:
-                            yield chunk(p.Delta(content=text))
-                        continue
-                    if event.reason == "cancelled":
-                        return
-                    if event.reason == "error":
-                        yield stream_error(event)
-                    else:
-                        yield chunk(p.Delta(), finish=event.reason)
-                        if req.include_usage_in_stream:
-                            yield chunk(None, use=usage(event))
-                    yield "data: [DONE]\n\n"
-                    return
-            finally:
-                handle.cancel()
+        reply, with_usage = ReplyText(), req.include_usage_in_stream
 
-        return stream_response(events())
+        def delta(text: str) -> str | None:
+            text = reply(text)
+            return chunk(p.Delta(content=text)) if text else None
+
+        return stream_response(stream_events(
+            handle, receiver,
+            delta=delta,
+            finish=lambda reason: chunk(p.Delta(), finish=reason),
+            usage_chunk=(lambda event: chunk(None, use=usage(event))) if with_usage else None,
+            opening=chunk(p.Delta(role="assistant", content="")),
+        ))
 
     return app

@@ -8,23 +8,37 @@ One thread, the engine thread, owns the model. Each turn of its loop it
    whose prompt is not read yet, then (if the budget is not spent) of the next one; a prompt
    that is done samples its first token and joins the decoding batch;
 3. runs one decode step for every decoding request together: their last tokens as [B, 1]
-   through one `model.forward`, their states concatenated into one batch `State` [B, ...], then
-   `Sampler.sample_batch`, each row with the request's own parameters and random generator.
+   through `model.forward` (one call per GEMV_MAX_ROWS rows on the CPU, see below), their
+   states concatenated into one batch `State` [B, ...], then `Sampler.sample_batch`, each row
+   with the request's own parameters and random generator.
 
 So new prompts delay the running requests by about one chunk of prefill per decode step;
 they are never paused for a whole prompt. A request leaves the batch when its `TextStream` ends (stop
 token, stop string, max_tokens) or when it is cancelled; the batch state drops its row.
 
-Every token is sampled exactly as `rwkv_engine.generate` samples it for the request alone (same
-sampler, same generator, same order); the logits of a batched decode step agree with a
-single-sequence step up to float rounding (~1e-5), which picks another token only at a near tie.
+Batched = alone, bit for bit (on the CPU, with the native kernels): a request gets the tokens
+`rwkv_engine.generate` gives it alone, greedy or sampled with a seed, whatever else is running.
+* Decode: a one-token forward of at most GEMV_MAX_ROWS rows runs the fused native step, whose
+  kernels compute each row on its own (models/native_step.py), so row i of the batch has the
+  logits and state of that sequence stepped alone. A larger batch is stepped in groups of
+  GEMV_MAX_ROWS rows for that reason (a [B, 1] forward of more rows would take the batched
+  GEMM, whose rounding depends on the batch).
+* Sampling: `Sampler.sample_batch` samples row by row, each with the request's own counts and
+  generator, as `generate` does for one sequence.
+* Prefill: a prompt is read in pieces of `prefill_chunk` tokens and `generate` reads it in one
+  `forward` (pieces of PREFILL_CHUNK inside); both cut it with `models.model.prefill_end`,
+  which never leaves a last piece short enough for the GEMV, so every piece of either runs
+  the GEMM and the chunked WKV, whose results for a token do not depend on where the prompt is
+  cut: the logits and state are the same bit for bit (for a `prefill_chunk` that is a multiple
+  of 32, the WKV chunk; the default is 256).
 
 Prompt-state cache: prompts are prefilled in chunks aligned to multiples of `prefill_chunk`
 from their first token, and the state after every full chunk is kept in an LRU map keyed by
 (start state, token-id prefix), bounded in bytes. A new prompt resumes from the longest cached
-prefix (shorter than the prompt: the logits of its last token are needed). Because the chunks are
-aligned, a resumed prefill runs the very same forward calls on the very same
-state as a cold one: the cache changes how fast an answer starts, never what it is.
+prefix at which its own cold prefill would cut (shorter than the prompt by more than
+GEMV_MAX_ROWS tokens: see `prefill_end`). Because the chunks are aligned, a resumed prefill runs
+the very same forward calls on the very same state as a cold one: the cache changes how fast
+an answer starts, never what it is.
 
 Threads: `submit` and `cancel` may be called from any thread. Output goes to the request's
 `sink(event)` -- `Delta(text)` any number of times, then one `Finished` -- called on the engine
@@ -46,6 +60,8 @@ import torch
 
 from ..errors import InputError, RWKVEngineError
 from ..generation import TextStream, encode_prompt
+from ..models.model import prefill_end
+from ..quant.linear import GEMV_MAX_ROWS
 from ..sampling import Sampler, SamplingParams
 from ..state import State
 from .metrics import Metrics
@@ -104,6 +120,17 @@ class EngineStopped(RWKVEngineError):
     """The engine is not running (not started yet, or shutting down)."""
 
 
+def decode_rows(model, tokens: torch.Tensor, batch: State) -> tuple[torch.Tensor, State]:
+    """`model.forward(tokens [B, 1], batch)`, on the CPU in groups of at most GEMV_MAX_ROWS rows:
+    each group runs the per-row native step, so every row's logits and state are those of its
+    sequence stepped alone (one forward of more rows would take the batched GEMM)."""
+    B, G = tokens.shape[0], GEMV_MAX_ROWS
+    if B <= G or model.device.type != "cpu":
+        return model.forward(tokens, state=batch)
+    parts = [model.forward(tokens[i : i + G], state=batch[i : i + G]) for i in range(0, B, G)]
+    return torch.cat([p[0] for p in parts]), State.cat([p[1] for p in parts])
+
+
 class PromptCache:
     """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes."""
 
@@ -134,12 +161,13 @@ class PromptCache:
         self.nbytes += size
 
     def lookup(self, start_key: str, ids: Sequence[int], chunk: int) -> tuple[int, State | None]:
-        """(k, state after ids[:k]) for the longest cached chunk-aligned k < len(ids), or (0, None)."""
+        """(k, state after ids[:k]) for the longest cached k at which a cold prefill of `ids` cuts
+        (a multiple of `chunk` with more than GEMV_MAX_ROWS tokens after it: `prefill_end`), or (0, None)."""
         if not self._entries:
             return 0, None
         raw = array("q", ids).tobytes()
         width = raw and len(raw) // len(ids)
-        for k in range((len(ids) - 1) // chunk * chunk, 0, -chunk):
+        for k in range((len(ids) - GEMV_MAX_ROWS - 1) // chunk * chunk, 0, -chunk):
             key = (start_key, raw[: k * width])
             state = self._entries.get(key)
             if state is not None:
@@ -349,11 +377,12 @@ class Engine:
                 else:
                     self.metrics.inc("prompt_cache_misses_total")
                     seq.state = req.start_state
-            start, end = seq.pos, min(seq.pos + chunk, len(ids))
+            start = seq.pos
+            end = prefill_end(start, len(ids), chunk)
             logits, seq.state = self.model.forward(ids[start:end], state=seq.state)
             self.metrics.inc("prefill_tokens_total", end - start)
             seq.pos = end
-            if end % chunk == 0 and self.cache.capacity:
+            if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
                 self.cache.put(req.start_key, ids[:end], seq.state)
             done = end - start
             if end < len(ids):
@@ -383,7 +412,7 @@ class Engine:
         rows = self._decoding
         try:
             tokens = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
-            logits, self._batch = self.model.forward(tokens, state=self._batch)
+            logits, self._batch = decode_rows(self.model, tokens, self._batch)
             sampled = Sampler.sample_batch([s.sampler for s in rows], logits)
         except Exception as e:
             self._decoding, self._batch = [], None

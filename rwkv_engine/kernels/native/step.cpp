@@ -7,6 +7,8 @@
 
 #include "step.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -97,8 +99,40 @@ void for_heads(int64_t B, int64_t H, const Fn& fn) {
 
 // RWKV-5/6 WKV, one token (kernels/wkv5.py, wkv5_naive): for key i and value j,
 //   y[j] = sum_i r[i] (u[i] k[i] v[j] + S[i, j]);   S[i, j] <- w[i] S[i, j] + k[i] v[j],  w = exp(log_w).
+// Vectorized over j for heads of 16, 32, 64 or 128 channels (NB = N / 8 registers of y), the
+// bonus term summed once: y[j] = v[j] * sum_i r[i] u[i] k[i] + sum_i r[i] S[i, j].
+template <int NB>
+void wkv5_head_simd(const float* r, const float* k, const float* v, const float* log_w, const float* u,
+                    const float* S, float* So, float* y) {
+  constexpr int N = 8 * NB;
+  __m256 acc[NB];
+  for (int jb = 0; jb < NB; ++jb) acc[jb] = _mm256_setzero_ps();
+  float ruk = 0.0f;
+  for (int i = 0; i < N; ++i) {
+    ruk += r[i] * u[i] * k[i];
+    const __m256 br = _mm256_set1_ps(r[i]), bw = _mm256_set1_ps(std::exp(log_w[i])), bk = _mm256_set1_ps(k[i]);
+    const float* Si = S + i * N;
+    float* Soi = So + i * N;
+#pragma GCC unroll 16
+    for (int jb = 0; jb < NB; ++jb) {
+      const __m256 s = _mm256_loadu_ps(Si + 8 * jb);
+      acc[jb] = _mm256_fmadd_ps(br, s, acc[jb]);
+      _mm256_storeu_ps(Soi + 8 * jb, _mm256_fmadd_ps(bw, s, _mm256_mul_ps(bk, _mm256_loadu_ps(v + 8 * jb))));
+    }
+  }
+  const __m256 bruk = _mm256_set1_ps(ruk);
+  for (int jb = 0; jb < NB; ++jb) _mm256_storeu_ps(y + 8 * jb, _mm256_fmadd_ps(bruk, _mm256_loadu_ps(v + 8 * jb), acc[jb]));
+}
+
 void wkv5_head(const float* r, const float* k, const float* v, const float* log_w, const float* u, const float* S,
                float* So, float* y, int64_t N) {
+  switch (N) {
+    case 16: return wkv5_head_simd<2>(r, k, v, log_w, u, S, So, y);
+    case 32: return wkv5_head_simd<4>(r, k, v, log_w, u, S, So, y);
+    case 64: return wkv5_head_simd<8>(r, k, v, log_w, u, S, So, y);
+    case 128: return wkv5_head_simd<16>(r, k, v, log_w, u, S, So, y);
+    default: break;
+  }
   std::vector<float> acc(N, 0.0f);
   for (int64_t i = 0; i < N; ++i) {
     const float ri = r[i], ki = k[i], rui = r[i] * u[i] * k[i], wi = std::exp(log_w[i]);
@@ -115,9 +149,48 @@ void wkv5_head(const float* r, const float* k, const float* v, const float* log_
 
 // RWKV-7 WKV, one token (kernels/wkv7.py, wkv7_naive), a = -kk, b = kk * iclr:
 //   read[j] = sum_i a[i] S[i, j];  S[i, j] <- w[i] S[i, j] + b[i] read[j] + k[i] v[j];
-//   y[j] = sum_i r[i] S[i, j] (the updated state).
+//   y[j] = sum_i r[i] S[i, j] (the updated state). Vectorized over j as wkv5_head_simd.
+template <int NB>
+void wkv7_head_simd(const float* r, const float* k, const float* v, const float* w, const float* a, const float* b,
+                    const float* S, float* So, float* y) {
+  constexpr int N = 8 * NB;
+  __m256 acc[NB];
+  for (int jb = 0; jb < NB; ++jb) acc[jb] = _mm256_setzero_ps();
+  for (int i = 0; i < N; ++i) {
+    const __m256 ba = _mm256_set1_ps(a[i]);
+#pragma GCC unroll 16
+    for (int jb = 0; jb < NB; ++jb) acc[jb] = _mm256_fmadd_ps(ba, _mm256_loadu_ps(S + i * N + 8 * jb), acc[jb]);
+  }
+  alignas(32) float read[N];
+  for (int jb = 0; jb < NB; ++jb) {
+    _mm256_store_ps(read + 8 * jb, acc[jb]);
+    acc[jb] = _mm256_setzero_ps();
+  }
+  for (int i = 0; i < N; ++i) {
+    const __m256 bw = _mm256_set1_ps(w[i]), bb = _mm256_set1_ps(b[i]), bk = _mm256_set1_ps(k[i]), br = _mm256_set1_ps(r[i]);
+    const float* Si = S + i * N;
+    float* Soi = So + i * N;
+#pragma GCC unroll 16
+    for (int jb = 0; jb < NB; ++jb) {
+      __m256 s = _mm256_mul_ps(bk, _mm256_loadu_ps(v + 8 * jb));
+      s = _mm256_fmadd_ps(bb, _mm256_load_ps(read + 8 * jb), s);
+      s = _mm256_fmadd_ps(bw, _mm256_loadu_ps(Si + 8 * jb), s);
+      _mm256_storeu_ps(Soi + 8 * jb, s);
+      acc[jb] = _mm256_fmadd_ps(br, s, acc[jb]);
+    }
+  }
+  for (int jb = 0; jb < NB; ++jb) _mm256_storeu_ps(y + 8 * jb, acc[jb]);
+}
+
 void wkv7_head(const float* r, const float* k, const float* v, const float* w, const float* a, const float* b,
                const float* S, float* So, float* y, int64_t N) {
+  switch (N) {
+    case 16: return wkv7_head_simd<2>(r, k, v, w, a, b, S, So, y);
+    case 32: return wkv7_head_simd<4>(r, k, v, w, a, b, S, So, y);
+    case 64: return wkv7_head_simd<8>(r, k, v, w, a, b, S, So, y);
+    case 128: return wkv7_head_simd<16>(r, k, v, w, a, b, S, So, y);
+    default: break;
+  }
   std::vector<float> read(N, 0.0f), acc(N, 0.0f);
   for (int64_t i = 0; i < N; ++i) {
     const float ai = a[i];

@@ -1,12 +1,17 @@
 """Prefill and decode speed of rwkv-engine beside the reference `rwkv` package, in one run.
 
     python benchmarks/bench_engine.py                      # RWKV-5.2 World 1.5B shape, fp32 and bf16
+    python benchmarks/bench_engine.py --quant q8,q4        # plus our int8 / int4 (converted dirs)
     python benchmarks/bench_engine.py --version 4 --dtypes bf16
     python benchmarks/bench_engine.py --small              # a quick 0.1B-shape smoke run
 
 A random-weight checkpoint of the real shape is written once (bf16 .pth, as the official files
-are) into --workdir. Each (engine, dtype) pair then runs in a fresh subprocess so that its peak
-RSS is its own; both engines read the same file. Machines are noisy: read the ratios.
+are) into --workdir; `--quant` schemes are converted from it once (`rwkv-engine convert`, bf16
+activations). Each configuration then runs in a fresh subprocess so that its peak RSS is its
+own, and the configurations take turns for `--rounds` rounds: the medians compare runs that saw
+the same drift of a noisy machine. Ratios are to the `rwkv` package in the same dtype, and for
+quantized rows to `rwkv` bf16 (the issue's targets are written that way). The table also shows
+the memory read bandwidth of the machine and the batch-1 decode speed it allows for each row.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
     if engine == "rwkv-engine":
         import rwkv_engine
 
-        model = rwkv_engine.load(ckpt, dtype=dtype, progress=False)
+        model = rwkv_engine.load(ckpt, dtype=None if Path(ckpt).is_dir() else dtype, progress=False)
         load_s = time.perf_counter() - t0
 
         def prefill():
@@ -77,13 +82,11 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
         def step(tok, state):
             return model.forward([tok], state)
 
-    prefill()  # warm up (JIT, allocator)
-    times = []
-    for _ in range(2):
-        t = time.perf_counter()
-        logits, state = prefill()
-        times.append(time.perf_counter() - t)
-    prefill_s = min(times)
+    warm = prompt[:16]
+    model.forward(warm, None) if engine != "rwkv-engine" else model.forward(warm)  # JIT, allocator
+    t = time.perf_counter()
+    logits, state = prefill()
+    prefill_s = time.perf_counter() - t
     tok = int(logits.argmax())
     for _ in range(3):  # warm up decode
         logits, state = step(tok, state)
@@ -93,14 +96,29 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
         logits, state = step(tok, state)
         steps.append(time.perf_counter() - t)
         tok = int(logits.argmax())
+    weights = None
+    if engine == "rwkv-engine":
+        from rwkv_engine.cli.bench import weight_bytes_per_step
+
+        weights = weight_bytes_per_step(model)
     return {
         "engine": engine,
         "dtype": dtype,
+        "weight_bytes": weights,
         "load_s": round(load_s, 2),
         "prefill_tok_s": round(prompt_len / prefill_s, 2),
         "decode_tok_s": round(1 / statistics.median(steps), 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
+
+
+def converted_dir(work: Path, ckpt: Path, scheme: str) -> Path:
+    out = work / f"{ckpt.stem}-{scheme}"
+    if not out.exists():
+        print(f"converting {ckpt.name} to {scheme} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "rwkv_engine", "convert", str(ckpt), str(out), "-q", scheme, "--dtype", "bf16"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return out
 
 
 def main() -> None:
@@ -109,9 +127,11 @@ def main() -> None:
     ap.add_argument("--shape", default="1.5B", choices=sorted(SHAPES))
     ap.add_argument("--small", action="store_true", help="shortcut for --shape 0.1B --prompt-len 128 --decode 16")
     ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--quant", default="", help="our quantization schemes to add, e.g. q8,q4 (bf16 activations)")
     ap.add_argument("--engines", default="rwkv,rwkv-engine")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every configuration, taking turns (medians)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--workdir", default="/tmp/rwkv-engine-bench")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -127,28 +147,47 @@ def main() -> None:
     ckpt = work / f"rwkv{args.version}-{args.shape}-bf16.pth"
     make_checkpoint(ckpt, args.version, args.shape)
 
-    rows = []
-    for dtype in args.dtypes.split(","):
-        for engine in args.engines.split(","):
-            cmd = [sys.executable, __file__, "--child", f"{engine}|{ckpt}|{dtype}",
-                   "--prompt-len", str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads)]
+    # (label, engine, model path, dtype)
+    configs = [(f"{e} {d}", e, str(ckpt), d) for d in args.dtypes.split(",") if d for e in args.engines.split(",")]
+    configs += [(f"rwkv-engine {q}", "rwkv-engine", str(converted_dir(work, ckpt, q)), q)
+                for q in args.quant.split(",") if q]
+    runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
+    for _ in range(args.rounds):
+        for label, engine, path, dtype in configs:
+            cmd = [sys.executable, __file__, "--child", f"{engine}|{path}|{dtype}", "--prompt-len",
+                   str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
-                print(f"{engine} {dtype} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                print(f"{label} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                 continue
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            runs[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(label, json.dumps(runs[label][-1]), file=sys.stderr, flush=True)
 
-    print(f"\nRWKV-{args.version} {args.shape} shape, prompt {args.prompt_len} tokens, {args.threads} threads\n")
-    print("| engine | dtype | load s | prefill tok/s | decode tok/s | peak RSS MB | prefill x ref | decode x ref |")
-    print("|---|---|---|---|---|---|---|---|")
-    ref = {r["dtype"]: r for r in rows if r["engine"] == "rwkv"}
-    for r in rows:
-        base = ref.get(r["dtype"])
-        px = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}" if base else "-"
-        dx = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}" if base else "-"
-        print(f"| {r['engine']} | {r['dtype']} | {r['load_s']} | {r['prefill_tok_s']} | {r['decode_tok_s']} | "
-              f"{r['peak_rss_mb']} | {px} | {dx} |")
+    import torch
+
+    from rwkv_engine.cli.bench import read_bandwidth_gb_s
+
+    torch.set_num_threads(args.threads)
+    bw = read_bandwidth_gb_s()
+    med = {label: {k: statistics.median(r[k] for r in rs) for k in ("load_s", "prefill_tok_s", "decode_tok_s")}
+           | {"peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "weight_bytes": rs[0]["weight_bytes"]}
+           for label, rs in runs.items() if rs}
+    print(f"\nRWKV-{args.version} {args.shape} shape, prompt {args.prompt_len} tokens, {args.threads} threads, "
+          f"median of {args.rounds} round(s); memory read {bw:.1f} GB/s\n")
+    print("| engine | load s | prefill tok/s | decode tok/s | peak RSS MB | weights/token MB | decode bound tok/s "
+          "| prefill x ref | decode x ref |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, engine, _, dtype in configs:
+        if label not in med:
+            continue
+        r = med[label]
+        base = med.get(f"rwkv {dtype}") or (med.get("rwkv bf16") if dtype not in ("fp32", "bf16", "fp16") else None)
+        px = f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f}" if base and engine != "rwkv" else "-"
+        dx = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}" if base and engine != "rwkv" else "-"
+        wb = r["weight_bytes"]
+        wcols = f"{wb / 1e6:.0f} | {bw * 1e9 / wb:.1f}" if wb else "- | -"
+        print(f"| {label} | {r['load_s']:.1f} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | "
+              f"{r['peak_rss_mb']:.0f} | {wcols} | {px} | {dx} |")
 
 
 if __name__ == "__main__":

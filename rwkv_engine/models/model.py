@@ -232,8 +232,7 @@ class RWKV(nn.Module):
         fields = state.fields
         ins = [t.contiguous() for _, t in state.items()]
         outs = [torch.empty_like(t) for t in ins]
-        step(x, ins, outs)
-        logits = self._logits(x)
+        logits = step(x, ins, outs)
         if all_logits:
             logits = logits[:, None]
         return (logits[0] if one_d else logits), State(dict(zip(fields, outs)), state.signature)

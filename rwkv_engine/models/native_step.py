@@ -7,7 +7,7 @@ same math as the PyTorch modules in this package (they stay the specification; t
 compare the two) with the big matrices through the native GEMVs.
 
     step = DecodeStep.build(model)      # None where the native kernels or the model's layers don't allow it
-    x = step(x, state_fields_in, state_fields_out)
+    logits = step(x, state_fields_in, state_fields_out)
 
 `RWKV.forward` uses it for one-token inputs of at most GEMV_MAX_ROWS rows on the CPU. The step
 points into the model's own tensors, so in-place changes (`load_state_dict`) show at once; when
@@ -113,15 +113,18 @@ class DecodeStep:
             return None
         cfg = model.config
         blocks = [_block_dict(b, cfg.family) for b in model.blocks]
-        if any(b is None for b in blocks):
+        head = _linear_parts(model.head)
+        if any(b is None for b in blocks) or head is None:
             return None
+        out = {"ln_out_w": _fp32(model.ln_out.weight), "ln_out_b": _fp32(model.ln_out.bias), "head": head}
         plan = ops.DecodePlan(
             family=cfg.family, gated=cfg.version != "5.0", C=cfg.n_embd, A=cfg.dim_att, H=cfg.n_head,
-            N=cfg.head_size, F=cfg.ffn_dim, dtype=model.dtype, rescale_every=model.rescale_every, blocks=blocks,
+            N=cfg.head_size, F=cfg.ffn_dim, V=cfg.vocab_size, dtype=model.dtype, rescale_every=model.rescale_every,
+            blocks=blocks, out=out,
         )
         return cls(plan)
 
     def __call__(self, x: Tensor, state_in: list[Tensor], state_out: list[Tensor]) -> Tensor:
-        """x [B, C] fp32 (updated in place and returned); the state fields in the State's order."""
-        self.plan.step(x, state_in, state_out)
-        return x
+        """x [B, C] fp32 embedded tokens (overwritten) -> logits [B, V] fp32; the state fields in
+        the State's order, read from state_in and written to state_out."""
+        return self.plan.step(x, state_in, state_out)

@@ -179,8 +179,8 @@ class DecodePlan {
  public:
   // blocks: one dict per block, name -> fp32 tensor, or name -> tuple for a linear: (weight,) dense;
   // (qweight int8, scales, None, col_scales) int8; (qweight uint8, scales, biases, col_scales) int4.
-  DecodePlan(int64_t family, bool gated, int64_t C, int64_t A, int64_t H, int64_t N, int64_t F, at::ScalarType dtype,
-             int64_t rescale_every, const std::vector<py::dict>& blocks) {
+  DecodePlan(int64_t family, bool gated, int64_t C, int64_t A, int64_t H, int64_t N, int64_t F, int64_t V,
+             at::ScalarType dtype, int64_t rescale_every, const std::vector<py::dict>& blocks, const py::dict& out) {
     TORCH_CHECK(family == 4 || family == 5 || family == 6 || family == 7, "family must be 4, 5, 6 or 7");
     TORCH_CHECK(!blocks.empty(), "a model has at least one block");
     TORCH_CHECK(family == 4 || (H > 0 && H * N == A), "heads of size N must make A");
@@ -191,13 +191,17 @@ class DecodePlan {
     p_.dt = dtype_of(dtype);
     p_.rescale_every = static_cast<int>(rescale_every);
     for (const py::dict& d : blocks) p_.blocks.push_back(parse_block(d, static_cast<int64_t>(p_.blocks.size())));
+    p_.ln_out_w = vec(out, "ln_out_w", C), p_.ln_out_b = vec(out, "ln_out_b", C);
+    p_.head = linear(out, "head", V, C);
   }
 
   int64_t n_layer() const { return static_cast<int64_t>(p_.blocks.size()); }
 
   // x [B, C] fp32 (in: embedded tokens; out: the residual stream after the last block).
   // state_in / state_out: the State's fields in order, each [B, L, ...] fp32 contiguous.
-  void step(const at::Tensor& x, const std::vector<at::Tensor>& state_in, const std::vector<at::Tensor>& state_out) {
+  // Returns the logits [B, V] fp32.
+  at::Tensor step(const at::Tensor& x, const std::vector<at::Tensor>& state_in,
+                  const std::vector<at::Tensor>& state_out) {
     check_cpu_contiguous(x, "x");
     TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == p_.C, "x must be float32 [B, ", p_.C, "]");
     const int64_t B = x.size(0), L = n_layer();
@@ -217,8 +221,13 @@ class DecodePlan {
       st.out[f] = state_out[f].data_ptr<float>();
     }
     float* xp = x.data_ptr<float>();
-    py::gil_scoped_release nogil;
-    rwkv_native::decode_step(p_, B, xp, st);
+    at::Tensor logits = at::empty({B, p_.head.N}, x.options());
+    float* lp = logits.data_ptr<float>();
+    {
+      py::gil_scoped_release nogil;
+      rwkv_native::decode_step(p_, B, xp, st, lp);
+    }
+    return logits;
   }
 
  private:
@@ -374,11 +383,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(qweight, scales, biases) of primitives.quantize_int4(w, group_size) with the given range shrink factors",
         py::arg("weight"), py::arg("group_size"), py::arg("shrinks"), py::arg("col_scales") = py::none());
   py::class_<DecodePlan>(m, "DecodePlan", "one-token forward of every block of a model (see models/native_step.py)")
-      .def(py::init<int64_t, bool, int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t,
-                    const std::vector<py::dict>&>(),
+      .def(py::init<int64_t, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t,
+                    const std::vector<py::dict>&, const py::dict&>(),
            py::arg("family"), py::arg("gated"), py::arg("C"), py::arg("A"), py::arg("H"), py::arg("N"), py::arg("F"),
-           py::arg("dtype"), py::arg("rescale_every"), py::arg("blocks"))
+           py::arg("V"), py::arg("dtype"), py::arg("rescale_every"), py::arg("blocks"), py::arg("out"))
       .def_property_readonly("n_layer", &DecodePlan::n_layer)
-      .def("step", &DecodePlan::step, "x [B, C] fp32 in place; state_in -> state_out (field lists)", py::arg("x"),
+      .def("step", &DecodePlan::step, "x [B, C] fp32 in place; state_in -> state_out (field lists); returns logits [B, V]", py::arg("x"),
            py::arg("state_in"), py::arg("state_out"));
 }

@@ -446,7 +446,7 @@ void linear_f32(const Linear& l, const float* x, int64_t B, float* y) {
   }
 }
 
-void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st) {
+void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits) {
   const int64_t L = static_cast<int64_t>(p.blocks.size());
   const int ffn_field = p.family == 4 ? 4 : 2;
   std::vector<float> v_first(p.family == 7 ? B * p.C : 0);
@@ -462,6 +462,13 @@ void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st) 
       for (int64_t j = 0; j < B * p.C; ++j) x[j] *= 0.5f;
     }
   }
+  // The head (RWKV._logits): head(ln_out(x).to(dt)).float()
+  Rows xo(B, p.C);
+  for (int64_t b = 0; b < B; ++b) {
+    layer_norm(x + b * p.C, p.ln_out_w, p.ln_out_b, p.C, xo[b]);
+    for (int64_t c = 0; c < p.C; ++c) xo[b][c] = round_to(p.dt, xo[b][c]);
+  }
+  linear_dt(p.head, xo.data(), B, p.dt, logits);
 }
 
 }  // namespace rwkv_native

@@ -62,6 +62,8 @@ struct ModelParams {
   DType dt = DType::kF32;  // the model dtype: where the PyTorch path rounds
   int rescale_every = 0;   // fp16: halve the residual after every rescale_every blocks
   std::vector<BlockParams> blocks;
+  const float *ln_out_w = nullptr, *ln_out_b = nullptr;  // the final LayerNorm [C] and the head [V, C]
+  Linear head;
 };
 
 // The recurrent state of B rows, each field [B, L, ...] fp32 contiguous, in the State's field
@@ -72,7 +74,8 @@ struct StateRef {
   float* out[5] = {};
 };
 
-// x [B, C] fp32: the embedded tokens in, the residual stream after the last block out.
-void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st);
+// x [B, C] fp32: the embedded tokens in, the residual stream after the last block out;
+// logits [B, V] fp32: head(ln_out(x)), rounded to the model dtype as the PyTorch path holds it.
+void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits);
 
 }  // namespace rwkv_native

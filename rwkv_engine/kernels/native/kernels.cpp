@@ -436,8 +436,8 @@ inline void q4_block(const uint8_t* Q, const uint16_t* S, const uint16_t* Z, int
 }
 
 // ---------------------------------------------------------------------------------------------
-// Drivers: B rows of x per pass; the row block R and accumulator split U depend on B so that the
-// accumulators fit in the 16 vector registers.
+// Drivers: B rows of x per pass; the row block R depends on B so that the accumulators fit in
+// the 16 vector registers.
 
 template <int B> struct Shape {
   static constexpr int R = B <= 2 ? 4 : B <= 4 ? 2 : 1;
@@ -446,52 +446,118 @@ template <int B> struct Shape {
   static constexpr int RD = B == 1 ? 8 : B == 2 ? 4 : B <= 4 ? 2 : 1;
 };
 
-// Calls block.template operator()<R>(n, out) on R-row blocks and <1> on the leftover rows.
+// Rows [r0, r1) of one pass over the weight: block.template operator()<R>(n, out) on R-row
+// blocks and <1> on the leftover rows; results to y.
 template <int B, int R, typename F>
-void run_rows(int64_t N, int64_t K, const Out& y, const F& block) {
-  for_rows(N, K, R, [&](int64_t r0, int64_t r1) {
-    float out[B][R];
-    float out1[B][1];
-    int64_t n = r0;
-    for (; n + R <= r1; n += R) {
-      block.template operator()<R>(n, out);
-      for (int b = 0; b < B; ++b)
-        for (int r = 0; r < R; ++r) y.put(b * N + n + r, out[b][r]);
-    }
-    for (; n < r1; ++n) {
-      block.template operator()<1>(n, out1);
-      for (int b = 0; b < B; ++b) y.put(b * N + n, out1[b][0]);
-    }
-  });
-}
-
-// Calls fn.template operator()<Bc>(b0) for each pass of at most kMaxB rows of x.
-template <typename F>
-void for_batches(int64_t B, const F& fn) {
-  for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
-    switch (std::min<int64_t>(kMaxB, B - b0)) {
-      case 1: fn.template operator()<1>(b0); break;
-      case 2: fn.template operator()<2>(b0); break;
-      case 3: fn.template operator()<3>(b0); break;
-      case 4: fn.template operator()<4>(b0); break;
-      case 5: fn.template operator()<5>(b0); break;
-      case 6: fn.template operator()<6>(b0); break;
-      case 7: fn.template operator()<7>(b0); break;
-      default: fn.template operator()<8>(b0); break;
-    }
+void run_range(int64_t r0, int64_t r1, int64_t N, const Out& y, const F& block) {
+  float out[B][R];
+  float out1[B][1];
+  int64_t n = r0;
+  for (; n + R <= r1; n += R) {
+    block.template operator()<R>(n, out);
+    for (int b = 0; b < B; ++b)
+      for (int r = 0; r < R; ++r) y.put(b * N + n + r, out[b][r]);
+  }
+  for (; n < r1; ++n) {
+    block.template operator()<1>(n, out1);
+    for (int b = 0; b < B; ++b) y.put(b * N + n, out1[b][0]);
   }
 }
 
-template <typename D>
-void dense_all(const typename D::T* W, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y) {
-  const std::vector<float> xp = prepare_x(x, xt, B, K, D::perm);
-  const Out yo{y, xt};
-  for_batches(B, [&]<int Bc>(int64_t b0) {
-    constexpr int R = Shape<Bc>::RD;
-    const float* xb = xp.data() + b0 * K;
-    run_rows<Bc, R>(N, K, yo.offset(b0 * N), [&]<int Rr>(int64_t n, float (*out)[Rr]) {
-      dense_block<D, Rr, Bc>(W, K, n, xb, out);
-    });
+// fn.template operator()<Bc>() for a pass of Bc (1..kMaxB) rows of x.
+template <typename F>
+void with_batch(int64_t Bc, const F& fn) {
+  switch (Bc) {
+    case 1: fn.template operator()<1>(); break;
+    case 2: fn.template operator()<2>(); break;
+    case 3: fn.template operator()<3>(); break;
+    case 4: fn.template operator()<4>(); break;
+    case 5: fn.template operator()<5>(); break;
+    case 6: fn.template operator()<6>(); break;
+    case 7: fn.template operator()<7>(); break;
+    default: fn.template operator()<8>(); break;
+  }
+}
+
+// A GEMV with its x prepared for the weight format.
+struct Prepared {
+  const GemvCall* call;
+  std::vector<float> xp;    // dense: fp32 x, permuted
+  XQ xq;                    // int8 / int4: x rounded to int16 per 64 columns
+  std::vector<float> xsum;  // int4: sum of the rounded x over each group (the bias term)
+};
+
+Prepared prepare(const GemvCall& c, int64_t B) {
+  const Linear& l = *c.l;
+  Prepared p{&c, {}, {}, {}};
+  switch (l.kind) {
+    case Linear::Kind::kDense:
+      p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16 ? Perm::kBF16 : Perm::kNone);
+      break;
+    case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
+    default: {
+      p.xq = prepare_xq(c.x, c.xt, B, l.K, true, l.cs);
+      // xsum[b, g] = sum of the rounded x[b] over the columns of group g, so that the result
+      // is exactly x_rounded . (code * scale + bias).
+      const int64_t G = l.G, gs = l.K / G;
+      p.xsum.resize(static_cast<size_t>(B * G));
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* s = p.xq.xh.data() + b * l.K + g * gs;
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t k = 0; k < gs; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + k));
+          p.xsum[b * G + g] = hsum(acc);
+        }
+    }
+  }
+  return p;
+}
+
+// The row block of a pass of Bc rows of x (so that the accumulators fit in registers).
+int64_t block_rows(const Linear& l, int64_t Bc) {
+  int64_t R = 1;
+  with_batch(Bc, [&]<int B>() { R = l.kind == Linear::Kind::kDense ? Shape<B>::RD : Shape<B>::R; });
+  return R;
+}
+
+// Rows [r0, r1) of the pass of x rows b0.. of a prepared GEMV.
+void run_part(const Prepared& p, int64_t B, int64_t b0, int64_t r0, int64_t r1) {
+  const Linear& l = *p.call->l;
+  const int64_t N = l.N, K = l.K, G = l.G;
+  const Out y = Out{p.call->y, p.call->xt}.offset(b0 * N);
+  with_batch(std::min<int64_t>(kMaxB, B - b0), [&]<int Bc>() {
+    switch (l.kind) {
+      case Linear::Kind::kDense: {
+        constexpr int R = Shape<Bc>::RD;
+        const float* xb = p.xp.data() + b0 * K;
+        auto dense = [&]<typename D>(const D*) {
+          const auto* W = static_cast<const typename D::T*>(l.w);
+          run_range<Bc, R>(r0, r1, N, y, [&]<int Rr>(int64_t n, float (*out)[Rr]) {
+            dense_block<D, Rr, Bc>(W, K, n, xb, out);
+          });
+        };
+        if (l.wt == DType::kF32) dense(static_cast<const DenseF32*>(nullptr));
+        else if (l.wt == DType::kBF16) dense(static_cast<const DenseBF16*>(nullptr));
+        else dense(static_cast<const DenseF16*>(nullptr));
+        break;
+      }
+      case Linear::Kind::kQ8: {
+        constexpr int R = Shape<Bc>::R;
+        const XQView xb = view(p.xq, b0, K);
+        run_range<Bc, R>(r0, r1, N, y, [&]<int Rr>(int64_t n, float (*out)[Rr]) {
+          q8_block<Rr, Bc>(l.q8, l.s8, K, G, n, xb, out);
+        });
+        break;
+      }
+      default: {
+        constexpr int R = Shape<Bc>::R;
+        const XQView xb = view(p.xq, b0, K);
+        const float* xs = p.xsum.data() + b0 * G;
+        run_range<Bc, R>(r0, r1, N, y, [&]<int Rr>(int64_t n, float (*out)[Rr]) {
+          q4_block<Rr, Bc>(l.q4, l.s4, l.z4, K, G, n, xb, xs, out);
+        });
+      }
+    }
   });
 }
 
@@ -500,50 +566,62 @@ void dense_all(const typename D::T* W, int64_t N, int64_t K, const void* x, DTyp
 // ---------------------------------------------------------------------------------------------
 // Entry points (see kernels.h).
 
-void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y) {
-  switch (wt) {
-    case DType::kF32: dense_all<DenseF32>(static_cast<const float*>(w), N, K, x, xt, B, y); break;
-    case DType::kBF16: dense_all<DenseBF16>(static_cast<const uint16_t*>(w), N, K, x, xt, B, y); break;
-    default: dense_all<DenseF16>(static_cast<const uint16_t*>(w), N, K, x, xt, B, y); break;
+void gemv_many(const GemvCall* calls, int n, int64_t B) {
+  std::vector<Prepared> prep;
+  prep.reserve(n);
+  for (int i = 0; i < n; ++i) prep.push_back(prepare(calls[i], B));
+  // Work items: (call, pass of x rows, rows [r0, r1)), about 8 per thread for each large matrix,
+  // so that a thread the OS runs late leaves its share to the others (see for_rows).
+  struct Item {
+    int call;
+    int64_t b0, r0, r1;
+  };
+  std::vector<Item> items;
+  const int T = omp_get_max_threads();
+  int64_t weights = 0;
+  for (int i = 0; i < n; ++i) {
+    const Linear& l = *calls[i].l;
+    weights += l.N * l.K;
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
+      const int64_t R = block_rows(l, std::min<int64_t>(kMaxB, B - b0));
+      const int64_t nblocks = (l.N + R - 1) / R;
+      const int64_t step = l.N * l.K < kMinParallel ? nblocks : std::max<int64_t>(1, nblocks / (8 * T));
+      for (int64_t k = 0; k < nblocks; k += step)
+        items.push_back({i, b0, k * R, std::min(l.N, (k + step) * R)});
+    }
   }
+  auto run_item = [&](int64_t j) {
+    const Item& it = items[j];
+    run_part(prep[it.call], B, it.b0, it.r0, it.r1);
+  };
+  if (weights < kMinParallel || T <= 1) {
+    for (size_t j = 0; j < items.size(); ++j) run_item(static_cast<int64_t>(j));
+    return;
+  }
+  parallel_for(static_cast<int64_t>(items.size()), run_item);
+}
+
+void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y) {
+  Linear l;
+  l.kind = Linear::Kind::kDense, l.N = N, l.K = K, l.w = w, l.wt = wt;
+  const GemvCall c{&l, x, y, xt};
+  gemv_many(&c, 1, B);
 }
 
 void gemv_q8(const int8_t* q, const float* s, const uint16_t* cs, int64_t N, int64_t K, int64_t G, const void* x,
              DType xt, int64_t B, void* y) {
-  const XQ xq = prepare_xq(x, xt, B, K, false, cs);
-  const Out yo{y, xt};
-  for_batches(B, [&]<int Bc>(int64_t b0) {
-    constexpr int R = Shape<Bc>::R;
-    const XQView xb = view(xq, b0, K);
-    run_rows<Bc, R>(N, K, yo.offset(b0 * N), [&]<int Rr>(int64_t n, float (*out)[Rr]) {
-      q8_block<Rr, Bc>(q, s, K, G, n, xb, out);
-    });
-  });
+  Linear l;
+  l.kind = Linear::Kind::kQ8, l.N = N, l.K = K, l.G = G, l.q8 = q, l.s8 = s, l.cs = cs;
+  const GemvCall c{&l, x, y, xt};
+  gemv_many(&c, 1, B);
 }
 
 void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint16_t* cs, int64_t N, int64_t K,
              int64_t G, const void* x, DType xt, int64_t B, void* y) {
-  const XQ xq = prepare_xq(x, xt, B, K, true, cs);
-  // xsum[b, g] = sum of the rounded x[b] over the columns of group g (for the bias term), so
-  // that the result is exactly x_rounded . (code * scale + bias).
-  const int64_t gs = K / G;
-  std::vector<float> xsum(static_cast<size_t>(B * G));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* p = xq.xh.data() + b * K + g * gs;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t k = 0; k < gs; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + k));
-      xsum[b * G + g] = hsum(acc);
-    }
-  const Out yo{y, xt};
-  for_batches(B, [&]<int Bc>(int64_t b0) {
-    constexpr int R = Shape<Bc>::R;
-    const XQView xb = view(xq, b0, K);
-    const float* xs = xsum.data() + b0 * G;
-    run_rows<Bc, R>(N, K, yo.offset(b0 * N), [&]<int Rr>(int64_t n, float (*out)[Rr]) {
-      q4_block<Rr, Bc>(q, s, z, K, G, n, xb, xs, out);
-    });
-  });
+  Linear l;
+  l.kind = Linear::Kind::kQ4, l.N = N, l.K = K, l.G = G, l.q4 = q, l.s4 = s, l.z4 = z, l.cs = cs;
+  const GemvCall c{&l, x, y, xt};
+  gemv_many(&c, 1, B);
 }
 
 // Dequantization for prefill: the tile is then multiplied by the GEMM.

@@ -24,6 +24,33 @@ void gemv_q8(const int8_t* q, const float* s, const uint16_t* cs, int64_t N, int
 void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint16_t* cs, int64_t N, int64_t K,
              int64_t G, const void* x, DType xt, int64_t B, void* y);
 
+// A linear layer y = x W^T in one of the formats above.
+struct Linear {
+  enum class Kind : int { kNone = 0, kDense, kQ8, kQ4 } kind = Kind::kNone;
+  int64_t N = 0, K = 0, G = 1;
+  const void* w = nullptr;  // dense [N, K] of dtype wt
+  DType wt = DType::kF32;
+  const int8_t* q8 = nullptr;  // int8 [N, K], scales fp32 [N, G]
+  const float* s8 = nullptr;
+  const uint8_t* q4 = nullptr;  // packed int4 [N, K / 2], scales / biases fp16 [N, G]
+  const uint16_t* s4 = nullptr;
+  const uint16_t* z4 = nullptr;
+  const uint16_t* cs = nullptr;  // optional fp16 column scales [K]
+};
+
+// One GEMV of gemv_many: y [B, l.N] = x [B, l.K] W^T, x and y of dtype xt.
+struct GemvCall {
+  const Linear* l;
+  const void* x;
+  void* y;
+  DType xt;
+};
+
+// Several GEMVs (the same B) as one parallel job: their row blocks are shared out together, so
+// the threads stream from one matrix into the next without a join in between. The three
+// functions above are gemv_many of one call.
+void gemv_many(const GemvCall* calls, int n, int64_t B);
+
 // Rows [r0, r1) of the dequantized weight into out [r1 - r0, K] of dtype ot.
 void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot);
 void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <vector>
 
 #include "numeric.h"
@@ -85,11 +86,25 @@ void small_matvec(const float* x, const float* W, int64_t k, int64_t n, float* y
   }
 }
 
-// A linear whose output the PyTorch path holds in dt (`self.key(kx)` with kx in dt).
-void linear_dt(const Linear& l, const float* x, int64_t B, DType dt, float* y) {
-  linear_f32(l, x, B, y);
-  round_all(dt, y, B * l.N);
+// Linears whose outputs the PyTorch path holds in dt (`self.key(kx)` with kx in dt), as one
+// parallel job (gemv_many): y [B, N] = x [B, K] W^T, fp32 in and out. Absent ones are skipped.
+struct LinCall {
+  const Linear& l;
+  const float* x;
+  float* y;
+};
+
+void linears_dt(std::initializer_list<LinCall> calls, int64_t B, DType dt) {
+  GemvCall gc[8];
+  int n = 0;
+  for (const LinCall& c : calls)
+    if (c.l.kind != Linear::Kind::kNone) gc[n++] = GemvCall{&c.l, c.x, c.y, DType::kF32};
+  gemv_many(gc, n, B);
+  for (const LinCall& c : calls)
+    if (c.l.kind != Linear::Kind::kNone) round_all(dt, c.y, B * c.l.N);
 }
+
+void linear_dt(const Linear& l, const float* x, int64_t B, DType dt, float* y) { linears_dt({{l, x, y}}, B, dt); }
 
 // Runs fn(b, h) over all rows and heads, split across threads.
 template <class Fn>
@@ -236,14 +251,13 @@ void channel_mix(const ModelParams& p, const BlockParams& q, int64_t B, int64_t 
     if (q.ffn_r.kind != Linear::Kind::kNone) mix_to(xx[b], prev, q.ffn_mix_r, C, dt, rx[b]);
   }
   for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[prev_field], b, layer, L, C));
-  linear_dt(q.ffn_k, kx.data(), B, dt, k.data());
+  linears_dt({{q.ffn_k, kx.data(), k.data()}, {q.ffn_r, rx.data(), r.data()}}, B, dt);
   for (int64_t i = 0; i < B * F; ++i) {  // torch.relu(...).square() in dt
     const float h = std::max(k.data()[i], 0.0f);
     k.data()[i] = round_to(dt, h * h);
   }
   linear_dt(q.ffn_v, k.data(), B, dt, v.data());
   if (q.ffn_r.kind != Linear::Kind::kNone) {
-    linear_dt(q.ffn_r, rx.data(), B, dt, r.data());
     for (int64_t i = 0; i < B * C; ++i) x[i] += sigmoid(r.data()[i]) * v.data()[i];
   } else {
     for (int64_t i = 0; i < B * C; ++i) x[i] += v.data()[i];
@@ -263,9 +277,7 @@ void time_mix4(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
     mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
   }
   for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
-  linear_dt(q.att_k, xk.data(), B, dt, k.data());
-  linear_dt(q.att_v, xv.data(), B, dt, v.data());
-  linear_dt(q.att_r, xr.data(), B, dt, r.data());
+  linears_dt({{q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()}, {q.att_r, xr.data(), r.data()}}, B, dt);
   for (int64_t b = 0; b < B; ++b) {
     const float *num = at(st.in[1], b, layer, L, A), *den = at(st.in[2], b, layer, L, A);
     const float* mx = at(st.in[3], b, layer, L, A);
@@ -330,10 +342,8 @@ void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t l
     for (int64_t c = 0; c < A; ++c) log_w[b][c] = -std::exp(q.decay_base[c] + log_w[b][c]);
   }
   for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
-  linear_dt(q.att_r, xr.data(), B, dt, r.data());
-  linear_dt(q.att_k, xk.data(), B, dt, k.data());
-  linear_dt(q.att_v, xv.data(), B, dt, v.data());
-  if (p.gated) linear_dt(q.att_g, xg.data(), B, dt, g.data());
+  linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()},
+              {q.att_g, xg.data(), g.data()}}, B, dt);  // (att_g is absent in RWKV-5.0)
   for_heads(B, H, [&](int64_t b, int64_t h) {
     const int64_t o = h * N;
     const float* wb = v6 ? log_w[b] + o : q.decay + o;
@@ -370,11 +380,10 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
     mix_to(xx[b], prev, q.mix_g, C, DType::kF32, xg[b]);
   }
   for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
-  linear_dt(q.att_r, xr.data(), B, dt, r.data());
-  linear_dt(q.att_k, xk.data(), B, dt, k.data());
   Rows xv_dt(B, C);
   for (int64_t i = 0; i < B * C; ++i) xv_dt.data()[i] = round_to(dt, xv.data()[i]);
-  linear_dt(q.att_v, xv_dt.data(), B, dt, v.data());
+  linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv_dt.data(), v.data()}}, B,
+             dt);
   const int64_t dmax = std::max({q.d_decay, q.d_iclr, q.d_value, q.d_gate});
   std::vector<float> low(dmax), tmp(C);
   for (int64_t b = 0; b < B; ++b) {
@@ -436,15 +445,6 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
 }
 
 }  // namespace
-
-void linear_f32(const Linear& l, const float* x, int64_t B, float* y) {
-  switch (l.kind) {
-    case Linear::Kind::kDense: gemv_dense(l.w, l.wt, l.N, l.K, x, DType::kF32, B, y); break;
-    case Linear::Kind::kQ8: gemv_q8(l.q8, l.s8, l.cs, l.N, l.K, l.G, x, DType::kF32, B, y); break;
-    case Linear::Kind::kQ4: gemv_q4(l.q4, l.s4, l.z4, l.cs, l.N, l.K, l.G, x, DType::kF32, B, y); break;
-    default: std::fill(y, y + B * l.N, 0.0f);
-  }
-}
 
 void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits) {
   const int64_t L = static_cast<int64_t>(p.blocks.size());

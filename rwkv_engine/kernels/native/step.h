@@ -14,23 +14,6 @@
 
 namespace rwkv_native {
 
-// A linear layer y = x W^T in one of the GEMV formats of kernels.h.
-struct Linear {
-  enum class Kind : int { kNone = 0, kDense, kQ8, kQ4 } kind = Kind::kNone;
-  int64_t N = 0, K = 0, G = 1;
-  const void* w = nullptr;  // dense [N, K] of dtype wt
-  DType wt = DType::kF32;
-  const int8_t* q8 = nullptr;  // int8 [N, K], scales fp32 [N, G]
-  const float* s8 = nullptr;
-  const uint8_t* q4 = nullptr;  // packed int4 [N, K / 2], scales / biases fp16 [N, G]
-  const uint16_t* s4 = nullptr;
-  const uint16_t* z4 = nullptr;
-  const uint16_t* cs = nullptr;  // optional fp16 column scales [K]
-};
-
-// y [B, N] = x [B, K] W^T, both fp32.
-void linear_f32(const Linear& l, const float* x, int64_t B, float* y);
-
 // The parameters of one block (fp32 unless said otherwise; nullptr where the version has none).
 // They point into the model's own tensors, so in-place changes of the model show.
 struct BlockParams {

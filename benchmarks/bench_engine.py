@@ -50,7 +50,7 @@ def make_checkpoint(path: Path, version: str, shape: str) -> None:
     os.replace(tmp, path)
 
 
-def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, threads: int) -> dict:
+def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, threads: int, version: str) -> dict:
     """Runs in the child process: load, prefill `prompt_len` tokens, decode `decode` tokens."""
     import torch
 
@@ -69,11 +69,14 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
         def step(tok, state):
             return model.forward([tok], state)
     else:
+        if version == "7":
+            os.environ["RWKV_V7_ON"] = "1"  # the package's RWKV-7 code path (a process-wide switch)
         os.environ.setdefault("RWKV_JIT_ON", "1")
         os.environ.setdefault("RWKV_CUDA_ON", "0")
         from rwkv.model import RWKV
 
-        model = RWKV(ckpt.removesuffix(".pth"), f"cpu {dtype}", verbose=False)
+        kwargs = {} if version == "7" else {"verbose": False}  # (its RWKV-7 class takes no verbose)
+        model = RWKV(ckpt.removesuffix(".pth"), f"cpu {dtype}", **kwargs)
         load_s = time.perf_counter() - t0
 
         def prefill():
@@ -123,7 +126,7 @@ def converted_dir(work: Path, ckpt: Path, scheme: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--version", default="5.2", choices=["4", "5.2"])
+    ap.add_argument("--version", default="5.2", choices=["4", "5.2", "7"])
     ap.add_argument("--shape", default="1.5B", choices=sorted(SHAPES))
     ap.add_argument("--small", action="store_true", help="shortcut for --shape 0.1B --prompt-len 128 --decode 16")
     ap.add_argument("--dtypes", default="fp32,bf16")
@@ -138,7 +141,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         engine, ckpt, dtype = args.child.split("|")
-        print(json.dumps(run_one(engine, ckpt, dtype, args.prompt_len, args.decode, args.threads)))
+        print(json.dumps(run_one(engine, ckpt, dtype, args.prompt_len, args.decode, args.threads, args.version)))
         return
     if args.small:
         args.shape, args.prompt_len, args.decode = "0.1B", 128, 16
@@ -155,7 +158,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for label, engine, path, dtype in configs:
             cmd = [sys.executable, __file__, "--child", f"{engine}|{path}|{dtype}", "--prompt-len",
-                   str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads)]
+                   str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads),
+                   "--version", args.version]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 print(f"{label} failed:\n{out.stderr[-2000:]}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_server.py                 # RWKV-5.2 World 1.5B shape (24 x 2048), bf16
     python benchmarks/bench_server.py --small         # the 0.1B shape (12 x 768), a quick run
+    python benchmarks/bench_server.py --quantization q8   # int8 weights (converted once, bf16 activations)
     python benchmarks/bench_server.py --device cuda
 
 A random-weight checkpoint of the shape is written once (bf16 .pth, as the official files are;
@@ -177,6 +178,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="shortcut for --shape 0.1B")
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="server weight dtype")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--quantization", default=None, help="serve a converted copy with this scheme (e.g. q8)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated stream counts (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per decode stream (default: %(default)s)")
     ap.add_argument("--system-tokens", type=int, default=2048,
@@ -193,6 +195,12 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / f"rwkv5.2-{args.shape}-bf16.pth"
     make_checkpoint(ckpt, args.shape)
+    if args.quantization:
+        out = work / f"{ckpt.stem}-{args.quantization}"
+        if not out.exists():
+            subprocess.run([sys.executable, "-m", "rwkv_engine", "convert", str(ckpt), str(out), "-q",
+                            args.quantization, "--dtype", args.dtype], check=True, stdout=subprocess.DEVNULL)
+        ckpt = out
     t0 = time.perf_counter()
     proc, url = start_server(ckpt, args, work / "bench_server.log")
     print(f"server up in {time.perf_counter() - t0:.1f} s at {url}", file=sys.stderr, flush=True)
@@ -211,7 +219,8 @@ def main() -> None:
         proc.wait(60)
 
     L, C, V = SHAPES[args.shape]
-    print(f"\nrwkv-engine serve, RWKV-5.2 {args.shape} shape ({L} x {C}, vocab {V}), {args.dtype} on {args.device}, "
+    print(f"\nrwkv-engine serve, RWKV-5.2 {args.shape} shape ({L} x {C}, vocab {V}), {args.dtype} "
+          f"(quantization {args.quantization or 'none'}) on {args.device}, "
           f"max batch {max(args.concurrency)}, {os.cpu_count()} CPUs\n")
     print("| streams | tokens | wall s | aggregate decode tok/s | per-stream tok/s | median TTFT ms | mean batch |")
     print("|---|---|---|---|---|---|---|")

@@ -33,6 +33,7 @@ from torch import nn
 from . import converted
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
+from .memory import tune_malloc
 from .models import RWKV
 from .quant.linear import DenseLinear
 
@@ -599,6 +600,7 @@ def load(
     `rwkv_engine.quant.quantize_model`.
     rescale_every: halve the residual every this many blocks (default: 6 for fp16, off otherwise).
     """
+    tune_malloc()
     scheme = None
     if quantization is not None:
         from .quant import get_scheme

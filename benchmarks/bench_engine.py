@@ -9,7 +9,7 @@ A random-weight checkpoint of the real shape is written once (bf16 .pth, as the 
 are) into --workdir; `--quant` schemes are converted from it once (`rwkv-engine convert`, bf16
 activations). Each configuration then runs in a fresh subprocess so that its peak RSS is its
 own, and the configurations take turns for `--rounds` rounds: the medians compare runs that saw
-the same drift of a noisy machine. Ratios are to the `rwkv` package in the same dtype, and for
+the same drift of a noisy machine (every other round in reverse order). Ratios are to the `rwkv` package in the same dtype, and for
 quantized rows to `rwkv` bf16 (the issue's targets are written that way). The table also shows
 the memory read bandwidth of the machine and the batch-1 decode speed it allows for each row.
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -99,6 +98,8 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
         logits, state = step(tok, state)
         steps.append(time.perf_counter() - t)
         tok = int(logits.argmax())
+    from rwkv_engine.cli.bench import peak_rss_mb
+
     weights = None
     if engine == "rwkv-engine":
         from rwkv_engine.cli.bench import weight_bytes_per_step
@@ -111,7 +112,7 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
         "load_s": round(load_s, 2),
         "prefill_tok_s": round(prompt_len / prefill_s, 2),
         "decode_tok_s": round(1 / statistics.median(steps), 2),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_mb": round(peak_rss_mb()),
     }
 
 
@@ -155,8 +156,12 @@ def main() -> None:
     configs += [(f"rwkv-engine {q}", "rwkv-engine", str(converted_dir(work, ckpt, q)), q)
                 for q in args.quant.split(",") if q]
     runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
-    for _ in range(args.rounds):
-        for label, engine, path, dtype in configs:
+    for rnd in range(args.rounds):
+        # Every other round runs the configurations in reverse order, and each run starts after a
+        # pause: the kernel is still reclaiming a finished run's memory for a few seconds, and the
+        # run right after a big one would pay for it.
+        for label, engine, path, dtype in configs if rnd % 2 == 0 else configs[::-1]:
+            time.sleep(5)
             cmd = [sys.executable, __file__, "--child", f"{engine}|{path}|{dtype}", "--prompt-len",
                    str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads),
                    "--version", args.version]

@@ -12,7 +12,6 @@ decode speed that bandwidth allows at batch 1: the ceiling no engine passes on t
 from __future__ import annotations
 
 import json
-import os
 import resource
 import statistics
 import sys
@@ -103,6 +102,15 @@ def read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory. On Linux the VmHWM of /proc/self/status: getrusage's
+    ru_maxrss survives exec, so a process started by a bigger one would report its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 

@@ -276,6 +276,19 @@ def test_chat_world_format_and_stop(ref, client):
     assert chunks[-1].usage.prompt_tokens == got.usage.prompt_tokens
 
 
+def complete_concurrently(server, prompts, samplings, max_tokens, timeout):
+    """One completion per prompt, all sent at once with the async `openai` client."""
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+        async with ac:
+            return await asyncio.gather(*(
+                ac.completions.create(model=MODEL, prompt=p, max_tokens=n, **client_kwargs(s))
+                for p, s, n in zip(prompts, samplings, max_tokens)))
+
+    return asyncio.run(run())
+
+
 def test_concurrent_requests_batch_and_match_generate(ref, server):
     """Requests decoded together in one batch give the tokens each gives alone."""
     words = ["cat", "sea", "king", "road", "star", "bell", "rain", "wolf"]
@@ -284,14 +297,7 @@ def test_concurrent_requests_batch_and_match_generate(ref, server):
     lengths = [28 - 2 * i for i in range(len(prompts))]
     before = server.metrics()
 
-    async def run():
-        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        async with ac:
-            return await asyncio.gather(*(
-                ac.completions.create(model=MODEL, prompt=p, max_tokens=n, **client_kwargs(s))
-                for p, s, n in zip(prompts, samplings, lengths)))
-
-    results = asyncio.run(run())
+    results = complete_concurrently(server, prompts, samplings, lengths, timeout=60)
     after = server.metrics()
     for p, s, n, r in zip(prompts, samplings, lengths, results):
         want = reference(ref, p, n, s)
@@ -323,14 +329,7 @@ def test_wide_nucleus_sampling_batched_matches_generate(ref, server):
     n_tokens = 40
     before = server.metrics()
 
-    async def run():
-        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        async with ac:
-            return await asyncio.gather(*(
-                ac.completions.create(model=MODEL, prompt=q, max_tokens=n_tokens, **client_kwargs(s))
-                for q, s in zip(prompts, samplings)))
-
-    results = asyncio.run(run())
+    results = complete_concurrently(server, prompts, samplings, [n_tokens] * len(prompts), timeout=120)
     after = server.metrics()
     for q, s, r in zip(prompts, samplings, results):
         want = reference(ref, q, n_tokens, s)

@@ -40,8 +40,8 @@ void round_all(DType t, float* v, int64_t n) {
 
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
-// out = LayerNorm(x) over n, as torch (biased variance, eps 1e-5).
-void layer_norm(const float* x, const float* w, const float* b, int64_t n, float* out) {
+// out = (x - mean) / sqrt(var + eps) * w + b over n values, as torch (biased variance); out may be x.
+void normalize(const float* x, const float* w, const float* b, int64_t n, float eps, float* out) {
   double mean = 0;
   for (int64_t i = 0; i < n; ++i) mean += x[i];
   mean /= n;
@@ -49,26 +49,17 @@ void layer_norm(const float* x, const float* w, const float* b, int64_t n, float
   for (int64_t i = 0; i < n; ++i) var += (x[i] - mean) * (x[i] - mean);
   var /= n;
   const float m = static_cast<float>(mean);
-  const float inv = static_cast<float>(1.0 / std::sqrt(var + kLayerNormEps));
+  const float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - m) * inv * w[i] + b[i];
+}
+
+void layer_norm(const float* x, const float* w, const float* b, int64_t n, float* out) {
+  normalize(x, w, b, n, kLayerNormEps, out);
 }
 
 // The per-head GroupNorm of RWKV-5/6/7 (head_group_norm): y [A] in place, heads of N channels.
 void head_group_norm(float* y, const float* w, const float* b, int64_t H, int64_t N) {
-  for (int64_t h = 0; h < H; ++h) {
-    float* yh = y + h * N;
-    const float* wh = w + h * N;
-    const float* bh = b + h * N;
-    double mean = 0;
-    for (int64_t j = 0; j < N; ++j) mean += yh[j];
-    mean /= N;
-    double var = 0;
-    for (int64_t j = 0; j < N; ++j) var += (yh[j] - mean) * (yh[j] - mean);
-    var /= N;
-    const float m = static_cast<float>(mean);
-    const float inv = static_cast<float>(1.0 / std::sqrt(var + kGroupNormEps));
-    for (int64_t j = 0; j < N; ++j) yh[j] = (yh[j] - m) * inv * wh[j] + bh[j];
-  }
+  for (int64_t h = 0; h < H; ++h) normalize(y + h * N, w + h * N, b + h * N, N, kGroupNormEps, y + h * N);
 }
 
 // out = prev + (x - prev) * m, rounded to dt (mix(...).to(dt)).

@@ -27,7 +27,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -116,19 +115,20 @@ std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, Perm
   return xp;
 }
 
+// Row blocks per work item when nblocks blocks of a matrix of `weights` weights are shared out:
+// about 1/8 of a thread's share, so a thread that the OS runs late (a shared machine) leaves its
+// work to the others instead of holding everyone up; all of them for a small matrix (waking
+// threads costs more than it saves).
+int64_t blocks_per_item(int64_t nblocks, int64_t weights, int T) {
+  return std::max<int64_t>(1, weights < kMinParallel || T <= 1 ? nblocks : nblocks / (8 * T));
+}
+
 // Runs fn(n0, n1) over all rows in ranges that are multiples of `block` rows, on all threads
-// (pool.h). Ranges are about 1/8 of a thread's share, so a thread that the OS runs late (a shared
-// machine) leaves its work to the others instead of holding everyone up. Small matrices run on
-// the calling thread (waking threads costs more).
+// (pool.h; a single range runs on the calling thread).
 template <typename F>
 void for_rows(int64_t N, int64_t K, int64_t block, const F& fn) {
   const int64_t nblocks = (N + block - 1) / block;
-  const int T = omp_get_max_threads();
-  if (N * K < kMinParallel || T <= 1) {
-    fn(0, N);
-    return;
-  }
-  const int64_t step = std::max<int64_t>(1, nblocks / (8 * T));
+  const int64_t step = blocks_per_item(nblocks, N * K, omp_get_max_threads());
   parallel_for((nblocks + step - 1) / step, [&](int64_t i) {
     const int64_t b0 = i * step, b1 = std::min(nblocks, b0 + step);
     fn(b0 * block, std::min(N, b1 * block));
@@ -570,8 +570,7 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
   std::vector<Prepared> prep;
   prep.reserve(n);
   for (int i = 0; i < n; ++i) prep.push_back(prepare(calls[i], B));
-  // Work items: (call, pass of x rows, rows [r0, r1)), about 8 per thread for each large matrix,
-  // so that a thread the OS runs late leaves its share to the others (see for_rows).
+  // Work items: (call, pass of x rows, rows [r0, r1)), sized by blocks_per_item.
   struct Item {
     int call;
     int64_t b0, r0, r1;
@@ -585,7 +584,7 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
     for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
       const int64_t R = block_rows(l, std::min<int64_t>(kMaxB, B - b0));
       const int64_t nblocks = (l.N + R - 1) / R;
-      const int64_t step = l.N * l.K < kMinParallel ? nblocks : std::max<int64_t>(1, nblocks / (8 * T));
+      const int64_t step = blocks_per_item(nblocks, l.N * l.K, T);
       for (int64_t k = 0; k < nblocks; k += step)
         items.push_back({i, b0, k * R, std::min(l.N, (k + step) * R)});
     }

@@ -21,11 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.linear import DenseLinear, Int4Linear, Int8Linear, native_ops
+from ..quant.linear import _NATIVE_DENSE_DTYPES, DenseLinear, Int4Linear, Int8Linear, native_ops
 
 Tensor = torch.Tensor
-
-_DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Bumped whenever any module anywhere registers a submodule, parameter or buffer (nn.Module's
 # global registration hooks fire on assignment), so a cached step can tell that it may be stale.
@@ -54,7 +52,7 @@ def _linear_parts(m: nn.Module) -> tuple | None:
         return (m.qweight, m.scales, m.biases, m.col_scales)
     if type(m) is nn.Linear or isinstance(m, DenseLinear):
         w = m.weight
-        if m.bias is None and w.dtype in _DENSE_DTYPES and w.is_contiguous():
+        if m.bias is None and w.dtype in _NATIVE_DENSE_DTYPES and w.is_contiguous():
             return (w,)
     return None
 

@@ -116,11 +116,12 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
     }
 
 
-def converted_dir(work: Path, ckpt: Path, scheme: str) -> Path:
-    out = work / f"{ckpt.stem}-{scheme}"
+def converted_dir(work: Path, ckpt: Path, scheme: str, dtype: str = "bf16") -> Path:
+    """`rwkv-engine convert` of ckpt with `scheme` and activation `dtype`, once, into work."""
+    out = work / (f"{ckpt.stem}-{scheme}" + ("" if dtype == "bf16" else f"-{dtype}"))
     if not out.exists():
         print(f"converting {ckpt.name} to {scheme} ...", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "rwkv_engine", "convert", str(ckpt), str(out), "-q", scheme, "--dtype", "bf16"]
+        cmd = [sys.executable, "-m", "rwkv_engine", "convert", str(ckpt), str(out), "-q", scheme, "--dtype", dtype]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return out
 

@@ -37,31 +37,12 @@ import sys
 import time
 from pathlib import Path
 
-SHAPES = {
-    # name: (n_layer, n_embd, vocab)
-    "1.5B": (24, 2048, 65536),
-    "0.4B": (24, 1024, 65536),
-    "0.1B": (12, 768, 65536),
-}
+# The checkpoint and converted copies are bench_engine.py's (this script's directory is on sys.path).
+from bench_engine import SHAPES, converted_dir, make_checkpoint
+
 MODEL = "bench"
 WORDS = ("river stone light paper engine garden window silver morning violin harbour lantern meadow "
          "copper thunder velvet orchard compass").split()
-
-
-def make_checkpoint(path: Path, shape: str) -> None:
-    import torch
-
-    from rwkv_engine import testing
-
-    if path.exists():
-        return
-    L, C, V = SHAPES[shape]
-    print(f"writing a random RWKV-5.2 {shape} checkpoint to {path} ...", file=sys.stderr, flush=True)
-    sd = testing.random_state_dict("5.2", n_layer=L, n_embd=C, vocab_size=V, head_size=64)
-    sd = testing.cast(sd, torch.bfloat16)
-    tmp = path.with_suffix(".tmp")
-    torch.save(sd, tmp)
-    os.replace(tmp, path)
 
 
 def start_server(ckpt: Path, args, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -194,13 +175,9 @@ def main() -> None:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / f"rwkv5.2-{args.shape}-bf16.pth"
-    make_checkpoint(ckpt, args.shape)
+    make_checkpoint(ckpt, "5.2", args.shape)
     if args.quantization:
-        out = work / f"{ckpt.stem}-{args.quantization}"
-        if not out.exists():
-            subprocess.run([sys.executable, "-m", "rwkv_engine", "convert", str(ckpt), str(out), "-q",
-                            args.quantization, "--dtype", args.dtype], check=True, stdout=subprocess.DEVNULL)
-        ckpt = out
+        ckpt = converted_dir(work, ckpt, args.quantization, args.dtype)
     t0 = time.perf_counter()
     proc, url = start_server(ckpt, args, work / "bench_server.log")
     print(f"server up in {time.perf_counter() - t0:.1f} s at {url}", file=sys.stderr, flush=True)

@@ -10,7 +10,8 @@ The steps, each done once:
 5. transform: ln0 folded into the embedding, decays to log space (RWKV-6 keeps its raw base decay,
    the per-token part is data-dependent), mixes squeezed and put in one convention (RWKV-6/7's
    x + (prev - x) m is stored as 1 - m), fp16 rescale, dtype cast; every tensor checked against
-   the shape the model expects; a state-tuned file's time_state becomes the model's initial state;
+   the shape the model expects; a state-tuned file's time_state (RWKV-6/7) becomes the model's
+   initial state;
 6. build: the module tree is created on the meta device and the tensors are assigned into it.
 """
 
@@ -320,6 +321,9 @@ def canonical_name(name: str) -> str:
 
 def _version(ck: Checkpoint) -> str:
     keys = ck.keys()
+    if keys and all(k.endswith(".att.time_state") for k in keys):
+        raise CheckpointError(f"{ck.where}: a state-only file (time_state tensors, no weights); merge its tensors "
+                              "into the checkpoint of the model it was tuned on and load that")
     if "emb.weight" not in ck or not any(k.startswith("blocks.") for k in keys):
         raise CheckpointError(f"{ck.where}: not an RWKV checkpoint (no emb.weight / blocks.* tensors)")
     if any(".att.time_misc_" in k for k in keys):
@@ -329,9 +333,6 @@ def _version(ck: Checkpoint) -> str:
         if any(".ffn.s_emb" in k for k in keys):
             raise UnsupportedModelError(f"{ck.where}: an RWKV-7 DeepEmbed checkpoint (ffn.s_emb); "
                                         "rwkv-engine runs standard RWKV-7 only")
-        if any(k.endswith(".att.time_state") for k in keys):
-            raise UnsupportedModelError(f"{ck.where}: an RWKV-7 checkpoint with a tuned initial state (time_state); "
-                                        "rwkv-engine reads time_state for RWKV-6 only")
         return "7"
     if any("time_maa" in k for k in keys):
         return "6.0"
@@ -419,9 +420,9 @@ def _target_name(name: str, family: int) -> str | None:
     """Our module's parameter name for a canonical tensor name (None: consumed elsewhere)."""
     if name.startswith("blocks.0.ln0."):
         return None
+    if family >= 6 and name.endswith(".att.time_state"):
+        return None  # the initial state, see initial_state()
     if family == 6:
-        if name.endswith(".att.time_state"):
-            return None  # the initial state, see initial_state()
         name = re.sub(r"\.time_maa_([xwkvrg])$", r".mix_\1", name)
         name = re.sub(r"\.att\.time_maa_(w[12])$", r".att.maa_\1", name)
         name = re.sub(r"\.att\.time_decay$", ".att.decay_base", name)
@@ -525,14 +526,28 @@ def build_state_dict(ck: Checkpoint, cfg: ModelConfig, model: RWKV, dtype: torch
 
 
 def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
-    """A state-tuned RWKV-6 file's learned initial wkv state: {"att_kv": [L, H, N, N]}, or {}.
+    """A state-tuned RWKV-6/7 file's learned initial wkv state: {"att_kv": [L, H, N, N]}, or {}.
 
-    Each block's time_state [H, N, N] is stored [value][key]; the reference transposes it (1, 2)
-    into the [key][value] layout that att_kv uses (FORMATS A.4, A.9).
+    Each block's time_state [H, N, N] is stored [value][key] in both versions, and att_kv is
+    [key][value] in both (state.py), so one transpose (1, 2) serves both (FORMATS A.4, A.9).
+    RWKV-6: the `rwkv` pip package starts from time_state.transpose(1, 2) (tested against it).
+    RWKV-7: the pip package has no time_state path (0.8.32, the latest); the layout is the one
+    of the trainer that writes these files and of an engine that reads them:
+    * JL-er/RWKV-PEFT rwkvt/rwkv7/att.py @022e5653: time_state is an (H, N, N) parameter of each
+      x070 block; rwkvt/operator/rwkvop.py @74f44431 (and Joluck/RWKV-PEFT @0283fcf1) hands
+      time_state.transpose(1, 2) to fla's chunk_rwkv7 as initial_state, which fla documents as
+      [B, H, K, V] (fla-org/flash-linear-attention fla/ops/rwkv7/fused_recurrent.py @0315a70e),
+      the same transpose that file uses for x060; its Wind Triton path passes time_state as is
+      to a kernel whose state rows are values (y = S r, S += v k^T);
+    * cryscan/web-rwkv src/runtime/v7.rs @1991c4bb read_state is the same as v6.rs @063a9b39
+      read_state, and its time_mix_v6/v7 kernels keep the state in the same orientation
+      (Ai00-X/ai00_server loads state files and a model file's own time_state through it).
+    The trainer also saves state-only files (the blocks.{i}.att.time_state tensors alone); they
+    are merged into the base checkpoint (RWKV-PEFT merge/merge_state.py) before loading here.
     """
     names = [f"blocks.{i}.att.time_state" for i in range(cfg.n_layer)]
     present = [n in ck for n in names]
-    if cfg.family != 6 or not any(present):
+    if cfg.family < 6 or not any(present):
         return {}
     if not all(present):
         absent = [i for i, p in enumerate(present) if not p]
@@ -540,8 +555,12 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
     H, N = cfg.n_head, cfg.head_size
     states = []
     for n in names:
-        if math.prod(ck.shape(n)) != H * N * N:
-            raise CheckpointError(f"{ck.where}: tensor {n} has shape {ck.shape(n)}, expected {(H, N, N)}")
+        shape = tuple(ck.shape(n))
+        while len(shape) > 3 and shape[0] == 1:  # leading unit axes (a batch of one) are harmless
+            shape = shape[1:]
+        if shape != (H, N, N):
+            raise CheckpointError(f"{ck.where}: tensor {n} has shape {tuple(ck.shape(n))}, expected {(H, N, N)} "
+                                  f"({H} heads of {N}x{N})")
         states.append(ck.get(n).float().reshape(H, N, N).transpose(1, 2))
     return {"att_kv": torch.stack(states).contiguous()}
 

@@ -66,10 +66,13 @@ def random_state_dict(
     version: "4", "5.0", "5.1", "5.2", "6.0" or "7". ffn_dim defaults to 4*n_embd for RWKV-4 and
     RWKV-7 and int(3.5*n_embd)//32*32 for RWKV-5/6 (at least 32).
     lora: LoRA ranks overriding the defaults of `lora_ranks` (RWKV-6/7).
-    time_state: add a state-tuned initial state per block (RWKV-6).
+    time_state: add a state-tuned initial state per block (RWKV-6/7): blocks.{i}.att.time_state
+    [H, N, N], stored [value][key] like the files state tuning writes.
     """
     if version not in SUPPORTED_RANDOM_VERSIONS:
         raise ValueError(f"random_state_dict: unknown version {version!r}; use one of {SUPPORTED_RANDOM_VERSIONS}")
+    if time_state and version not in ("6.0", "7"):
+        raise ValueError(f"random_state_dict: time_state exists for RWKV-6 and RWKV-7 only, not {version!r}")
     gen = torch.Generator().manual_seed(seed)
     C = n_embd
     if ffn_dim is None:

@@ -147,8 +147,6 @@ def test_unsupported_variants(tmp_path):
     _expect(UnsupportedModelError, "RWKV-7 DeepEmbed", testing.save_pth(deep, tmp_path / "de.pth"))
     preview = dict(sd, **{"blocks.0.att.time_misc_a": torch.zeros(1, 1, 64)})
     _expect(UnsupportedModelError, "RWKV-7 preview", testing.save_pth(preview, tmp_path / "rc.pth"))
-    tuned = dict(sd, **{f"blocks.{i}.att.time_state": torch.zeros(4, 16, 16) for i in range(3)})
-    _expect(UnsupportedModelError, "time_state", testing.save_pth(tuned, tmp_path / "ts.pth"))
 
 
 def test_pip_converted_file(tmp_path):

@@ -3,6 +3,7 @@
     python benchmarks/bench_kernels.py                 # 2 threads, decode + crossover + prefill
     python benchmarks/bench_kernels.py --quick         # decode only, fewer rounds, no 65536-row head
     python benchmarks/bench_kernels.py --only errors   # quantization error table only
+    python benchmarks/bench_kernels.py --only batch --baseline HEAD~3   # batched GEMVs, new vs old
 
 Decode (one token, x [1, K]): for each layer shape of the RWKV-5 World 1.5B model and each weight
 format, the torch peer and our kernel run in alternating rounds over enough copies of the
@@ -17,13 +18,21 @@ Then an estimate of decode tok/s for the whole 1.5B model (24 layers x 8 matrice
 scheme, the GEMV / GEMM crossover in the number of rows of x, and prefill (T = 512) GFLOP/s of
 the quantized modules against torch's dense and packed GEMMs.
 
+Batch (`--only batch`): our GEMV for x [B, K], B = 1, 4, 8, per shape and format, as GMAC/s
+(B * N * K multiply-adds per call) and GB/s of weights read; with `--baseline REV` the kernels of
+git revision REV are built as a second extension and timed in alternating rounds in the same
+process (ratio = baseline time / our time).
+
 Machines are shared and noisy: read the ratios, not the absolute numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -168,6 +177,56 @@ def bench_decode(ops, formats, shapes, rounds, batch=1):
             )
             del items, first
     return times
+
+
+def load_baseline(rev: str):
+    """The native kernels as of git revision `rev`, built as a separate extension (own name, so it
+    loads beside the current one)."""
+    from torch.utils import cpp_extension
+
+    root = Path(__file__).resolve().parents[1]
+    sub = "rwkv_engine/kernels/native"
+    files = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{sub}"], cwd=root, check=True,
+                           capture_output=True, text=True).stdout.split()
+    srcs = {f: subprocess.run(["git", "show", f"{rev}:{sub}/{f}"], cwd=root, check=True,
+                              capture_output=True).stdout for f in files if f.endswith((".cpp", ".h"))}
+    h = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(srcs.items()))).hexdigest()[:12]
+    d = Path(tempfile.gettempdir()) / f"rwkv_engine_native_base_{h}"
+    d.mkdir(exist_ok=True)
+    for f, b in srcs.items():
+        (d / f).write_bytes(b)
+    return cpp_extension.load(name=f"rwkv_engine_native_base_{h}",
+                              sources=[str(d / f) for f in srcs if f.endswith(".cpp")],
+                              extra_cflags=list(native._CFLAGS), extra_ldflags=list(native._LDFLAGS))
+
+
+BATCH_FORMATS = "fp32,bf16,int8g64,int4g32"
+
+
+def bench_batch(ops, base, formats, shapes, batches, rounds):
+    """GMAC/s of our GEMVs by rows of x, and against a baseline build when given."""
+    who = {"ours": ops} if base is None else {"base": base, "ours": ops}
+    print(f"\n## Batched GEMV, x [B, K], {torch.get_num_threads()} threads, GMAC/s = B*N*K / time "
+          f"(best of {rounds} rounds{', alternating with the baseline' if base else ''})\n")
+    cols = [f"{w} GMAC/s" for w in who] + [f"{w} GB/s" for w in who] + (["base/ours time"] if base else [])
+    print("| shape | format | B | " + " | ".join(cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    for sname, (N, K) in shapes.items():
+        for fmt in formats:
+            first = make_tensors(fmt, N, K)
+            nbytes = weight_nbytes(fmt, first)
+            n = copies_for(nbytes)
+            items = [first] + [{k: v.clone() for k, v in first.items()} for _ in range(1, n)]
+            for B in batches:
+                x = torch.randn(B, K).to(x_dtype(fmt))
+                t = best_of_rounds({w: [lambda it=it, m=m: run_ours(fmt, m, x, it) for it in items]
+                                    for w, m in who.items()}, rounds)
+                t = {w: v / n for w, v in t.items()}
+                cells = [f"{B * N * K / t[w] / 1e9:.1f}" for w in who] + [f"{nbytes / t[w] / 1e9:.1f}" for w in who]
+                if base:
+                    cells.append(f"{t['base'] / t['ours']:.2f}")
+                print(f"| {sname} | {fmt} | {B} | " + " | ".join(cells) + " |", flush=True)
+            del items, first
 
 
 def token_estimate(times, formats):
@@ -322,7 +381,7 @@ def bench_errors():
         print(f"| {name} | {bpw[name]:.3f} | " + " | ".join(cells) + " |", flush=True)
 
 
-SECTIONS = ("decode", "crossover", "prefill", "errors")
+SECTIONS = ("decode", "crossover", "prefill", "errors", "batch")
 
 
 def main(argv=None):
@@ -330,10 +389,14 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="decode only, 10 rounds, no head shape")
-    ap.add_argument("--formats", default="fp32,bf16,fp16,int8,int8g128,int4g32,int4g64,int4g128")
+    ap.add_argument("--formats", help="comma list (default: all for decode, "
+                    f"{BATCH_FORMATS} for batch)")
     ap.add_argument("--batch", type=int, default=1, help="rows of x in the decode table")
+    ap.add_argument("--batches", default="1,4,8", help="rows of x in the batch table")
+    ap.add_argument("--baseline", metavar="REV", help="batch table: also time the kernels of this git revision")
     ap.add_argument("--prefill-tokens", type=int, default=512)
-    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of sections, from {','.join(SECTIONS)}")
+    ap.add_argument("--only", default=",".join(s for s in SECTIONS if s != "batch"),
+                    help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops = native.load()
@@ -345,9 +408,14 @@ def main(argv=None):
     only = set(filter(None, args.only.split(",")))
     if not only <= set(SECTIONS):
         ap.error(f"--only: unknown sections {sorted(only - set(SECTIONS))}")
-    formats = args.formats.split(",")
+    args.formats_given = args.formats is not None
+    formats = (args.formats or "fp32,bf16,fp16,int8,int8g128,int4g32,int4g64,int4g128").split(",")
     shapes = {k: v for k, v in SHAPES.items() if not (args.quick and k.startswith("head"))}
     _warm_up(ops)
+    if "batch" in only:
+        fmts = args.formats.split(",") if args.formats_given else BATCH_FORMATS.split(",")
+        base = load_baseline(args.baseline) if args.baseline else None
+        bench_batch(ops, base, fmts, shapes, [int(b) for b in args.batches.split(",")], rounds)
     if "decode" in only:
         times = bench_decode(ops, formats, shapes, rounds, args.batch)
         if args.batch == 1:

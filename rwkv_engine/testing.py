@@ -384,3 +384,33 @@ def save_hf_dir(
              "weight_map": weight_map}
     (directory / f"{base}.{ext}.index.json").write_text(json.dumps(index, indent=2))
     return directory
+
+
+# --- comparing models -----------------------------------------------------------------------
+
+
+def rel_rms(a: Tensor, b: Tensor) -> float:
+    """RMS of a - b relative to the RMS of the reference b (in fp64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation of `prompt`, n tokens."""
+    out: list[int] = []
+    logits, state = model.forward(prompt)
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits, state = model.forward(out[-1:], state)
+    return out
+
+
+def logits_along(model, prompt: list[int], steps: list[int]) -> Tensor:
+    """[len(prompt) + len(steps), vocab] logits: every prompt position in one forward, then one
+    decode step per token of `steps` (a quality comparison feeds two models the same tokens)."""
+    logits, state = model.forward(prompt, all_logits=True)
+    out = [logits]
+    for t in steps:
+        lg, state = model.forward([t], state)
+        out.append(lg[None])
+    return torch.cat(out)

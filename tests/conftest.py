@@ -18,10 +18,7 @@ from rwkv_engine import testing
 SIZES = dict(n_layer=3, n_embd=64, vocab_size=300, head_size=16)
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    """RMS of the difference relative to the RMS of the reference b."""
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+rel_rms = testing.rel_rms
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ and group size; `Scheme.dtype` carries the B part for the loader:
     q8f16_0, q8f16_1            -> q8, group 64, dtype fp16    (q8bf16_*, q8f32_* likewise)
 
 MLC's `_0` / `_1` differ only in its storage layout and `_2` in leaving the embedding and the
-final projection unquantized; our default policy already keeps the head at 8 bits. MLC's int4 is
+final projection unquantized; our default policy already keeps the head (and block 0) at 8 bits. MLC's int4 is
 symmetric; ours has a zero point (measured: 30% lower output error at group 32 on heavy-tailed
 weights; `python benchmarks/bench_kernels.py --only errors`). The names only select a scheme:
 MLC weight files are not read.
@@ -39,6 +39,14 @@ asks, in this order:
    * `head` in a q4 scheme -> "q8" (int4 on the output projection costs the most accuracy for the
      least speed: measured 9.7% vs 1.6% relative logit error on heavy-tailed 16384 x 2048 random
      weights, for about 6% more weight bytes per token of a 1.5B model);
+   * the first block (`blocks.0.*`) in a q4 scheme -> "q8". An error made early passes through
+     every later block, and at the first tokens a head's WKV output is nearly rank one, so the
+     GroupNorm after it magnifies the error. Measured on heavy-tailed random models, logits
+     against fp32 (`python benchmarks/bench_quant_quality.py`): with only block i in int4 the
+     error is 0.64 / 0.33 / 0.29 / 0.16 / 0.05 / 0.03 for i = 0 / 1 / 2 / 3 / 12 / 23 of a
+     24-layer model; block 0 at 8 bits takes the all-int4 error from 0.68 to 0.48 there (2.7%
+     more bits per weight) and from 0.40 to 0.21 (RWKV-5.2) and 0.32 to 0.17 (RWKV-7) on the
+     4-layer model of the quality test. llama.cpp's k-quant mixes also give early layers more bits;
    * matrices of fewer than MIN_QUANT_WEIGHTS (65536) weights -> "keep": their GEMV is a few
      microseconds of fixed per-call cost whatever the format (measured: a 256 x 256 matrix saves
      about 2 us per call at 4 bits), and low-rank (LoRA-shaped) projections are the most
@@ -151,7 +159,7 @@ def default_action(name: str, module: nn.Linear, scheme: Scheme) -> Action:
     """What the default policy does with one Linear (see the module docstring)."""
     if module.weight.numel() < MIN_QUANT_WEIGHTS:
         return "keep"
-    if scheme.weights == "int4" and name.split(".")[-1] == "head":
+    if scheme.weights == "int4" and (name.split(".")[-1] == "head" or name.startswith("blocks.0.")):
         return "q8"
     return scheme.name
 

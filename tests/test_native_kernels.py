@@ -94,6 +94,25 @@ def test_gemv_q4_matches_reference(N, K, group_size, col):
             assert rel_rms(y, xs.double() @ wd.T) < max(1e-4, _round_out(y, xdt))
 
 
+@pytest.mark.parametrize("N,K", [(53, 2048 + 96), (30, 7168)])
+def test_gemv_rows_of_a_batch_equal_each_row_alone(N, K):
+    # Batch invariance, bit for bit: whatever the batch size (row blocks, groups of x rows, K
+    # tiles all change with it), each output gets the same floating-point operations.
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(N, K, generator=g)
+    gemvs = {f"dense {dt}": (lambda x, wd=w.to(dt): ops.gemv_dense(x, wd)) for dt in DTYPES}
+    gemvs["int8 per channel"] = lambda x, q=P.quantize_int8(w): ops.gemv_q8(x, *q)
+    if K % 128 == 0:
+        gemvs["int8 g64"] = lambda x, q=P.quantize_int8(w, 64): ops.gemv_q8(x, *q)
+        for gs in (32, 64, 128):
+            gemvs[f"int4 g{gs}"] = lambda x, q=P.quantize_int4(w, gs, search=False): ops.gemv_q4(x, *q)
+    x = torch.randn(16, K, generator=g)
+    for name, f in gemvs.items():
+        alone = torch.cat([f(x[i : i + 1]) for i in range(16)])
+        for B in (2, 3, 4, 5, 8, 9, 16):
+            assert torch.equal(f(x[:B]), alone[:B]), (name, B)
+
+
 def test_int16_rounding_with_an_outlier_activation():
     # One activation 1000x the others in its 64 columns: the others lose precision, still small.
     N, K = 64, 256

@@ -6,16 +6,18 @@
 // the reference these kernels are tested against). Plus dequantization into dense tiles (for the
 // prefill GEMM) and the int4 quantizer.
 //
-// Decode reads every weight once per token, so the GEMVs are memory-bound: the aim is to keep the
-// unpacking cheaper than the memory stream.
+// Decode reads every weight once per token: one row of x is memory-bound, and the aim is to keep
+// the unpacking cheaper than the memory stream; a batch of rows of x uses each weight B times,
+// and the aim is to keep the multiply pipes busy (see the tiled driver below).
 //   * Dense weights: x is converted to fp32 once per call (for bf16, permuted to match the even /
 //     odd split that a shift and a mask give), then FMAs.
 //   * int8 / int4: x is rounded to int16 per 64 columns and the products are summed exactly in
 //     int32 with vpmaddwd (16 per instruction); for int4, x is permuted so that `>> 4t & 15`
 //     puts the codes in the right lanes (no shuffles in the inner loop).
-//   * R rows are processed together so each x load is shared; per-chunk / per-group partial sums
-//     are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
-//   * Short quantized rows: the next block of rows is prefetched while the current one is read.
+//   * Blocks of R weight rows x Bt rows of x share their loads; per-chunk / per-group partial
+//     sums are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
+//   * The next block of rows is prefetched while the current one is read (short quantized rows,
+//     and any rows read a K tile at a time).
 // Rows are split across threads by pool.h (torch.set_num_threads applies). No torch headers
 // here: this file compiles in seconds.
 
@@ -62,14 +64,17 @@ inline void store_elem(void* p, DType t, int64_t i, float v) {
   }
 }
 
+// Pins v to a register at this point of the instruction stream. Without it GCC folds a shared x
+// load into every multiply-add that uses it (R loads instead of one), or computes all products
+// of a chunk ahead of their sums and spills them.
+template <typename V>
+inline void keep(V& v) {
+  __asm__("" : "+x"(v));
+}
+
 inline size_t elem_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 
-// Quantized rows are short (1-4 KB) and read R at a time, which the hardware prefetcher follows
-// poorly, so while a block of rows is read the int8 / int4 kernels prefetch the next block at
-// the same pace: `consumed` bytes into the current block -> the same offset into the next one.
-// Measured: int4 single-thread streaming 12 -> 20 G weights/s. Longer rows (dense weights, or
-// any row over kPrefetchMaxRow bytes) stream well on their own and got slower with it.
-constexpr int64_t kPrefetchMaxRow = 4096;
+// `bytes` bytes at `consumed` bytes into next_block, into L1.
 inline void prefetch_next(const void* next_block, int64_t consumed, int64_t bytes) {
   const char* p = static_cast<const char*>(next_block) + consumed;
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
@@ -89,13 +94,20 @@ struct Out {
 
 enum class Perm { kNone, kBF16, kQ4 };
 
-// Full chunks are permuted; a tail shorter than a chunk keeps its order.
+// Row stride of a prepared x [B, K] with `line` elements per 64-byte cache line: K rounded up
+// to whole lines, plus one: rows a multiple of 4 KB apart (K = 2048, 7168) would fall into the
+// same L1 sets, and the rows of an x tile would evict each other.
+constexpr int64_t padded_stride(int64_t K, int64_t line) { return (K + line - 1) / line * line + line; }
+
+// x [B, K] -> fp32 [B, padded_stride(K, 16)]. Full chunks are permuted; a tail shorter than a
+// chunk keeps its order.
 std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, Perm perm) {
-  std::vector<float> xp(static_cast<size_t>(B * K));
+  const int64_t Kx = padded_stride(K, 16);
+  std::vector<float> xp(static_cast<size_t>(B * Kx));
   std::vector<float> s(static_cast<size_t>(K));
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t k = 0; k < K; ++k) s[k] = load_elem(x, xt, b * K + k);
-    float* d = xp.data() + b * K;
+    float* d = xp.data() + b * Kx;
     int64_t k = 0;
     if (perm == Perm::kBF16) {
       // 16 bf16 weights = eight 32-bit lanes; lane j holds columns 2j (low half) and 2j+1 (high).
@@ -136,26 +148,77 @@ void for_rows(int64_t N, int64_t K, int64_t block, const F& fn) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dense weights: fp32, bf16, fp16. A chunk is 16 columns, decoded into two fp32 vectors that line
-// up with xp[k .. k+8) and xp[k+8 .. k+16).
+// The GEMV driver, shared by all weight formats.
+//
+// A format's kernel keeps one fp32 accumulator vector per (weight row n, x row b), adds to it
+// one "step" of K after the other (16 columns for dense weights, 64 for int8 / int4) and turns
+// its horizontal sum into y[b, n] in `finish` (adding the columns past the last full step and
+// any bias term). Batch invariance: each accumulator receives the same operations in the same
+// order whatever the batch size, the row block and the K tiles, so a row of a batch gives the
+// bits of the same x alone.
+//
+// Speed: a weight row is used by all B rows of x. A kernel's tile<R, Bt> holds an R x Bt block
+// of accumulators in registers, so that each weight load serves Bt rows of x and each x load R
+// weight rows (with R = 1, as before, every multiply-add needed its own x load, from L2 when
+// B x K no longer fits L1). The steps are cut into K tiles small enough that the tile of all B
+// rows of x (kXTileBytes) stays in L1 while a panel of kPanel weight rows goes through it; the
+// panel's accumulators wait in L1 between tiles. With B = 1 the tile is the whole row.
+
+constexpr int kPanel = 24;                 // weight rows per panel (a multiple of every R)
+constexpr int64_t kXTileBytes = 16 << 10;  // prepared x of one K tile, all rows of the pass
+
+// Rows [r0, r1) of a pass of B rows of x; results to y [B, N].
+template <int B, typename Kern>
+void run_tiled(const Kern& kern, int64_t r0, int64_t r1, int64_t N, const Out& y) {
+  constexpr int R = Kern::template kRows<B>, Bt = Kern::template kXRows<B>;
+  static_assert(kPanel % R == 0);
+  const int64_t steps = kern.steps();
+  const int64_t tile = std::max<int64_t>(1, kXTileBytes / (B * Kern::kStepBytes));  // steps per K tile
+  // While a block of R rows is read, the first group of x rows prefetches the next block's
+  // columns of the tile: the panel order (R rows x a tile of columns at a time) defeats the
+  // hardware prefetcher. With B = 1 only for the short rows of the quantized formats (see
+  // kPrefetchMaxRow).
+  const bool pf = B > 1 || kern.prefetch_alone();
+  alignas(32) __m256 acc[kPanel * B];  // [panel row][b]
+  for (int64_t p0 = r0; p0 < r1; p0 += kPanel) {
+    const int64_t p1 = std::min(r1, p0 + kPanel);
+    for (int64_t i = 0; i < (p1 - p0) * B; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t s0 = 0; s0 < steps; s0 += tile) {
+      const int64_t s1 = std::min(steps, s0 + tile);
+      // All B rows of x against weight rows n..n+Rr, in groups of Bt rows of x.
+      auto block = [&]<int Rr>(int64_t n) {
+        __m256* a = acc + (n - p0) * B;
+        for (int b = 0; b + Bt <= B; b += Bt) kern.template tile<Rr, Bt>(n, b, s0, s1, a + b, B, b == 0 && pf);
+        if constexpr (B % Bt != 0)
+          kern.template tile<Rr, B % Bt>(n, B - B % Bt, s0, s1, a + B - B % Bt, B, false);
+      };
+      int64_t n = p0;
+      for (; n + R <= p1; n += R) block.template operator()<R>(n);
+      for (; n < p1; ++n) block.template operator()<1>(n);
+    }
+    for (int64_t n = p0; n < p1; ++n)
+      for (int b = 0; b < B; ++b) y.put(b * N + n, kern.finish(n, b, hsum(acc[(n - p0) * B + b])));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dense weights: fp32, bf16, fp16. A step is 16 columns, decoded as two fp32 vectors (h = 0, 1)
+// that line up with xp[k .. k+8) and xp[k+8 .. k+16).
 
 struct DenseF32 {
   using T = float;
   static constexpr Perm perm = Perm::kNone;
-  static inline void load(const float* w, __m256& a, __m256& b) {
-    a = _mm256_loadu_ps(w);
-    b = _mm256_loadu_ps(w + 8);
-  }
+  static inline __m256 load(const float* w, int h) { return _mm256_loadu_ps(w + 8 * h); }
   static inline float scalar(const float* w, int64_t k) { return w[k]; }
 };
 
 struct DenseBF16 {
   using T = uint16_t;
   static constexpr Perm perm = Perm::kBF16;
-  static inline void load(const uint16_t* w, __m256& a, __m256& b) {
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    a = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                              // even columns
-    b = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000u)));   // odd columns
+  static inline __m256 load(const uint16_t* w, int h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(v, 16)                                // even columns
+                                      : _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000u)));  // odd columns
   }
   static inline float scalar(const uint16_t* w, int64_t k) { return bf16_to_float(w[k]); }
 };
@@ -163,42 +226,65 @@ struct DenseBF16 {
 struct DenseF16 {
   using T = uint16_t;
   static constexpr Perm perm = Perm::kNone;
-  static inline void load(const uint16_t* w, __m256& a, __m256& b) {
-    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8)));
+  static inline __m256 load(const uint16_t* w, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8 * h)));
   }
   static inline float scalar(const uint16_t* w, int64_t k) { return half_to_float(w[k]); }
 };
 
-// R rows n0..n0+R of W against B rows of xp; out[b][r].
-template <typename D, int R, int B>
-inline void dense_block(const typename D::T* W, int64_t K, int64_t n0, const float* xp, float out[][R]) {
-  __m256 acc[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_ps();
-  const typename D::T* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = W + (n0 + r) * K;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
+// y = x W^T for one pass, xp [B, Kx] prepared by prepare_x for D.
+template <typename D>
+struct DenseKernel {
+  static constexpr int64_t kStepBytes = 16 * 4;  // prepared x per step and row of x
+  // Accumulators R x Bt + R weights + one x vector (+ the bf16 mask) within the 16 registers:
+  // measured in L1, 8 rows of x at R x Bt = 2 x 4 or 3 x 3: 13-14 multiply-adds per cycle (peak
+  // 16), 3 x 4 (spills): 10-11. B = 1 is memory-bound: eight rows keep enough loads in flight.
+  template <int B> static constexpr int kRows = B == 1 ? 8 : B == 2 ? 4 : B == 3 ? 3 : 2;
+  template <int B> static constexpr int kXRows = B <= 4 ? B : 4;
+
+  const typename D::T* W;
+  int64_t K;
+  const float* xp;
+  int64_t Kx = padded_stride(K, 16);
+
+  int64_t steps() const { return K / 16; }
+  bool prefetch_alone() const { return false; }  // long rows stream well alone
+
+  template <int R, int Bt>
+  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, __m256* acc, int stride, bool pf) const {
+    __m256 a[R][Bt];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < Bt; ++b) a[r][b] = acc[r * stride + b];
+    const typename D::T* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = W + (n + r) * K;
+    const float* x = xp + b0 * Kx;
+    for (int64_t k = s0 * 16; k < s1 * 16; k += 16) {
+      if (pf)
+        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + R * K + k), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256 w[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m256 w0, w1;
-      D::load(rows[r] + k, w0, w1);
+        for (int r = 0; r < R; ++r) w[r] = D::load(rows[r] + k, h);
+#pragma GCC unroll 4
+        for (int b = 0; b < Bt; ++b) {
+          __m256 xv = _mm256_loadu_ps(x + b * Kx + k + 8 * h);
+          keep(xv);
 #pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) {
-        const float* xb = xp + b * K + k;
-        acc[r][b] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[r][b]);
-        acc[r][b] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[r][b]);
+          for (int r = 0; r < R; ++r) a[r][b] = _mm256_fmadd_ps(w[r], xv, a[r][b]);
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < Bt; ++b) acc[r * stride + b] = a[r][b];
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) {
-      float v = hsum(acc[r][b]);
-      for (int64_t kk = k; kk < K; ++kk) v += D::scalar(rows[r], kk) * xp[b * K + kk];
-      out[b][r] = v;
-    }
-}
+
+  float finish(int64_t n, int b, float v) const {
+    const typename D::T* row = W + n * K;
+    for (int64_t k = K / 16 * 16; k < K; ++k) v += D::scalar(row, k) * xp[b * Kx + k];
+    return v;
+  }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Integer-dot kernels for int8 / int4 weights. x is quantized to int16 per 64-column chunk
@@ -208,7 +294,7 @@ inline void dense_block(const typename D::T* W, int64_t K, int64_t n0, const flo
 // columns) uses fp32 x directly.
 
 struct XQ {
-  std::vector<int16_t> q;  // [B, K]; full chunks permuted per weight format, tail unused
+  std::vector<int16_t> q;  // [B, padded_stride(K, 32)]; full chunks permuted per weight format
   std::vector<float> dx;   // [B, K / 64]
   std::vector<float> xf;   // [B, K] fp32 x in column order
   std::vector<float> xh;   // [B, K] x as rounded (q * dx) in column order, tail exact
@@ -216,13 +302,15 @@ struct XQ {
 
 // Rows b0.. of an XQ, as the kernels read it.
 struct XQView {
-  const int16_t* q;
+  const int16_t* q;  // row stride qs
   const float* dx;
   const float* xf;
+  int64_t qs;
 };
 
 XQView view(const XQ& x, int64_t b0, int64_t K) {
-  return {x.q.data() + b0 * K, x.dx.data() + b0 * (K / 64), x.xf.data() + b0 * K};
+  const int64_t qs = padded_stride(K, 32);
+  return {x.q.data() + b0 * qs, x.dx.data() + b0 * (K / 64), x.xf.data() + b0 * K, qs};
 }
 
 // fp32 copy of n elements of x (vectorized for the three dtypes).
@@ -249,7 +337,7 @@ void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
 XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const uint16_t* cs) {
   const int64_t C = K / 64;
   XQ r;
-  r.q.resize(static_cast<size_t>(B * K));
+  r.q.resize(static_cast<size_t>(B * padded_stride(K, 32)));
   r.dx.resize(static_cast<size_t>(B * C));
   r.xf.resize(static_cast<size_t>(B * K));
   to_float(x, xt, 0, B * K, r.xf.data());
@@ -277,7 +365,7 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const
       const float amax = _mm_cvtss_f32(m4);
       r.dx[b * C + c] = amax / 32767.f;
       const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-      int16_t* d = r.q.data() + b * K + c * 64;
+      int16_t* d = r.q.data() + b * padded_stride(K, 32) + c * 64;
       int16_t* out = q4_perm ? tmp : d;
       float* xh = r.xh.data() + b * K + c * 64;
       const __m256 dxv = _mm256_set1_ps(amax / 32767.f);
@@ -300,169 +388,190 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const
   return r;
 }
 
-// int8 weights, fp32 scales (N, G) with K / G a multiple of 64 or G == 1 (per channel).
-template <int R, int B>
-inline void q8_block(const int8_t* Q, const float* S, int64_t K, int64_t G, int64_t n0, const XQView& x, float out[][R]) {
-  const int64_t gs = K / G, C = K / 64;
-  const int64_t cpg = std::max<int64_t>(1, gs / 64);  // chunks per group (per channel: all of them)
-  const int8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = Q + (n0 + r) * K;
-  const int8_t* next = Q + (n0 + R) * K;
-  const bool pf = K <= kPrefetchMaxRow;
-  __m256 acc[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) acc[r][b] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    const int64_t k = c * 64, g = c / cpg;
-    if (pf) prefetch_next(next, c * R * 64, R * 64);
-    // One row's 64 weights stay in four registers while every x row takes its exact int32 dot
-    // product over the chunk, scaled by (x chunk scale) * (weight group scale) into one fp32
-    // accumulator per (row, x row): wide batches keep everything in the 16 vector registers.
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float sc = S[(n0 + r) * G + g];
-      __m256i w[4];
+// The int8 / int4 kernel. A step is a 64-column chunk, which the weight format (Q8Format /
+// Q4Format) decodes as four int16 vectors of 16 columns (pieces h = 0..3) that line up with the
+// prepared x. For R weight rows and Bt rows of x, each piece is decoded once per weight row and
+// each x piece loaded once; the R x Bt exact int32 chunk sums stay in registers and are scaled
+// into the fp32 accumulators (in L1) once per chunk:
+//   acc[n][b] += (float(chunk sum) * dx[b, chunk]) * scale(n, chunk)
+// Registers: R x Bt sums + R weight pieces + one x piece (+ the int4 mask) within the 16.
+// (R = 3 x Bt = 4 needs all 16 and spilled.)
+template <int B> constexpr int kIntRows = B <= 2 ? 4 : 2;
+template <int B> constexpr int kIntXRows = B <= 3 ? B : 4;
+
+// Quantized rows are short (1-4 KB) and read R at a time, which the hardware prefetcher follows
+// poorly, so while a block of rows is read the next block's rows are prefetched at the same
+// pace: measured int4 single-thread streaming 12 -> 20 G weights/s. Longer rows (dense weights,
+// or any row over kPrefetchMaxRow bytes) stream well on their own and got slower with it.
+constexpr int64_t kPrefetchMaxRow = 4096;
+
+template <typename F>
+struct IntKernel {
+  static constexpr int64_t kStepBytes = 64 * 2;  // int16 x per chunk and row of x
+  template <int B> static constexpr int kRows = kIntRows<B>;
+  template <int B> static constexpr int kXRows = kIntXRows<B>;
+
+  F f;  // the weight format
+  XQView x;
+
+  int64_t steps() const { return f.K / 64; }
+  bool prefetch_alone() const { return F::kRowBytes(f.K) <= kPrefetchMaxRow; }
+
+  template <int R, int Bt>
+  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, __m256* acc, int stride, bool pf) const {
+    // Everything in locals: the accumulator stores may alias any memory as far as GCC knows.
+    const F fm = f;
+    const int64_t C = fm.K / 64, rb = F::kRowBytes(fm.K);
+    const uint8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = fm.row(n + r);
+    const int16_t* xq[Bt];
+    const float* dx[Bt];
+    for (int b = 0; b < Bt; ++b) xq[b] = x.q + (b0 + b) * x.qs, dx[b] = x.dx + (b0 + b) * C;
+    __m256 fa[R][Bt];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < Bt; ++b) fa[r][b] = acc[r * stride + b];
+    const char* next = reinterpret_cast<const char*>(rows[0] + R * rb);  // contiguous rows
+    const bool whole = s0 == 0 && s1 == C;
+    for (int64_t c = s0; c < s1; ++c) {
+      if (pf) {
+        if (whole)  // the next block's R rows are contiguous: read them at the same pace
+          prefetch_next(next, c * R * F::kChunkBytes, R * F::kChunkBytes);
+        else if (c * F::kChunkBytes % 64 == 0)  // the next cache line of each row
+          for (int r = 0; r < R; ++r) _mm_prefetch(next + r * rb + c * F::kChunkBytes, _MM_HINT_T0);
+      }
+      __m256i a[R][Bt];
 #pragma GCC unroll 4
-      for (int h = 0; h < 4; ++h)
-        w[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k + 16 * h)));
+      for (int h = 0; h < 4; ++h) {
+        __m256i w[R];
 #pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) {
-        const int16_t* xb = x.q + b * K + k;
-        __m256i a = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(w[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32))));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(w[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 48))));
-        acc[r][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(x.dx[b * C + c] * sc), acc[r][b]);
+        for (int r = 0; r < R; ++r) w[r] = fm.piece(rows[r] + c * F::kChunkBytes, h);
+#pragma GCC unroll 4
+        for (int b = 0; b < Bt; ++b) {
+          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[b] + c * 64 + 16 * h));
+          keep(xv);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256i m = _mm256_madd_epi16(w[r], xv);
+            a[r][b] = h == 0 ? m : _mm256_add_epi32(a[r][b], m);
+            keep(a[r][b]);
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 sv = fm.scale(n + r, c);
+#pragma GCC unroll 4
+        for (int b = 0; b < Bt; ++b) {
+          const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a[r][b]), _mm256_broadcast_ss(dx[b] + c));
+          fa[r][b] = _mm256_fmadd_ps(v, sv, fa[r][b]);
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < Bt; ++b) acc[r * stride + b] = fa[r][b];
   }
-  float tot[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) tot[r][b] = hsum(acc[r][b]);
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) {
-      float v = tot[r][b];
-      if (C * 64 < K) {  // per-channel only (grouped layouts have K % 64 == 0)
-        float d = 0.f;
-        for (int64_t k = C * 64; k < K; ++k) d += static_cast<float>(rows[r][k]) * x.xf[b * K + k];
-        v += d * S[(n0 + r) * G + G - 1];
-      }
-      out[b][r] = v;
+
+  float finish(int64_t n, int b, float v) const { return f.finish(n, b, v, x); }
+};
+
+// int8 weights, fp32 scales (N, G) with K / G a multiple of 64 or G == 1 (per channel).
+struct Q8Format {
+  static constexpr int64_t kChunkBytes = 64;
+  static constexpr int64_t kRowBytes(int64_t K) { return K; }
+  const int8_t* Q;
+  const float* S;
+  int64_t K, G;
+  int gshift;  // chunk c has the scale of group c >> gshift (power-of-two groups; else c / cpg)
+  int cpg;     // chunks per group (per channel: all of them)
+
+  Q8Format(const int8_t* q, const float* s, int64_t k, int64_t g)
+      : Q(q), S(s), K(k), G(g), cpg(static_cast<int>(std::max<int64_t>(1, k / g / 64))) {
+    gshift = G == 1 ? 31 : (cpg & (cpg - 1)) == 0 ? __builtin_ctz(cpg) : -1;
+  }
+
+  const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(Q + n * K); }
+  static inline __m256i piece(const uint8_t* chunk, int h) {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
+  }
+  inline __m256 scale(int64_t n, int64_t c) const {
+    const int i = static_cast<int>(c);
+    return _mm256_set1_ps(S[n * G + (gshift >= 0 ? i >> gshift : i / cpg)]);
+  }
+
+  float finish(int64_t n, int b, float v, const XQView& x) const {
+    const int64_t C = K / 64;
+    if (C * 64 < K) {  // per-channel only (grouped layouts have K % 64 == 0)
+      const int8_t* row = Q + n * K;
+      float d = 0.f;
+      for (int64_t k = C * 64; k < K; ++k) d += static_cast<float>(row[k]) * x.xf[b * K + k];
+      v += d * S[n * G + G - 1];
     }
-}
+    return v;
+  }
+};
 
 // int4 weights, fp16 scales and biases (N, G), group size 32 / 64 / 128.
 // w = code * scale + bias, so row n gives  sum_g scale_g * (codes_g . x_g) + sum_g bias_g * xsum_g.
 // With group size 32 a chunk holds two groups: 32-bit lanes 0-3 of the vpmaddwd result cover
 // columns 0..31 of the chunk and lanes 4-7 columns 32..63.
-template <int R, int B>
-inline void q4_block(const uint8_t* Q, const uint16_t* S, const uint16_t* Z, int64_t K, int64_t G, int64_t n0,
-                     const XQView& x, const float* xsum, float out[][R]) {
-  const int64_t gs = K / G, C = K / 64;
-  const __m256i mask = _mm256_set1_epi16(0x0F);
-  __m256 tot[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) tot[r][b] = _mm256_setzero_ps();
-  const uint8_t* rows[R];
-  for (int r = 0; r < R; ++r) rows[r] = Q + (n0 + r) * (K / 2);
-  // The R rows' scales in fp32, converted once per block.
-  thread_local std::vector<float> sbuf;
-  sbuf.resize(static_cast<size_t>(R * G));
-  float* sf = sbuf.data();
-  for (int r = 0; r < R; ++r) {
-    const uint16_t* srow = S + (n0 + r) * G;
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8)
-      _mm256_storeu_ps(sf + r * G + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + g))));
-    for (; g < G; ++g) sf[r * G + g] = half_to_float(srow[g]);
+struct Q4Format {
+  static constexpr int64_t kChunkBytes = 32;
+  static constexpr int64_t kRowBytes(int64_t K) { return K / 2; }
+  const uint8_t* Q;
+  const uint16_t *S, *Z;
+  int64_t K, G;
+  const float* xsum;  // [B, G]: sum of the rounded x over each group (the bias term)
+  int gshift = K / G == 128;  // group of chunk c (group size 64 / 128): c >> gshift
+
+  const uint8_t* row(int64_t n) const { return Q + n * (K / 2); }
+  // x is permuted so that `>> 4h & 15` gives the codes in the lanes of x piece h.
+  static inline __m256i piece(const uint8_t* chunk, int h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+    const __m256i mask = _mm256_set1_epi16(0x0F);
+    return h == 0 ? _mm256_and_si256(v, mask)
+           : h < 3 ? _mm256_and_si256(_mm256_srli_epi16(v, 4 * h), mask)
+                   : _mm256_srli_epi16(v, 12);
   }
-  const uint8_t* next = Q + (n0 + R) * (K / 2);  // contiguous rows: the next block starts here
-  const bool pf = K / 2 <= kPrefetchMaxRow;
-  for (int64_t c = 0; c < C; ++c) {
-    const int64_t k = c * 64;
-    if (pf) prefetch_next(next, c * R * 32, R * 32);
-    // As in q8_block: a row's 64 codes stay in four registers while each x row takes its exact
-    // int32 dot product over the chunk; only the R x B fp32 totals live across chunks.
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[r] + k / 2));
-      __m256i codes[4];
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        codes[t] = t == 0 ? v : _mm256_srli_epi16(v, 4 * t);
-        if (t < 3) codes[t] = _mm256_and_si256(codes[t], mask);
-      }
-      const float* sr = sf + r * G;
-      const __m256 sv = gs == 32 ? _mm256_set_m128(_mm_broadcast_ss(sr + 2 * c + 1), _mm_broadcast_ss(sr + 2 * c))
-                                 : _mm256_broadcast_ss(sr + k / gs);
-#pragma GCC unroll 8
-      for (int b = 0; b < B; ++b) {
-        const int16_t* xb = x.q + b * K + k;
-        __m256i a = _mm256_madd_epi16(codes[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(codes[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(codes[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32))));
-        a = _mm256_add_epi32(a, _mm256_madd_epi16(codes[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 48))));
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_broadcast_ss(x.dx + b * C + c));
-        tot[r][b] = _mm256_fmadd_ps(f, sv, tot[r][b]);
-      }
+  inline __m256 scale(int64_t n, int64_t c) const {
+    const uint16_t* s = S + n * G;
+    if (K / G == 32) {  // groups 2c, 2c + 1 -> lanes 0-3, 4-7
+      int32_t two;
+      std::memcpy(&two, s + 2 * c, 4);
+      __m128i h = _mm_cvtsi32_si128(two);
+      h = _mm_unpacklo_epi16(h, h);  // s0 s0 s1 s1
+      return _mm256_cvtph_ps(_mm_unpacklo_epi32(h, h));
     }
+    return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(s[c >> gshift])));
   }
-  for (int r = 0; r < R; ++r) {
-    const int64_t n = n0 + r;
+
+  float finish(int64_t n, int b, float v, const XQView& x) const {
+    const int64_t C = K / 64;
     const uint16_t* srow = S + n * G;
     const uint16_t* zrow = Z + n * G;
-    for (int b = 0; b < B; ++b) {
-      float v = hsum(tot[r][b]);
-      if (C * 64 < K) {  // one last group of 32 columns when K is an odd multiple of 32
-        float d = 0.f;
-        for (int64_t kk = C * 64; kk < K; ++kk) {
-          const uint8_t byte = rows[r][kk / 2];
-          const int code = (kk & 1) ? (byte >> 4) : (byte & 15);
-          d += static_cast<float>(code) * x.xf[b * K + kk];
-        }
-        v += d * half_to_float(srow[G - 1]);
+    if (C * 64 < K) {  // one last group of 32 columns when K is an odd multiple of 32
+      const uint8_t* row = Q + n * (K / 2);
+      float d = 0.f;
+      for (int64_t kk = C * 64; kk < K; ++kk) {
+        const uint8_t byte = row[kk / 2];
+        const int code = (kk & 1) ? (byte >> 4) : (byte & 15);
+        d += static_cast<float>(code) * x.xf[b * K + kk];
       }
-      const float* xs = xsum + b * G;  // bias term: sum_g bias_g * xsum[b, g]
-      int64_t g = 0;
-      __m256 bacc = _mm256_setzero_ps();
-      for (; g + 8 <= G; g += 8)
-        bacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zrow + g))),
-                               _mm256_loadu_ps(xs + g), bacc);
-      v += hsum(bacc);
-      for (; g < G; ++g) v += half_to_float(zrow[g]) * xs[g];
-      out[b][r] = v;
+      v += d * half_to_float(srow[G - 1]);
     }
+    const float* xs = xsum + b * G;  // bias term: sum_g bias_g * xsum[b, g]
+    int64_t g = 0;
+    __m256 bacc = _mm256_setzero_ps();
+    for (; g + 8 <= G; g += 8)
+      bacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zrow + g))),
+                             _mm256_loadu_ps(xs + g), bacc);
+    v += hsum(bacc);
+    for (; g < G; ++g) v += half_to_float(zrow[g]) * xs[g];
+    return v;
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Drivers: B rows of x per pass; the row block R depends on B so that the accumulators fit in
-// the 16 vector registers.
-
-template <int B> struct Shape {
-  static constexpr int R = B <= 2 ? 4 : B <= 4 ? 2 : 1;
-  // Dense: one fp32 accumulator per (weight row, x row), so the summation order of every output
-  // is the same whatever the batch size (a row of a batch equals the row alone, bit for bit).
-  static constexpr int RD = B == 1 ? 8 : B == 2 ? 4 : B <= 4 ? 2 : 1;
 };
 
-// Rows [r0, r1) of one pass over the weight: block.template operator()<R>(n, out) on R-row
-// blocks and <1> on the leftover rows; results to y.
-template <int B, int R, typename F>
-void run_range(int64_t r0, int64_t r1, int64_t N, const Out& y, const F& block) {
-  float out[B][R];
-  float out1[B][1];
-  int64_t n = r0;
-  for (; n + R <= r1; n += R) {
-    block.template operator()<R>(n, out);
-    for (int b = 0; b < B; ++b)
-      for (int r = 0; r < R; ++r) y.put(b * N + n + r, out[b][r]);
-  }
-  for (; n < r1; ++n) {
-    block.template operator()<1>(n, out1);
-    for (int b = 0; b < B; ++b) y.put(b * N + n, out1[b][0]);
-  }
-}
+// ---------------------------------------------------------------------------------------------
+// Passes of up to kMaxB rows of x over each weight.
 
 // fn.template operator()<Bc>() for a pass of Bc (1..kMaxB) rows of x.
 template <typename F>
@@ -513,10 +622,12 @@ Prepared prepare(const GemvCall& c, int64_t B) {
   return p;
 }
 
-// The row block of a pass of Bc rows of x (so that the accumulators fit in registers).
+// The row block of a pass of Bc rows of x (work items are cut at multiples of it).
 int64_t block_rows(const Linear& l, int64_t Bc) {
   int64_t R = 1;
-  with_batch(Bc, [&]<int B>() { R = l.kind == Linear::Kind::kDense ? Shape<B>::RD : Shape<B>::R; });
+  with_batch(Bc, [&]<int B>() {
+    R = l.kind == Linear::Kind::kDense ? DenseKernel<DenseF32>::kRows<B> : kIntRows<B>;
+  });
   return R;
 }
 
@@ -528,35 +639,21 @@ void run_part(const Prepared& p, int64_t B, int64_t b0, int64_t r0, int64_t r1) 
   with_batch(std::min<int64_t>(kMaxB, B - b0), [&]<int Bc>() {
     switch (l.kind) {
       case Linear::Kind::kDense: {
-        constexpr int R = Shape<Bc>::RD;
-        const float* xb = p.xp.data() + b0 * K;
         auto dense = [&]<typename D>(const D*) {
-          const auto* W = static_cast<const typename D::T*>(l.w);
-          run_range<Bc, R>(r0, r1, N, y, [&]<int Rr>(int64_t n, float (*out)[Rr]) {
-            dense_block<D, Rr, Bc>(W, K, n, xb, out);
-          });
+          const DenseKernel<D> kern{static_cast<const typename D::T*>(l.w), K, p.xp.data() + b0 * padded_stride(K, 16)};
+          run_tiled<Bc>(kern, r0, r1, N, y);
         };
         if (l.wt == DType::kF32) dense(static_cast<const DenseF32*>(nullptr));
         else if (l.wt == DType::kBF16) dense(static_cast<const DenseBF16*>(nullptr));
         else dense(static_cast<const DenseF16*>(nullptr));
         break;
       }
-      case Linear::Kind::kQ8: {
-        constexpr int R = Shape<Bc>::R;
-        const XQView xb = view(p.xq, b0, K);
-        run_range<Bc, R>(r0, r1, N, y, [&]<int Rr>(int64_t n, float (*out)[Rr]) {
-          q8_block<Rr, Bc>(l.q8, l.s8, K, G, n, xb, out);
-        });
+      case Linear::Kind::kQ8:
+        run_tiled<Bc>(IntKernel<Q8Format>{Q8Format(l.q8, l.s8, K, G), view(p.xq, b0, K)}, r0, r1, N, y);
         break;
-      }
-      default: {
-        constexpr int R = Shape<Bc>::R;
-        const XQView xb = view(p.xq, b0, K);
-        const float* xs = p.xsum.data() + b0 * G;
-        run_range<Bc, R>(r0, r1, N, y, [&]<int Rr>(int64_t n, float (*out)[Rr]) {
-          q4_block<Rr, Bc>(l.q4, l.s4, l.z4, K, G, n, xb, xs, out);
-        });
-      }
+      default:
+        run_tiled<Bc>(IntKernel<Q4Format>{Q4Format{l.q4, l.s4, l.z4, K, G, p.xsum.data() + b0 * G}, view(p.xq, b0, K)}, r0,
+                      r1, N, y);
     }
   });
 }

@@ -65,8 +65,8 @@ inline void store_elem(void* p, DType t, int64_t i, float v) {
 }
 
 // Pins v to a register at this point of the instruction stream. Without it GCC folds a shared x
-// load into every multiply-add that uses it (R loads instead of one), or computes all products
-// of a chunk ahead of their sums and spills them.
+// load into every FMA that uses it (R loads instead of one: the dense kernels became load-bound),
+// or computes all the integer products of a chunk ahead of their sums and spills them.
 template <typename V>
 inline void keep(V& v) {
   __asm__("" : "+x"(v));
@@ -390,12 +390,14 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const
 
 // The int8 / int4 kernel. A step is a 64-column chunk, which the weight format (Q8Format /
 // Q4Format) decodes as four int16 vectors of 16 columns (pieces h = 0..3) that line up with the
-// prepared x. For R weight rows and Bt rows of x, each piece is decoded once per weight row and
-// each x piece loaded once; the R x Bt exact int32 chunk sums stay in registers and are scaled
-// into the fp32 accumulators (in L1) once per chunk:
+// prepared x. For R weight rows and Bt rows of x, each piece is decoded once and used for the Bt
+// rows of x; the R x Bt exact int32 chunk sums stay in registers and are scaled into the fp32
+// accumulators once per chunk:
 //   acc[n][b] += (float(chunk sum) * dx[b, chunk]) * scale(n, chunk)
-// Registers: R x Bt sums + R weight pieces + one x piece (+ the int4 mask) within the 16.
-// (R = 3 x Bt = 4 needs all 16 and spilled.)
+// Registers: R x Bt sums + R x Bt accumulators + R weight pieces (+ the int4 mask); R = 3 x
+// Bt = 4 spilled. Per 64 multiply-adds this is about 11 instructions (4 vpmaddwd, 3 adds, the
+// scaling, a share of the decoding), as was the R = 1 kernel before it, whose x loads from L2
+// did not limit it: measured 8 rows of x within +-8% of it, about 11 multiply-adds per cycle.
 template <int B> constexpr int kIntRows = B <= 2 ? 4 : 2;
 template <int B> constexpr int kIntXRows = B <= 3 ? B : 4;
 
@@ -447,8 +449,9 @@ struct IntKernel {
         for (int r = 0; r < R; ++r) w[r] = fm.piece(rows[r] + c * F::kChunkBytes, h);
 #pragma GCC unroll 4
         for (int b = 0; b < Bt; ++b) {
-          __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[b] + c * 64 + 16 * h));
-          keep(xv);
+          // (x is left to fold into the vpmaddwd: one instruction fewer, and the kernel is
+          // bound by instructions, not by loads)
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[b] + c * 64 + 16 * h));
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m256i m = _mm256_madd_epi16(w[r], xv);

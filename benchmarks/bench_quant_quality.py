@@ -67,8 +67,8 @@ def setup(version: str, n_layer: int, n_embd: int, workdir: Path):
 
 SCHEMES = [
     ("q0bf16", dict(quantization="q0bf16")),
-    ("q8 (default, group 64)", dict(quantization="q8")),
-    ("q8 group 32", dict(quantization="q8", group_size=32)),
+    ("q8 group 64", dict(quantization="q8", group_size=64)),
+    ("q8 (default, group 32)", dict(quantization="q8")),
     ("q4 group 32, all blocks int4", dict(quantization="q4", policy={"blocks.0.*": "q4"})),
     ("q4 (default: group 32, block 0 + head q8)", dict(quantization="q4")),
     ("q4 group 128", dict(quantization="q4", group_size=128)),

@@ -142,7 +142,10 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     unknown = sorted(set(tensors) - set(expected))
     if missing or unknown:
         raise CheckpointError(f"{weights}: does not match its config.json (missing {missing[:3]}, unknown {unknown[:3]})")
-    for k, t in tensors.items():
+    for k, t in list(tensors.items()):
+        if k.endswith(".scales") and t.dtype == torch.float32 and expected[k].dtype == torch.float16:
+            # int8 scales were fp32 in directories written before they became fp16 (Q8_0-style)
+            tensors[k] = t = t.half()
         if tuple(t.shape) != tuple(expected[k].shape) or t.dtype != expected[k].dtype:
             raise CheckpointError(f"{weights}: tensor {k} is {tuple(t.shape)} {t.dtype}, "
                                   f"expected {tuple(expected[k].shape)} {expected[k].dtype}")

@@ -96,3 +96,19 @@ def test_converted_directory_refuses_other_settings(src, tmp_path):
     with pytest.raises(InputError, match="converted for dtype"):
         rwkv_engine.load(out, dtype="bf16")
     assert rwkv_engine.load(out, quantization="q8").quantization.name == "q8"
+
+
+def test_int8_scales_of_older_directories_load(src, tmp_path):
+    """Directories written before int8 scales became fp16 stored them in fp32: they still load."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out-q8"
+    assert _cli("convert", str(src), str(out), "-q", "q8").returncode == 0
+    tensors = load_file(str(out / "model.safetensors"))
+    assert any(k.endswith(".scales") and t.dtype == torch.float16 for k, t in tensors.items())
+    new = rwkv_engine.load(out).forward(IDS)[0]
+    old = {k: t.float() if k.endswith(".scales") else t for k, t in tensors.items()}
+    save_file(old, str(out / "model.safetensors"), metadata={"format": "pt"})
+    model = rwkv_engine.load(out)
+    assert all(m.scales.dtype == torch.float16 for m in model.modules() if hasattr(m, "qweight") and m.qweight.dtype == torch.int8)
+    assert torch.equal(model.forward(IDS)[0], new)

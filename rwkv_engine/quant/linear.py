@@ -157,9 +157,9 @@ class _QuantLinearBase(nn.Module):
 
 
 class Int8Linear(_QuantLinearBase):
-    """int8 weight with fp32 scales per output channel (group_size None) or per group of columns.
+    """int8 weight with fp16 scales per output channel (group_size None) or per group of columns.
 
-    Buffers: qweight int8 (N, K), scales float32 (N, K // group_size), col_scales float16 (K,).
+    Buffers: qweight int8 (N, K), scales float16 (N, K // group_size), col_scales float16 (K,).
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int | None = None, device=None):
@@ -168,7 +168,7 @@ class Int8Linear(_QuantLinearBase):
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.zeros(out_features, in_features // gs, dtype=torch.float32, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, in_features // gs, dtype=P.INT8_SCALE_DTYPE, device=device))
         self.register_buffer("col_scales", torch.ones(in_features, dtype=torch.float16, device=device))
 
     @classmethod
@@ -190,7 +190,7 @@ class Int8Linear(_QuantLinearBase):
 
     def _native_ok(self) -> bool:
         G = self.scales.shape[1]
-        return G == 1 or (self.in_features // G) % 64 == 0
+        return self.scales.dtype == P.INT8_SCALE_DTYPE and (G == 1 or (self.in_features // G) % 32 == 0)
 
     def _gemv(self, ops, x2: Tensor) -> Tensor:
         return ops.gemv_q8(x2, self.qweight, self.scales, self.col_scales)
@@ -258,7 +258,9 @@ class DenseLinear(nn.Linear):
     weight tiles converted PREFILL_TILE rows at a time (see `prefill_dtype`).
 
     Same parameter and state-dict key (`weight`) as nn.Linear; other devices and autograd use
-    `F.linear` unchanged. The weight dtype is the module's (fp32 / bf16 / fp16); x is cast to it.
+    `F.linear` unchanged. The weight dtype is the module's (fp32 / bf16 / fp16); the output has x's
+    dtype and is computed at x's precision (a 16-bit weight in an fp32 model is read as fp32, as
+    the native GEMV does), so only the weight is rounded.
     """
 
     def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
@@ -275,21 +277,19 @@ class DenseLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         _check_input(x, self.in_features, "DenseLinear")
         w = self.weight
-        if x.dtype != w.dtype:
-            x = x.to(w.dtype)
         if x.device.type != "cpu" or w.device.type != "cpu" or w.requires_grad:
-            return F.linear(x, w)
+            return F.linear(x, w.to(x.dtype))
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         M = x2.shape[0]
         if 0 < M <= GEMV_MAX_ROWS:
             ops = native_ops()
-            if ops is not None and w.dtype in _NATIVE_DENSE_DTYPES and w.is_contiguous():
+            if ops is not None and w.dtype in _NATIVE_DENSE_DTYPES and w.is_contiguous() and x.dtype in _NATIVE_DENSE_DTYPES:
                 return ops.gemv_dense(x2.contiguous(), w).reshape(*lead, self.out_features)
-            return F.linear(x, w)
-        ct = prefill_dtype(w.dtype)
+            return F.linear(x, w.to(x.dtype))
+        ct = prefill_dtype(w.dtype) if x.dtype == w.dtype else x.dtype
         if ct == w.dtype or M == 0:
-            return F.linear(x, w)
+            return F.linear(x, w.to(x.dtype))
         # 16-bit weights on a CPU without 16-bit matrix units: fp32 GEMM on converted tiles.
         y = _tiled_linear(x2, self.out_features, ct, lambda r0, r1, out: out.copy_(w[r0:r1]))
         return y.reshape(*lead, self.out_features)

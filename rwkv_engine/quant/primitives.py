@@ -7,10 +7,10 @@ oracle the native kernels are tested against.
 A weight is an `nn.Linear` weight of shape (N, K) = (out_features, in_features). Groups run
 along K: group g of row n holds columns [g*group_size, (g+1)*group_size).
 
-int8 (symmetric, per output channel or per group)
+int8 (symmetric, per output channel or per group; with group 32 the layout of ggml's Q8_0)
 
     qweight  int8    (N, K)        values in [-127, 127]
-    scales   float32 (N, K // group_size)   (one column when group_size == K: per channel)
+    scales   float16 (N, K // group_size)   (one column when group_size == K: per channel)
     w[n, k] ~= qweight[n, k] * scales[n, k // group_size]
 
 int4 (group size 32, 64 or 128, 16-bit scales)
@@ -47,6 +47,7 @@ Tensor = torch.Tensor
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT4_SCALE_DTYPE = torch.float16
+INT8_SCALE_DTYPE = torch.float16
 _CHUNK_ELEMS = 1 << 18  # weights quantized per step (keeps the temporaries small and in cache)
 
 
@@ -71,6 +72,13 @@ def check_int4_weight(weight: Tensor, what: str) -> None:
     _check_weight(weight, what)
     if weight.abs().max() > 60000:
         raise InputError(f"{what}: weight values reach {weight.abs().max().item():.4g}, beyond the fp16 scales of int4")
+
+
+def check_int8_weight(weight: Tensor, what: str) -> None:
+    """A weight int8 can store: 2-D, finite, and within the range of its fp16 scales (127 * 60000)."""
+    _check_weight(weight, what)
+    if weight.abs().max() > 127 * 60000:
+        raise InputError(f"{what}: weight values reach {weight.abs().max().item():.4g}, beyond the fp16 scales of int8")
 
 
 def check_group_size(in_features: int, group_size: int | None, allowed: tuple[int, ...] | None, what: str) -> int:
@@ -113,22 +121,24 @@ def _scaled_rows(weight: Tensor, r0: int, r1: int, col_scales: Tensor | None) ->
 
 
 def quantize_int8(weight: Tensor, group_size: int | None = None, col_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Symmetric int8: (qweight int8 (N, K), scales float32 (N, K // group_size)).
+    """Symmetric int8: (qweight int8 (N, K), scales float16 (N, K // group_size)).
 
-    group_size None means one scale per output channel (row). Scale = absmax / 127. With
+    group_size None means one scale per output channel (row). Scale = absmax / 127, rounded to
+    fp16 before the codes are computed (a code may then round to +-127 from just beyond it). With
     col_scales (K,), quantizes weight / col_scales (see the module docstring).
     """
-    _check_weight(weight, "quantize_int8")
+    check_int8_weight(weight, "quantize_int8")
     N, K = weight.shape
     gs = check_group_size(K, group_size, None, "quantize_int8")
     G = K // gs
     q = torch.empty(N, G, gs, dtype=torch.int8, device=weight.device)
-    scales = torch.empty(N, G, dtype=torch.float32, device=weight.device)
+    scales = torch.empty(N, G, dtype=INT8_SCALE_DTYPE, device=weight.device)
     rows = max(1, _CHUNK_ELEMS // K)
     for r0 in range(0, N, rows):  # in row chunks: bounded temporaries for a 65536-row head
         w = _scaled_rows(weight, r0, r0 + rows, col_scales).reshape(-1, G, gs)
-        s = w.abs().amax(dim=-1) / 127.0  # (n, G)
-        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        s = (w.abs().amax(dim=-1) / 127.0).to(INT8_SCALE_DTYPE)  # (n, G)
+        sf = s.float()
+        inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
         q[r0 : r0 + rows] = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
         scales[r0 : r0 + rows] = s
     return q.reshape(N, K), scales

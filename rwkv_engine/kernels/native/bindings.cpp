@@ -70,15 +70,15 @@ at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   check_cpu_contiguous(scales, "scales");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "qweight must be int8 [N, K]");
   const int64_t N = q.size(0), K = q.size(1), B = x.size(0);
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.scalar_type() == at::kFloat,
-              "scales must be float32 [N, G]");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N && scales.scalar_type() == at::kHalf,
+              "scales must be float16 [N, G]");
   const int64_t G = scales.size(1);
   TORCH_CHECK(G >= 1 && K % G == 0, "the number of groups must divide K");
-  TORCH_CHECK(G == 1 || (K / G) % 64 == 0, "gemv_q8: group size must be a multiple of 64 (or one group per row)");
+  TORCH_CHECK(G == 1 || (K / G) % 32 == 0, "gemv_q8: group size must be a multiple of 32 (or one group per row)");
   check_x(x, K);
   const DType xt = dtype_of(x, "x");
   at::Tensor y = at::empty({B, N}, x.options());
-  rwkv_native::gemv_q8(q.data_ptr<int8_t>(), scales.data_ptr<float>(), col_scales_ptr(col_scales, K), N, K, G,
+  rwkv_native::gemv_q8(q.data_ptr<int8_t>(), u16(scales), col_scales_ptr(col_scales, K), N, K, G,
                        x.data_ptr(), xt, B, y.data_ptr());
   return y;
 }
@@ -129,13 +129,13 @@ at::Tensor dequant_q8(const at::Tensor& q, const at::Tensor& scales, int64_t r0,
   check_cpu_contiguous(q, "qweight");
   check_cpu_contiguous(scales, "scales");
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "qweight must be int8 [N, K]");
-  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == q.size(0) && scales.scalar_type() == at::kFloat,
-              "scales must be float32 [N, G]");
+  TORCH_CHECK(scales.dim() == 2 && scales.size(0) == q.size(0) && scales.scalar_type() == at::kHalf,
+              "scales must be float16 [N, G]");
   const int64_t K = q.size(1), G = scales.size(1);
   TORCH_CHECK(G >= 1 && K % G == 0, "the number of groups must divide K");
   check_rows(r0, r1, q.size(0));
   at::Tensor out = tile_out(q, r1 - r0, K, dtype, out_opt);
-  rwkv_native::dequant_q8(q.data_ptr<int8_t>(), scales.data_ptr<float>(), K, G, r0, r1, out.data_ptr(),
+  rwkv_native::dequant_q8(q.data_ptr<int8_t>(), u16(scales), K, G, r0, r1, out.data_ptr(),
                           dtype_of(dtype));
   return out;
 }
@@ -270,14 +270,14 @@ class DecodePlan {
     l.N = N, l.K = K;
     if (w.scalar_type() == at::kChar) {
       const auto s = part(1);
-      TORCH_CHECK(s && s->scalar_type() == at::kFloat && s->dim() == 2 && s->size(0) == N, "decode plan: '", key,
-                  "' int8 scales must be float32 [N, G]");
+      TORCH_CHECK(s && s->scalar_type() == at::kHalf && s->dim() == 2 && s->size(0) == N, "decode plan: '", key,
+                  "' int8 scales must be float16 [N, G]");
       TORCH_CHECK(w.dim() == 2 && w.size(0) == N && w.size(1) == K, "decode plan: '", key, "' must be [", N, ", ", K, "]");
       l.kind = Linear::Kind::kQ8;
       l.q8 = w.data_ptr<int8_t>();
-      l.s8 = s->data_ptr<float>();
+      l.s8 = u16(*s);
       l.G = s->size(1);
-      TORCH_CHECK(K % l.G == 0 && (l.G == 1 || (K / l.G) % 64 == 0), "decode plan: '", key, "' group size unsupported");
+      TORCH_CHECK(K % l.G == 0 && (l.G == 1 || (K / l.G) % 32 == 0), "decode plan: '", key, "' group size unsupported");
     } else if (w.scalar_type() == at::kByte) {
       const auto s = part(1), z = part(2);
       TORCH_CHECK(s && z && s->scalar_type() == at::kHalf && z->sizes() == s->sizes() && s->size(0) == N,

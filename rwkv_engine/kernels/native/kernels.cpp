@@ -442,6 +442,19 @@ struct IntKernel {
           for (int r = 0; r < R; ++r) _mm_prefetch(next + r * rb + c * F::kChunkBytes, _MM_HINT_T0);
       }
       __m256i a[R][Bt];
+      // acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the sums of a chunk, or of each half of
+      // it when the format has two groups per chunk whose lanes do not separate (int8 group 32).
+      const auto flush = [&](int part) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256 sv = fm.scale(n + r, c, part);
+#pragma GCC unroll 4
+          for (int b = 0; b < Bt; ++b) {
+            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a[r][b]), _mm256_broadcast_ss(dx[b] + c));
+            fa[r][b] = _mm256_fmadd_ps(v, sv, fa[r][b]);
+          }
+        }
+      };
 #pragma GCC unroll 4
       for (int h = 0; h < 4; ++h) {
         __m256i w[R];
@@ -455,20 +468,13 @@ struct IntKernel {
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
             const __m256i m = _mm256_madd_epi16(w[r], xv);
-            a[r][b] = h == 0 ? m : _mm256_add_epi32(a[r][b], m);
+            a[r][b] = h == 0 || (h == 2 && fm.split) ? m : _mm256_add_epi32(a[r][b], m);
             keep(a[r][b]);
           }
         }
+        if (h == 1 && fm.split) flush(0);
       }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 sv = fm.scale(n + r, c);
-#pragma GCC unroll 4
-        for (int b = 0; b < Bt; ++b) {
-          const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a[r][b]), _mm256_broadcast_ss(dx[b] + c));
-          fa[r][b] = _mm256_fmadd_ps(v, sv, fa[r][b]);
-        }
-      }
+      flush(fm.split ? 1 : 0);
     }
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < Bt; ++b) acc[r * stride + b] = fa[r][b];
@@ -477,18 +483,22 @@ struct IntKernel {
   float finish(int64_t n, int b, float v) const { return f.finish(n, b, v, x); }
 };
 
-// int8 weights, fp32 scales (N, G) with K / G a multiple of 64 or G == 1 (per channel).
+// int8 weights, fp16 scales (N, G) with K / G a multiple of 32 or G == 1 (per channel).
+// Group 32 (ggml's Q8_0 layout): a chunk's pieces 0-1 are one group and pieces 2-3 the next, and
+// the kernel scales the two halves' sums separately (`split`).
 struct Q8Format {
   static constexpr int64_t kChunkBytes = 64;
   static constexpr int64_t kRowBytes(int64_t K) { return K; }
   const int8_t* Q;
-  const float* S;
+  const uint16_t* S;
   int64_t K, G;
+  bool split;  // group size 32: two groups per chunk
   int gshift;  // chunk c has the scale of group c >> gshift (power-of-two groups; else c / cpg)
   int cpg;     // chunks per group (per channel: all of them)
 
-  Q8Format(const int8_t* q, const float* s, int64_t k, int64_t g)
-      : Q(q), S(s), K(k), G(g), cpg(static_cast<int>(std::max<int64_t>(1, k / g / 64))) {
+  Q8Format(const int8_t* q, const uint16_t* s, int64_t k, int64_t g)
+      : Q(q), S(s), K(k), G(g), split(g > 1 && k / g == 32),
+        cpg(static_cast<int>(std::max<int64_t>(1, k / g / 64))) {
     gshift = G == 1 ? 31 : (cpg & (cpg - 1)) == 0 ? __builtin_ctz(cpg) : -1;
   }
 
@@ -496,9 +506,11 @@ struct Q8Format {
   static inline __m256i piece(const uint8_t* chunk, int h) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
   }
-  inline __m256 scale(int64_t n, int64_t c) const {
+  // part: which half of chunk c when split (groups 2c, 2c + 1), else 0.
+  inline __m256 scale(int64_t n, int64_t c, int part) const {
     const int i = static_cast<int>(c);
-    return _mm256_set1_ps(S[n * G + (gshift >= 0 ? i >> gshift : i / cpg)]);
+    const int64_t g = split ? 2 * c + part : gshift >= 0 ? i >> gshift : i / cpg;
+    return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(S[n * G + g])));
   }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
@@ -507,7 +519,7 @@ struct Q8Format {
       const int8_t* row = Q + n * K;
       float d = 0.f;
       for (int64_t k = C * 64; k < K; ++k) d += static_cast<float>(row[k]) * x.xf[b * K + k];
-      v += d * S[n * G + G - 1];
+      v += d * half_to_float(S[n * G + G - 1]);
     }
     return v;
   }
@@ -519,6 +531,7 @@ struct Q8Format {
 // columns 0..31 of the chunk and lanes 4-7 columns 32..63.
 struct Q4Format {
   static constexpr int64_t kChunkBytes = 32;
+  static constexpr bool split = false;  // group 32 is split by lanes instead (scale())
   static constexpr int64_t kRowBytes(int64_t K) { return K / 2; }
   const uint8_t* Q;
   const uint16_t *S, *Z;
@@ -535,7 +548,7 @@ struct Q4Format {
            : h < 3 ? _mm256_and_si256(_mm256_srli_epi16(v, 4 * h), mask)
                    : _mm256_srli_epi16(v, 12);
   }
-  inline __m256 scale(int64_t n, int64_t c) const {
+  inline __m256 scale(int64_t n, int64_t c, int /*part*/) const {
     const uint16_t* s = S + n * G;
     if (K / G == 32) {  // groups 2c, 2c + 1 -> lanes 0-3, 4-7
       int32_t two;
@@ -707,7 +720,7 @@ void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DT
   gemv_many(&c, 1, B);
 }
 
-void gemv_q8(const int8_t* q, const float* s, const uint16_t* cs, int64_t N, int64_t K, int64_t G, const void* x,
+void gemv_q8(const int8_t* q, const uint16_t* s, const uint16_t* cs, int64_t N, int64_t K, int64_t G, const void* x,
              DType xt, int64_t B, void* y) {
   Linear l;
   l.kind = Linear::Kind::kQ8, l.N = N, l.K = K, l.G = G, l.q8 = q, l.s8 = s, l.cs = cs;
@@ -754,14 +767,14 @@ void store_row(const float* src, int64_t n, void* out, DType ot, int64_t off) {
 
 }  // namespace
 
-void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot) {
+void dequant_q8(const int8_t* q, const uint16_t* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot) {
   const int64_t gs = K / G;
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;
       for (int64_t g = 0; g < G; ++g) {
-        const float sc = s[n * G + g];
+        const float sc = half_to_float(s[n * G + g]);
         const __m256 scv = _mm256_set1_ps(sc);
         const int8_t* qr = q + n * K + g * gs;
         float* o = row.data() + g * gs;

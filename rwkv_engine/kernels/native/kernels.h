@@ -16,7 +16,7 @@ void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DT
 // is then w[n, k] * cs[k], computed as x[b, k] * cs[k] (fp32) before anything else.
 
 // w[n, k] = q[n, k] * s[n, k / (K / G)]; q int8 [N, K], s fp32 [N, G].
-void gemv_q8(const int8_t* q, const float* s, const uint16_t* cs, int64_t N, int64_t K, int64_t G, const void* x,
+void gemv_q8(const int8_t* q, const uint16_t* s, const uint16_t* cs, int64_t N, int64_t K, int64_t G, const void* x,
              DType xt, int64_t B, void* y);
 
 // w[n, k] = code(n, k) * s[n, g] + z[n, g], g = k / (K / G); q uint8 [N, K / 2] (column 2i in the
@@ -30,8 +30,8 @@ struct Linear {
   int64_t N = 0, K = 0, G = 1;
   const void* w = nullptr;  // dense [N, K] of dtype wt
   DType wt = DType::kF32;
-  const int8_t* q8 = nullptr;  // int8 [N, K], scales fp32 [N, G]
-  const float* s8 = nullptr;
+  const int8_t* q8 = nullptr;  // int8 [N, K], scales fp16 [N, G]
+  const uint16_t* s8 = nullptr;
   const uint8_t* q4 = nullptr;  // packed int4 [N, K / 2], scales / biases fp16 [N, G]
   const uint16_t* s4 = nullptr;
   const uint16_t* z4 = nullptr;
@@ -52,7 +52,7 @@ struct GemvCall {
 void gemv_many(const GemvCall* calls, int n, int64_t B);
 
 // Rows [r0, r1) of the dequantized weight into out [r1 - r0, K] of dtype ot.
-void dequant_q8(const int8_t* q, const float* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot);
+void dequant_q8(const int8_t* q, const uint16_t* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot);
 void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,
                 void* out, DType ot);
 

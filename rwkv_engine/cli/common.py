@@ -35,7 +35,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                              "name such as q4f16_1 (default: none; a converted model keeps its own)")
     parser.add_argument("--group-size", type=int, default=None, metavar="N",
                         help="columns per quantization scale (q4: 32, 64 or 128; q8: a divisor of the width, "
-                             "or -1 for one scale per row)")
+                             "a multiple of 32 for the fast kernels, or -1 for one scale per row; default 32)")
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="tokenizer to use instead of the one the model implies "
                              "(a World vocab .txt or a tokenizer.json)")

@@ -65,8 +65,7 @@ inline void store_elem(void* p, DType t, int64_t i, float v) {
 }
 
 // Pins v to a register at this point of the instruction stream. Without it GCC folds a shared x
-// load into every FMA that uses it (R loads instead of one: the dense kernels became load-bound),
-// or computes all the integer products of a chunk ahead of their sums and spills them.
+// load into every FMA that uses it (R loads instead of one: the dense kernel became load-bound).
 template <typename V>
 inline void keep(V& v) {
   __asm__("" : "+x"(v));
@@ -166,6 +165,7 @@ void for_rows(int64_t N, int64_t K, int64_t block, const F& fn) {
 
 constexpr int kPanel = 24;                 // weight rows per panel (a multiple of every R)
 constexpr int64_t kXTileBytes = 16 << 10;  // prepared x of one K tile, all rows of the pass
+constexpr int64_t kMaxTileSteps = kXTileBytes / (64 * 2);  // of the int8 / int4 kernel (B = 1)
 
 // Rows [r0, r1) of a pass of B rows of x; results to y [B, N].
 template <int B, typename Kern>
@@ -390,16 +390,14 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const
 
 // The int8 / int4 kernel. A step is a 64-column chunk, which the weight format (Q8Format /
 // Q4Format) decodes as four int16 vectors of 16 columns (pieces h = 0..3) that line up with the
-// prepared x. For R weight rows and Bt rows of x, each piece is decoded once and used for the Bt
-// rows of x; the R x Bt exact int32 chunk sums stay in registers and are scaled into the fp32
-// accumulators once per chunk:
-//   acc[n][b] += (float(chunk sum) * dx[b, chunk]) * scale(n, chunk)
-// Registers: R x Bt sums + R x Bt accumulators + R weight pieces (+ the int4 mask); R = 3 x
-// Bt = 4 spilled. Per 64 multiply-adds this is about 11 instructions (4 vpmaddwd, 3 adds, the
-// scaling, a share of the decoding), as was the R = 1 kernel before it, whose x loads from L2
-// did not limit it: measured 8 rows of x within +-8% of it, about 11 multiply-adds per cycle.
-template <int B> constexpr int kIntRows = B <= 2 ? 4 : 2;
-template <int B> constexpr int kIntXRows = B <= 3 ? B : 4;
+// prepared x. Registers: a row's 4 pieces + the R x Bt accumulators (all rows of x of the pass
+// from B = 5; R = 1 leaves Bt = 8). Per 64 multiply-adds this is about 11 instructions (4
+// vpmaddwd with the x load folded in, 3 adds, the scaling, a share of the decoding), and the
+// kernel is bound by them, not by loads: sharing x loads between 2 weight rows (their int32
+// sums in registers, decoded pieces shared by 4 rows of x) took more instructions and measured
+// 5-20% slower with 2 threads.
+template <int B> constexpr int kIntRows = B <= 2 ? 4 : B <= 4 ? 2 : 1;
+template <int B> constexpr int kIntXRows = B;
 
 // Quantized rows are short (1-4 KB) and read R at a time, which the hardware prefetcher follows
 // poorly, so while a block of rows is read the next block's rows are prefetched at the same
@@ -410,6 +408,7 @@ constexpr int64_t kPrefetchMaxRow = 4096;
 template <typename F>
 struct IntKernel {
   static constexpr int64_t kStepBytes = 64 * 2;  // int16 x per chunk and row of x
+  static_assert(kXTileBytes / kStepBytes == kMaxTileSteps);
   template <int B> static constexpr int kRows = kIntRows<B>;
   template <int B> static constexpr int kXRows = kIntXRows<B>;
 
@@ -432,6 +431,10 @@ struct IntKernel {
     __m256 fa[R][Bt];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < Bt; ++b) fa[r][b] = acc[r * stride + b];
+    // The rows' fp16 scales for the tile in fp32, two per chunk (its halves' groups), converted
+    // 8 at a time once per tile rather than one at a time per chunk.
+    alignas(32) float sc[R][2 * kMaxTileSteps];
+    for (int r = 0; r < R; ++r) fm.scales(n + r, s0, s1, sc[r]);
     const char* next = reinterpret_cast<const char*>(rows[0] + R * rb);  // contiguous rows
     const bool whole = s0 == 0 && s1 == C;
     for (int64_t c = s0; c < s1; ++c) {
@@ -441,40 +444,34 @@ struct IntKernel {
         else if (c * F::kChunkBytes % 64 == 0)  // the next cache line of each row
           for (int r = 0; r < R; ++r) _mm_prefetch(next + r * rb + c * F::kChunkBytes, _MM_HINT_T0);
       }
-      __m256i a[R][Bt];
-      // acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the sums of a chunk, or of each half of
-      // it when the format has two groups per chunk whose lanes do not separate (int8 group 32).
-      const auto flush = [&](int part) {
+      // A row's four pieces stay in registers while each row of x takes its exact int32 sums
+      // (x folds into the vpmaddwd), then acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the
+      // sum of the chunk, or of each half when the format has two groups per chunk whose lanes
+      // do not separate (int8 group 32).
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const __m256 sv = fm.scale(n + r, c, part);
+      for (int r = 0; r < R; ++r) {
+        __m256i w[4];
 #pragma GCC unroll 4
-          for (int b = 0; b < Bt; ++b) {
-            const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(a[r][b]), _mm256_broadcast_ss(dx[b] + c));
-            fa[r][b] = _mm256_fmadd_ps(v, sv, fa[r][b]);
-          }
-        }
-      };
-#pragma GCC unroll 4
-      for (int h = 0; h < 4; ++h) {
-        __m256i w[R];
+        for (int h = 0; h < 4; ++h) w[h] = fm.piece(rows[r] + c * F::kChunkBytes, h);
+        const float* two = sc[r] + 2 * (c - s0);
+        const __m256 s0 = F::scale(two, 0);
+        const __m256 s1 = fm.split ? F::scale(two, 1) : s0;
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) w[r] = fm.piece(rows[r] + c * F::kChunkBytes, h);
-#pragma GCC unroll 4
         for (int b = 0; b < Bt; ++b) {
-          // (x is left to fold into the vpmaddwd: one instruction fewer, and the kernel is
-          // bound by instructions, not by loads)
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[b] + c * 64 + 16 * h));
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            const __m256i m = _mm256_madd_epi16(w[r], xv);
-            a[r][b] = h == 0 || (h == 2 && fm.split) ? m : _mm256_add_epi32(a[r][b], m);
-            keep(a[r][b]);
+          const __m256i* xb = reinterpret_cast<const __m256i*>(xq[b] + c * 64);
+          const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xb)),
+                                              _mm256_madd_epi16(w[1], _mm256_loadu_si256(xb + 1)));
+          const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(xb + 2)),
+                                              _mm256_madd_epi16(w[3], _mm256_loadu_si256(xb + 3)));
+          const __m256 d = _mm256_broadcast_ss(dx[b] + c);
+          if (fm.split) {
+            fa[r][b] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), d), s0, fa[r][b]);
+            fa[r][b] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), d), s1, fa[r][b]);
+          } else {
+            fa[r][b] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), d), s0, fa[r][b]);
           }
         }
-        if (h == 1 && fm.split) flush(0);
       }
-      flush(fm.split ? 1 : 0);
     }
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < Bt; ++b) acc[r * stride + b] = fa[r][b];
@@ -506,12 +503,17 @@ struct Q8Format {
   static inline __m256i piece(const uint8_t* chunk, int h) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
   }
-  // part: which half of chunk c when split (groups 2c, 2c + 1), else 0.
-  inline __m256 scale(int64_t n, int64_t c, int part) const {
-    const int i = static_cast<int>(c);
-    const int64_t g = split ? 2 * c + part : gshift >= 0 ? i >> gshift : i / cpg;
-    return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(S[n * G + g])));
+  // Row n's scales of chunks [c0, c1): dst[2 (c - c0) + part], part = the chunk's half.
+  void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
+    const uint16_t* s = S + n * G;
+    if (split) return to_float(s + 2 * c0, DType::kF16, 0, 2 * (c1 - c0), dst);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int i = static_cast<int>(c);
+      dst[2 * (c - c0)] = dst[2 * (c - c0) + 1] = half_to_float(s[gshift >= 0 ? i >> gshift : i / cpg]);
+    }
   }
+  // The scale of half `part` of a chunk (split), else of the chunk, from its two scales.
+  static inline __m256 scale(const float* two, int part) { return _mm256_broadcast_ss(two + part); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -548,16 +550,14 @@ struct Q4Format {
            : h < 3 ? _mm256_and_si256(_mm256_srli_epi16(v, 4 * h), mask)
                    : _mm256_srli_epi16(v, 12);
   }
-  inline __m256 scale(int64_t n, int64_t c, int /*part*/) const {
+  void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
     const uint16_t* s = S + n * G;
-    if (K / G == 32) {  // groups 2c, 2c + 1 -> lanes 0-3, 4-7
-      int32_t two;
-      std::memcpy(&two, s + 2 * c, 4);
-      __m128i h = _mm_cvtsi32_si128(two);
-      h = _mm_unpacklo_epi16(h, h);  // s0 s0 s1 s1
-      return _mm256_cvtph_ps(_mm_unpacklo_epi32(h, h));
-    }
-    return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<int16_t>(s[c >> gshift])));
+    if (K / G == 32) return to_float(s + 2 * c0, DType::kF16, 0, 2 * (c1 - c0), dst);
+    for (int64_t c = c0; c < c1; ++c) dst[2 * (c - c0)] = dst[2 * (c - c0) + 1] = half_to_float(s[c >> gshift]);
+  }
+  // Group 32: the two groups of a chunk scale lanes 0-3 and 4-7 (see above); else both the same.
+  static inline __m256 scale(const float* two, int) {
+    return _mm256_set_m128(_mm_broadcast_ss(two + 1), _mm_broadcast_ss(two));
   }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {

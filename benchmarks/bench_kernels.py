@@ -29,6 +29,7 @@ Machines are shared and noisy: read the ratios, not the absolute numbers.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def make_tensors(fmt: str, N: int, K: int) -> dict:
         return {"w": (torch.randn(N, K, generator=g) / K**0.5).to(dt)}
     if fmt.startswith("int8"):
         G = 1 if fmt == "int8" else K // int(fmt.split("g")[1])
-        s = torch.rand(N, G, generator=g) * 0.01
+        s = (torch.rand(N, G, generator=g) * 0.01).half()
         return {
             "q": torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g),
             "s": s,
@@ -122,9 +123,19 @@ def weight_nbytes(fmt: str, t: dict) -> int:
     return sum(v.numel() * v.element_size() for k, v in t.items() if k in ("w", "q", "s", "z"))
 
 
+@functools.lru_cache(maxsize=None)
+def _q8_half_scales(ops) -> bool:
+    """Whether this build's gemv_q8 takes fp16 scales (fp32 before 306892d: a --baseline build)."""
+    try:
+        ops.gemv_q8(torch.zeros(1, 64), torch.zeros(1, 64, dtype=torch.int8), torch.ones(1, 1).half())
+        return True
+    except RuntimeError:
+        return False
+
+
 def run_ours(fmt: str, ops, x, t):
     if fmt.startswith("int8"):
-        return ops.gemv_q8(x, t["q"], t["s"])
+        return ops.gemv_q8(x, t["q"], t["s"] if _q8_half_scales(ops) else t["s"].float())
     if fmt.startswith("int4"):
         return ops.gemv_q4(x, t["q"], t["s"], t["z"])
     return ops.gemv_dense(x, t["w"])

@@ -17,6 +17,7 @@ the memory read bandwidth of the machine and the batch-1 decode speed it allows 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -117,8 +118,12 @@ def run_one(engine: str, ckpt: str, dtype: str, prompt_len: int, decode: int, th
 
 
 def converted_dir(work: Path, ckpt: Path, scheme: str, dtype: str = "bf16") -> Path:
-    """`rwkv-engine convert` of ckpt with `scheme` and activation `dtype`, once, into work."""
-    out = work / (f"{ckpt.stem}-{scheme}" + ("" if dtype == "bf16" else f"-{dtype}"))
+    """`rwkv-engine convert` of ckpt with `scheme` and activation `dtype`, once, into work. The
+    name carries a hash of the quantization code, so a change of format or policy converts anew."""
+    code = Path(__file__).resolve().parents[1] / "rwkv_engine"
+    sources = sorted((code / "quant").glob("*.py")) + [code / "converted.py"]
+    stamp = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
+    out = work / (f"{ckpt.stem}-{scheme}" + ("" if dtype == "bf16" else f"-{dtype}") + f"-{stamp}")
     if not out.exists():
         print(f"converting {ckpt.name} to {scheme} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, "-m", "rwkv_engine", "convert", str(ckpt), str(out), "-q", scheme, "--dtype", dtype]

@@ -160,6 +160,14 @@ def _warm_up(ops, seconds: float = 0.5):
         ops.gemv_dense(x, w)
 
 
+def weight_copies(fmt, N, K):
+    """Enough copies of one (N, K) weight in `fmt` that a pass over them flushes the L3 cache,
+    and the bytes of one."""
+    first = make_tensors(fmt, N, K)
+    nbytes = weight_nbytes(fmt, first)
+    return [first] + [{k: v.clone() for k, v in first.items()} for _ in range(1, copies_for(nbytes))], nbytes
+
+
 def bench_decode(ops, formats, shapes, rounds, batch=1):
     print(f"\n## Decode GEMV, x [{batch}, K], {torch.get_num_threads()} threads (best of {rounds} rounds)\n")
     print("| shape | format | torch GB/s | ours GB/s | torch Gw/s | ours Gw/s | ours/torch speed |")
@@ -167,10 +175,8 @@ def bench_decode(ops, formats, shapes, rounds, batch=1):
     times = {}
     for sname, (N, K) in shapes.items():
         for fmt in formats:
-            first = make_tensors(fmt, N, K)
-            nbytes = weight_nbytes(fmt, first)
-            n = copies_for(nbytes)
-            items = [first] + [{k: v.clone() for k, v in first.items()} for _ in range(1, n)]
+            items, nbytes = weight_copies(fmt, N, K)
+            n = len(items)
             x = torch.randn(batch, K).to(x_dtype(fmt))
             t = best_of_rounds(
                 {
@@ -186,7 +192,7 @@ def bench_decode(ops, formats, shapes, rounds, batch=1):
                 f"{N * K / tt / 1e9:.1f} | {N * K / to / 1e9:.1f} | {tt / to:.2f} |",
                 flush=True,
             )
-            del items, first
+            del items
     return times
 
 
@@ -224,10 +230,8 @@ def bench_batch(ops, base, formats, shapes, batches, rounds):
     print("|---|---|---|" + "---|" * len(cols))
     for sname, (N, K) in shapes.items():
         for fmt in formats:
-            first = make_tensors(fmt, N, K)
-            nbytes = weight_nbytes(fmt, first)
-            n = copies_for(nbytes)
-            items = [first] + [{k: v.clone() for k, v in first.items()} for _ in range(1, n)]
+            items, nbytes = weight_copies(fmt, N, K)
+            n = len(items)
             for B in batches:
                 x = torch.randn(B, K).to(x_dtype(fmt))
                 t = best_of_rounds({w: [lambda it=it, m=m: run_ours(fmt, m, x, it) for it in items]
@@ -237,7 +241,7 @@ def bench_batch(ops, base, formats, shapes, batches, rounds):
                 if base:
                     cells.append(f"{t['base'] / t['ours']:.2f}")
                 print(f"| {sname} | {fmt} | {B} | " + " | ".join(cells) + " |", flush=True)
-            del items, first
+            del items
 
 
 def token_estimate(times, formats):

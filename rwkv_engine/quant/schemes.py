@@ -26,9 +26,9 @@ and group size; `Scheme.dtype` carries the B part for the loader:
 
 MLC's `_0` / `_1` differ only in its storage layout and `_2` in leaving the embedding and the
 final projection unquantized; our default policy keeps the head (and block 0) of a q4 model at
-8 bits. MLC's int4 is symmetric; ours has a zero point (measured: 30% lower output error at group 32 on heavy-tailed
-weights; `python benchmarks/bench_kernels.py --only errors`). The names only select a scheme:
-MLC weight files are not read.
+8 bits. MLC's int4 is symmetric; ours has a zero point (measured: 30% lower output error at group
+32 on heavy-tailed weights; `python benchmarks/bench_kernels.py --only errors`). The names only
+select a scheme: MLC weight files are not read.
 
 Policy: which matrices get what. `quantize_model` considers every `nn.Linear` without a bias and
 asks, in this order:

@@ -11,7 +11,6 @@ os.environ.setdefault("RWKV_JIT_ON", "0")
 os.environ.setdefault("RWKV_CUDA_ON", "0")
 
 import pytest
-import torch
 
 from rwkv_engine import testing
 
@@ -19,6 +18,14 @@ SIZES = dict(n_layer=3, n_embd=64, vocab_size=300, head_size=16)
 
 
 rel_rms = testing.rel_rms
+
+
+def states_equal(a, b, tol=1e-5):
+    """Equal up to float rounding (e.g. token-by-token vs chunked prefill): relative RMS per field."""
+    assert sorted(a.fields) == sorted(b.fields) and a.signature == b.signature
+    for name, t in a.items():
+        err = rel_rms(t, getattr(b, name))
+        assert err < tol, f"{name}: relative RMS difference {err:.2e}"
 
 
 @pytest.fixture(scope="session")

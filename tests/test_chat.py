@@ -21,6 +21,8 @@ from rwkv_engine.errors import InputError, StateError
 from rwkv_engine.state import State
 from rwkv_engine.tokenizer import WorldTokenizer
 
+from .conftest import states_equal
+
 pexpect = pytest.importorskip("pexpect")
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,14 +43,6 @@ def model(model_path):
 @pytest.fixture(scope="module")
 def tok():
     return WorldTokenizer()
-
-
-def states_equal(a, b, tol=1e-5):
-    assert sorted(a.fields) == sorted(b.fields) and a.signature == b.signature
-    for name, t in a.items():
-        ref = getattr(b, name).double()
-        err = ((t.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-        assert err < tol, f"{name}: relative RMS difference {err:.2e}"
 
 
 class Chat:

@@ -16,6 +16,8 @@ from rwkv_engine.generation import TextStream, generate
 from rwkv_engine.sampling import SamplingParams
 from rwkv_engine.tokenizer import WorldTokenizer
 
+from .conftest import states_equal
+
 WORLD_VOCAB = 65536
 
 
@@ -27,15 +29,6 @@ def tok():
 @pytest.fixture(scope="module")
 def model(make_pth):
     return rwkv_engine.load(make_pth("5.2", n_layer=2, n_embd=64, vocab_size=WORLD_VOCAB, head_size=16))
-
-
-def states_equal(a, b, tol=1e-5):
-    """Equal up to float rounding (token-by-token vs chunked prefill): relative RMS per field."""
-    assert sorted(a.fields) == sorted(b.fields) and a.signature == b.signature
-    for name, t in a.items():
-        ref = getattr(b, name).double()
-        err = ((t.double() - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-        assert err < tol, f"{name}: relative RMS difference {err:.2e}"
 
 
 # --- TextStream ---------------------------------------------------------------------------------

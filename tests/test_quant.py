@@ -14,10 +14,7 @@ from rwkv_engine.quant import linear as QL
 from rwkv_engine.quant import primitives as P
 from rwkv_engine.testing import random_state_dict
 
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).square().mean() / b.square().mean()).sqrt().item()
+from .conftest import rel_rms
 
 
 @pytest.fixture(params=["native", "plain"])

@@ -91,6 +91,27 @@ def save(model, out: str | os.PathLike, tokenizer_source: Path | None = None) ->
     return out
 
 
+def _tensor_offset(weights: Path, name: str) -> int:
+    """Byte offset of tensor `name`'s data in a safetensors file: after the 8-byte header length
+    and the JSON header, at the tensor's `data_offsets[0]`."""
+    with open(weights, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return 8 + n + int(header[name]["data_offsets"][0])
+
+
+def _read_embedding_rows(model, weights: Path) -> None:
+    """Let the embedding read its rows from the file (memory.FileRows) instead of faulting in
+    pages of the mapping, where the platform has pread."""
+    from .memory import FileRows
+
+    emb = model.emb
+    if not FileRows.available() or not emb.weight.is_contiguous():
+        return
+    offset = _tensor_offset(weights, "emb.weight")
+    emb.file_rows = FileRows(weights, offset, tuple(emb.weight.shape), emb.weight.dtype, emb.weight)
+
+
 def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -> "torch.nn.Module":
     """Build the model recorded in an rwkv-engine directory (on the CPU) from its mapped tensors."""
     from safetensors import safe_open
@@ -150,6 +171,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
             raise CheckpointError(f"{weights}: tensor {k} is {tuple(t.shape)} {t.dtype}, "
                                   f"expected {tuple(expected[k].shape)} {expected[k].dtype}")
     model.load_state_dict(tensors, strict=True, assign=True)
+    _read_embedding_rows(model, weights)
     model.initial_state = initial
     model.quantization = get_scheme(q["name"], q.get("group_size")) if q else None
     model.quantization_report = {name: " ".join(str(a) for a in kind if a is not None) for name, kind in linears.items()}

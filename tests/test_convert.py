@@ -112,3 +112,14 @@ def test_int8_scales_of_older_directories_load(src, tmp_path):
     model = rwkv_engine.load(out)
     assert all(m.scales.dtype == torch.float16 for m in model.modules() if hasattr(m, "qweight") and m.qweight.dtype == torch.int8)
     assert torch.equal(model.forward(IDS)[0], new)
+
+
+def test_converted_embedding_reads_rows_from_the_file(src, tmp_path):
+    out = converted.save(rwkv_engine.load(src, quantization="q8"), tmp_path / "o")
+    model = rwkv_engine.load(out)
+    assert model.emb.file_rows is not None and model.emb.file_rows.serves(model.emb.weight)
+    ids = torch.tensor([[0, 5, 65535, 5]])
+    assert torch.equal(model.emb(ids), model.emb.weight[ids])
+    logits, _ = model.forward(IDS, all_logits=True)
+    model.emb.file_rows = None  # the plain lookup through the mapping: the same model
+    assert torch.equal(model.forward(IDS, all_logits=True)[0], logits)

@@ -23,3 +23,44 @@ def test_tune_malloc_once_and_respects_user_settings():
     assert second == "False"  # only the first call acts
     assert _run(RWKV_ENGINE_MALLOC="0") == ["False", "False"]
     assert _run(MALLOC_TRIM_THRESHOLD_="1048576") == ["False", "False"]
+
+
+def _rss_file_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc accounting")
+def test_file_rows_reads_rows_without_mapping_them(tmp_path):
+    import copy
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from rwkv_engine.converted import _tensor_offset
+    from rwkv_engine.memory import FileRows
+
+    V, C = 65536, 256
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(3), "emb.weight": torch.randn(V, C).to(torch.bfloat16)}, str(path))
+    mapped = safe_open(str(path), framework="pt", device="cpu").get_tensor("emb.weight")
+    rows = FileRows(path, _tensor_offset(path, "emb.weight"), (V, C), torch.bfloat16, mapped)
+    ids = torch.randint(0, V, (4, 128), generator=torch.Generator().manual_seed(0))
+    before = _rss_file_kb()
+    got = rows.read(ids)
+    grown = _rss_file_kb() - before
+    # 512 random rows through the mapping would fault in at least 512 pages (2 MB, usually far
+    # more with fault-around and large folios); pread maps none of the file.
+    assert grown < 1024, f"RssFile grew {grown} kB"
+    assert got.shape == (4, 128, C) and torch.equal(got, mapped[ids])
+    assert rows.serves(mapped) and not rows.serves(mapped.clone()) and not rows.serves(mapped.float())
+    with pytest.raises(IndexError, match="65536"):
+        rows.read(torch.tensor([V]))
+    with pytest.raises(IndexError):
+        rows.read(torch.tensor([-1]))
+    twin = copy.deepcopy(rows)  # its own descriptor: closing one leaves the other working
+    rows.close()
+    assert torch.equal(twin.read(ids[0]), mapped[ids[0]])

@@ -30,6 +30,19 @@ def head_group_norm(y: Tensor, n_head: int, weight: Tensor, bias: Tensor) -> Ten
     return F.group_norm(y.reshape(B * T, A), n_head, weight, bias, eps=64e-5).view(B, T, A)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose rows may be read from the model file (`memory.FileRows`) instead of
+    through its memory-mapped weight, while that weight is unchanged."""
+
+    file_rows = None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self.file_rows
+        if rows is not None and rows.serves(self.weight):
+            return rows.read(ids)
+        return super().forward(ids)
+
+
 class ChannelMix(nn.Module):
     """out = sigmoid(rx @ Wr) * (relu(kx @ Wk)^2 @ Wv), with token-shift mixes for k and r.
 

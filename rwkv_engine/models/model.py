@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from ..errors import InputError, StateError
 from ..state import State
 from ..quant.linear import GEMV_MAX_ROWS
-from .layers import ChannelMix
+from .layers import ChannelMix, Embedding
 from . import native_step
 from .native_step import DecodeStep
 from .rwkv4 import TimeMix4
@@ -88,7 +88,7 @@ class RWKV(nn.Module):
         self.rescale_every = rescale_every
         self.path: Path | None = None
         # LayerNorm ln0 folded in; _weight skips nn.Embedding's random init (seconds of CPU at start-up)
-        self.emb = nn.Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd, dtype=dtype))
+        self.emb = Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd, dtype=dtype))
         self.blocks = nn.ModuleList(Block(cfg, dtype, i) for i in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=dtype)

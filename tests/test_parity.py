@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import rwkv_engine
-from rwkv_engine import testing
 
 from .conftest import rel_rms
 

@@ -1,9 +1,10 @@
 // One decode step of a whole RWKV model: see step.h. The per-token formulas are those of
 // rwkv_engine/models (FORMATS A.2-A.8); the comments name the PyTorch line each loop repeats.
 //
-// Everything but the GEMVs is a few thousand floats per row and layer, so it runs on one
-// thread, except the matrix-state updates (H x N x N per row and layer), which are split over
-// heads. The GEMVs split their rows over all threads themselves.
+// The GEMVs split their weight rows over all threads themselves. The rest is a few thousand
+// floats per row and layer, but at batch 8 it was a sixth of the step on one thread: it runs
+// a row per work item (parallel_for over rows; with one row, on the calling thread), the
+// matrix-state updates a head per item, and the elementwise passes are vectorized.
 
 #include "step.h"
 
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
+#include <memory>
 #include <vector>
 
 #include "numeric.h"
@@ -33,38 +35,76 @@ inline float round_to(DType t, float v) {
   }
 }
 
+// round_to for eight lanes (the same bits).
+inline __m256 round_to(DType t, __m256 v) {
+  switch (t) {
+    case DType::kBF16: return round_bf16(v);
+    case DType::kF16: return round_f16(v);
+    default: return v;
+  }
+}
+
 void round_all(DType t, float* v, int64_t n) {
   if (t == DType::kF32) return;
-  for (int64_t i = 0; i < n; ++i) v[i] = round_to(t, v[i]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, round_to(t, _mm256_loadu_ps(v + i)));
+  for (; i < n; ++i) v[i] = round_to(t, v[i]);
 }
 
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
+inline double hsum(__m256d v) {
+  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
 // out = (x - mean) / sqrt(var + eps) * w + b over n values, as torch (biased variance); out may be x.
+// The sums are fp64, eight values at a time in two lanes of four (n is a multiple of 8 in every
+// model; a rest is summed one by one).
 void normalize(const float* x, const float* w, const float* b, int64_t n, float eps, float* out) {
-  double mean = 0;
-  for (int64_t i = 0; i < n; ++i) mean += x[i];
+  const int64_t n8 = n / 8 * 8;
+  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+  for (int64_t i = 0; i < n8; i += 8) {
+    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
+    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
+  }
+  double mean = hsum(_mm256_add_pd(s0, s1));
+  for (int64_t i = n8; i < n; ++i) mean += x[i];
   mean /= n;
-  double var = 0;
-  for (int64_t i = 0; i < n; ++i) var += (x[i] - mean) * (x[i] - mean);
+  const __m256d mv = _mm256_set1_pd(mean);
+  s0 = s1 = _mm256_setzero_pd();
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), mv);
+    const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)), mv);
+    s0 = _mm256_add_pd(s0, _mm256_mul_pd(d0, d0));
+    s1 = _mm256_add_pd(s1, _mm256_mul_pd(d1, d1));
+  }
+  double var = hsum(_mm256_add_pd(s0, s1));
+  for (int64_t i = n8; i < n; ++i) var += (x[i] - mean) * (x[i] - mean);
   var /= n;
   const float m = static_cast<float>(mean);
   const float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - m) * inv * w[i] + b[i];
+  const __m256 m8 = _mm256_set1_ps(m), inv8 = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < n8; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8), inv8), _mm256_loadu_ps(w + i));
+    _mm256_storeu_ps(out + i, _mm256_add_ps(v, _mm256_loadu_ps(b + i)));
+  }
+  for (int64_t i = n8; i < n; ++i) out[i] = (x[i] - m) * inv * w[i] + b[i];
 }
 
 void layer_norm(const float* x, const float* w, const float* b, int64_t n, float* out) {
   normalize(x, w, b, n, kLayerNormEps, out);
 }
 
-// The per-head GroupNorm of RWKV-5/6/7 (head_group_norm): y [A] in place, heads of N channels.
-void head_group_norm(float* y, const float* w, const float* b, int64_t H, int64_t N) {
-  for (int64_t h = 0; h < H; ++h) normalize(y + h * N, w + h * N, b + h * N, N, kGroupNormEps, y + h * N);
-}
-
 // out = prev + (x - prev) * m, rounded to dt (mix(...).to(dt)).
 void mix_to(const float* x, const float* prev, const float* m, int64_t n, DType dt, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = round_to(dt, prev[i] + (x[i] - prev[i]) * m[i]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 p = _mm256_loadu_ps(prev + i);
+    const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), p), _mm256_loadu_ps(m + i));
+    _mm256_storeu_ps(out + i, round_to(dt, _mm256_add_ps(p, d)));
+  }
+  for (; i < n; ++i) out[i] = round_to(dt, prev[i] + (x[i] - prev[i]) * m[i]);
 }
 
 // y [n] = x [k] @ W [k, n] (a small fp32 LoRA matrix, row-major).
@@ -216,14 +256,21 @@ void wkv7_head(const float* r, const float* k, const float* v, const float* w, c
   std::copy(acc.begin(), acc.end(), y);
 }
 
-// Row-major scratch for B rows.
+// Row-major scratch for B rows, not initialized: every value read is written first (zeroing
+// a step's scratch was some 30 MB of stores at batch 8).
 struct Rows {
-  std::vector<float> buf;
+  std::unique_ptr<float[]> buf;
   int64_t width;
-  Rows(int64_t B, int64_t width) : buf(B * width), width(width) {}
-  float* operator[](int64_t b) { return buf.data() + b * width; }
-  float* data() { return buf.data(); }
+  Rows(int64_t B, int64_t width) : buf(std::make_unique_for_overwrite<float[]>(B * width)), width(width) {}
+  float* operator[](int64_t b) { return buf.get() + b * width; }
+  float* data() { return buf.get(); }
 };
+
+// fn(b) for every row b of the batch, a row per work item.
+template <class Fn>
+void for_batch(int64_t B, const Fn& fn) {
+  parallel_for(B, fn);
+}
 
 // The state of row b, layer i of a field [B, L, n].
 inline const float* at(const float* base, int64_t b, int64_t i, int64_t L, int64_t n) { return base + (b * L + i) * n; }
@@ -234,25 +281,35 @@ void channel_mix(const ModelParams& p, const BlockParams& q, int64_t B, int64_t 
                  int prev_field) {
   const int64_t C = p.C, F = p.F, L = static_cast<int64_t>(p.blocks.size());
   const DType dt = p.dt;
+  const bool gated = q.ffn_r.kind != Linear::Kind::kNone;
   Rows xx(B, C), kx(B, C), rx(B, C), k(B, F), v(B, C), r(B, C);
-  for (int64_t b = 0; b < B; ++b) {
+  for_batch(B, [&](int64_t b) {
     layer_norm(x + b * C, q.ln2_w, q.ln2_b, C, xx[b]);
     const float* prev = at(st.in[prev_field], b, layer, L, C);
     mix_to(xx[b], prev, q.ffn_mix_k, C, dt, kx[b]);
-    if (q.ffn_r.kind != Linear::Kind::kNone) mix_to(xx[b], prev, q.ffn_mix_r, C, dt, rx[b]);
-  }
-  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[prev_field], b, layer, L, C));
+    if (gated) mix_to(xx[b], prev, q.ffn_mix_r, C, dt, rx[b]);
+    std::copy(xx[b], xx[b] + C, at(st.out[prev_field], b, layer, L, C));
+  });
   linears_dt({{q.ffn_k, kx.data(), k.data()}, {q.ffn_r, rx.data(), r.data()}}, B, dt);
-  for (int64_t i = 0; i < B * F; ++i) {  // torch.relu(...).square() in dt
+  const __m256 zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= B * F; i += 8) {  // torch.relu(...).square() in dt
+    const __m256 h = _mm256_max_ps(_mm256_loadu_ps(k.data() + i), zero);
+    _mm256_storeu_ps(k.data() + i, round_to(dt, _mm256_mul_ps(h, h)));
+  }
+  for (; i < B * F; ++i) {
     const float h = std::max(k.data()[i], 0.0f);
     k.data()[i] = round_to(dt, h * h);
   }
   linear_dt(q.ffn_v, k.data(), B, dt, v.data());
-  if (q.ffn_r.kind != Linear::Kind::kNone) {
-    for (int64_t i = 0; i < B * C; ++i) x[i] += sigmoid(r.data()[i]) * v.data()[i];
-  } else {
-    for (int64_t i = 0; i < B * C; ++i) x[i] += v.data()[i];
-  }
+  for_batch(B, [&](int64_t b) {
+    float *xb = x + b * C, *vb = v[b], *rb = r[b];
+    if (gated) {
+      for (int64_t c = 0; c < C; ++c) xb[c] += sigmoid(rb[c]) * vb[c];
+    } else {
+      for (int64_t c = 0; c < C; ++c) xb[c] += vb[c];
+    }
+  });
 }
 
 // RWKV-4 time mix (models/rwkv4.py) with the log-space WKV (kernels/wkv4.py).
@@ -260,16 +317,16 @@ void time_mix4(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
   const int64_t C = p.C, A = p.A, L = static_cast<int64_t>(p.blocks.size());
   const DType dt = p.dt;
   Rows xx(B, C), xk(B, C), xv(B, C), xr(B, C), k(B, A), v(B, A), r(B, A), y(B, A), out(B, C);
-  for (int64_t b = 0; b < B; ++b) {
+  for_batch(B, [&](int64_t b) {
     layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
     const float* prev = at(st.in[0], b, layer, L, C);
     mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
     mix_to(xx[b], prev, q.mix_v, C, dt, xv[b]);
     mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
-  }
-  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+    std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+  });
   linears_dt({{q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()}, {q.att_r, xr.data(), r.data()}}, B, dt);
-  for (int64_t b = 0; b < B; ++b) {
+  for_batch(B, [&](int64_t b) {
     const float *num = at(st.in[1], b, layer, L, A), *den = at(st.in[2], b, layer, L, A);
     const float* mx = at(st.in[3], b, layer, L, A);
     float *num_o = at(st.out[1], b, layer, L, A), *den_o = at(st.out[2], b, layer, L, A);
@@ -289,7 +346,7 @@ void time_mix4(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
       mx_o[c] = pm;
       y[b][c] = round_to(dt, sigmoid(r[b][c]) * wkv);  // (r * y).to(dt)
     }
-  }
+  });
   linear_dt(q.att_o, y.data(), B, dt, out.data());
   for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
 }
@@ -301,15 +358,17 @@ void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t l
   const bool v6 = p.family == 6;
   Rows xx(B, C), xr(B, C), xk(B, C), xv(B, C), xg(B, C), r(B, A), k(B, A), v(B, A), g(B, A), y(B, A), out(B, C);
   Rows log_w(v6 ? B : 0, A);
-  for (int64_t b = 0; b < B; ++b) {
+  for_batch(B, [&](int64_t b) {
     layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
     const float* prev = at(st.in[0], b, layer, L, C);
+    float* prev_out = at(st.out[0], b, layer, L, C);
     if (!v6) {
       mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
       mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
       mix_to(xx[b], prev, q.mix_v, C, dt, xv[b]);
       if (p.gated) mix_to(xx[b], prev, q.mix_g, C, dt, xg[b]);
-      continue;
+      std::copy(xx[b], xx[b] + C, prev_out);  // after the last read of prev, which it may alias
+      return;
     }
     // RWKV-6: each mix coefficient gets a per-token offset from a LoRA of mix(xx, sx, mix_x).
     const int64_t D = q.d_mix;
@@ -331,23 +390,24 @@ void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t l
     for (auto& d : dec) d = std::tanh(d);
     small_matvec(dec.data(), q.decay_w2, q.d_decay, A, log_w[b]);
     for (int64_t c = 0; c < A; ++c) log_w[b][c] = -std::exp(q.decay_base[c] + log_w[b][c]);
-  }
-  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+    std::copy(xx[b], xx[b] + C, prev_out);
+  });
   linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()},
               {q.att_g, xg.data(), g.data()}}, B, dt);  // (att_g is absent in RWKV-5.0)
+  // Per head: the WKV, the head's GroupNorm, the gate y * silu(gate(xg)), rounded to dt.
   for_heads(B, H, [&](int64_t b, int64_t h) {
     const int64_t o = h * N;
     const float* wb = v6 ? log_w[b] + o : q.decay + o;
+    float* yh = y[b] + o;
     wkv5_head(r[b] + o, k[b] + o, v[b] + o, wb, q.bonus + o, at(st.in[1], b, layer, L, H * N * N) + h * N * N,
-              at(st.out[1], b, layer, L, H * N * N) + h * N * N, y[b] + o, N);
-  });
-  for (int64_t b = 0; b < B; ++b) {
-    head_group_norm(y[b], q.lnx_w, q.lnx_b, H, N);
-    if (p.gated) {  // y * silu(gate(xg))
-      for (int64_t c = 0; c < A; ++c) y[b][c] *= g[b][c] * sigmoid(g[b][c]);
+              at(st.out[1], b, layer, L, H * N * N) + h * N * N, yh, N);
+    normalize(yh, q.lnx_w + o, q.lnx_b + o, N, kGroupNormEps, yh);
+    if (p.gated) {
+      const float* gh = g[b] + o;
+      for (int64_t j = 0; j < N; ++j) yh[j] *= gh[j] * sigmoid(gh[j]);
     }
-  }
-  round_all(dt, y.data(), B * A);
+    round_all(dt, yh, N);
+  });
   linear_dt(q.att_o, y.data(), B, dt, out.data());
   for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
 }
@@ -359,7 +419,8 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
   const DType dt = p.dt;
   Rows xx(B, C), xr(B, C), xw(B, C), xk(B, C), xv(B, C), xa(B, C), xg(B, C);
   Rows r(B, C), k(B, C), v(B, C), w(B, C), iclr(B, C), g(B, C), kk(B, C), ka(B, C), y(B, C), out(B, C);
-  for (int64_t b = 0; b < B; ++b) {
+  Rows xv_dt(B, C);
+  for_batch(B, [&](int64_t b) {
     layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
     const float* prev = at(st.in[0], b, layer, L, C);
     // The LoRA inputs (xw, xa, xg, and xv for the value residual) stay fp32; r, k, v's are in dt.
@@ -369,15 +430,15 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
     mix_to(xx[b], prev, q.mix_v, C, DType::kF32, xv[b]);
     mix_to(xx[b], prev, q.mix_a, C, DType::kF32, xa[b]);
     mix_to(xx[b], prev, q.mix_g, C, DType::kF32, xg[b]);
-  }
-  for (int64_t b = 0; b < B; ++b) std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
-  Rows xv_dt(B, C);
-  for (int64_t i = 0; i < B * C; ++i) xv_dt.data()[i] = round_to(dt, xv.data()[i]);
+    std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+    std::copy(xv[b], xv[b] + C, xv_dt[b]);
+    round_all(dt, xv_dt[b], C);
+  });
   linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv_dt.data(), v.data()}}, B,
              dt);
   const int64_t dmax = std::max({q.d_decay, q.d_iclr, q.d_value, q.d_gate});
-  std::vector<float> low(dmax), tmp(C);
-  for (int64_t b = 0; b < B; ++b) {
+  for_batch(B, [&](int64_t b) {
+    std::vector<float> low(dmax), tmp(C);
     // log w = -e^-0.5 sigmoid(w0 + tanh(xw @ w1) @ w2); the WKV takes w = exp(log w).
     small_matvec(xw[b], q.w1, C, q.d_decay, low.data());
     for (int64_t d = 0; d < q.d_decay; ++d) low[d] = std::tanh(low[d]);
@@ -415,22 +476,20 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
       small_matvec(low.data(), q.v2, q.d_value, C, tmp.data());
       for (int64_t c = 0; c < C; ++c) v[b][c] += (v_first[b * C + c] - v[b][c]) * sigmoid(q.v0[c] + tmp[c]);
     }
-  }
+  });
+  // Per head: the WKV, the head's GroupNorm, + (r . (k * r_k)) v (the current token's own term),
+  // times the gate, rounded to dt.
   for_heads(B, H, [&](int64_t b, int64_t h) {
     const int64_t o = h * N;
-    wkv7_head(r[b] + o, k[b] + o, v[b] + o, w[b] + o, kk[b] + o, ka[b] + o,
-              at(st.in[1], b, layer, L, H * N * N) + h * N * N, at(st.out[1], b, layer, L, H * N * N) + h * N * N,
-              y[b] + o, N);
+    float* yh = y[b] + o;
+    const float *rh = r[b] + o, *kh = k[b] + o, *vh = v[b] + o, *gh = g[b] + o;
+    wkv7_head(rh, kh, vh, w[b] + o, kk[b] + o, ka[b] + o, at(st.in[1], b, layer, L, H * N * N) + h * N * N,
+              at(st.out[1], b, layer, L, H * N * N) + h * N * N, yh, N);
+    normalize(yh, q.lnx_w + o, q.lnx_b + o, N, kGroupNormEps, yh);
+    float dot = 0;
+    for (int64_t j = 0; j < N; ++j) dot += rh[j] * kh[j] * q.r_k[o + j];
+    for (int64_t j = 0; j < N; ++j) yh[j] = round_to(dt, (yh[j] + dot * vh[j]) * gh[j]);
   });
-  for (int64_t b = 0; b < B; ++b) {
-    head_group_norm(y[b], q.lnx_w, q.lnx_b, H, N);
-    for (int64_t h = 0; h < H; ++h) {  // + (r . (k * r_k)) v per head: the current token's own term
-      float dot = 0;
-      for (int64_t j = 0; j < N; ++j) dot += r[b][h * N + j] * k[b][h * N + j] * q.r_k[h * N + j];
-      for (int64_t j = 0; j < N; ++j) y[b][h * N + j] += dot * v[b][h * N + j];
-    }
-    for (int64_t c = 0; c < C; ++c) y[b][c] = round_to(dt, y[b][c] * g[b][c]);
-  }
   linear_dt(q.att_o, y.data(), B, dt, out.data());
   for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
 }
@@ -455,10 +514,10 @@ void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, 
   }
   // The head (RWKV._logits): head(ln_out(x).to(dt)).float()
   Rows xo(B, p.C);
-  for (int64_t b = 0; b < B; ++b) {
+  for_batch(B, [&](int64_t b) {
     layer_norm(x + b * p.C, p.ln_out_w, p.ln_out_b, p.C, xo[b]);
-    for (int64_t c = 0; c < p.C; ++c) xo[b][c] = round_to(p.dt, xo[b][c]);
-  }
+    round_all(p.dt, xo[b], p.C);
+  });
   linear_dt(p.head, xo.data(), B, p.dt, logits);
 }
 

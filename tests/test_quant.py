@@ -12,6 +12,7 @@ from rwkv_engine.errors import InputError
 from rwkv_engine.quant import DenseLinear, Int4Linear, Int8Linear, get_scheme, quantize_model, scheme_names
 from rwkv_engine.quant import linear as QL
 from rwkv_engine.quant import primitives as P
+from rwkv_engine.quant import schemes
 from rwkv_engine.testing import random_state_dict
 
 from .conftest import rel_rms
@@ -301,19 +302,20 @@ def _small_matrices_count(monkeypatch):
     monkeypatch.setattr(schemes, "MIN_QUANT_WEIGHTS", 128 * 128)
 
 
-BODY = [f"blocks.{i}.{p}" for i in range(2) for p in
-        ("att.key", "att.value", "att.receptance", "att.gate", "att.output", "ffn.key", "ffn.value", "ffn.receptance")]
+_PARTS = ("att.key", "att.value", "att.receptance", "att.gate", "att.output", "ffn.key", "ffn.value", "ffn.receptance")
+BODY = [f"blocks.{i}.{p}" for i in range(2) for p in _PARTS]
+BODY2 = [f"blocks.2.{p}" for p in _PARTS]  # the third block of _Model(L=3)
 
 
 def test_quantize_model_q4_swaps_the_right_modules():
-    m = _Model()
+    m = _Model(L=3)
     x = torch.randn(2, 128)
     ref = m(x)
     report = quantize_model(m, "q4")
-    assert set(report) == set(BODY) | {"head"}
-    for name in BODY:
+    assert set(report) == set(BODY + BODY2) | {"head"}
+    for name in BODY + BODY2:
         mod = m.get_submodule(name)
-        if name.startswith("blocks.0."):  # the first block and the head stay at 8 bits
+        if not name.startswith("blocks.2."):  # the first two blocks and the head stay at 8 bits
             assert isinstance(mod, Int8Linear) and mod.group_size == 32, name
         else:
             assert isinstance(mod, Int4Linear) and mod.group_size == 32, name
@@ -321,6 +323,15 @@ def test_quantize_model_q4_swaps_the_right_modules():
     assert type(m.blocks[0].lora) is nn.Linear and type(m.biased) is nn.Linear
     assert type(m.emb) is nn.Embedding
     assert rel_rms(m(x), ref) < 0.2
+
+
+def test_q4_policy_keeps_leading_blocks_by_index():
+    assert schemes.Q4_Q8_BLOCKS == 2
+    q4 = get_scheme("q4")
+    big = nn.Linear(512, 512, bias=False)
+    assert [schemes.default_action(f"blocks.{i}.att.key", big, q4) for i in (0, 1, 2, 10, 11)] == ["q8", "q8", "q4", "q4", "q4"]
+    assert schemes.default_action("head", big, q4) == "q8"
+    assert schemes.default_action("blocks.x.att.key", big, q4) == "q4"  # not a block index: no special case
 
 
 def test_quantize_model_q8_and_group_sizes():
@@ -331,9 +342,10 @@ def test_quantize_model_q8_and_group_sizes():
     quantize_model(m, "q8", group_size=-1)
     assert m.blocks[1].ffn.value.scales.shape == (128, 1)
     assert type(m.blocks[0].ffn.value) is DenseLinear and m.blocks[0].ffn.value.weight.dtype == torch.bfloat16
-    m = _Model()
+    m = _Model(L=3)
     quantize_model(m, "q4", group_size=128)
-    assert m.blocks[1].ffn.value.group_size == 128 and m.head.group_size == 32
+    assert m.blocks[2].ffn.value.group_size == 128 and m.head.group_size == 32
+    assert m.blocks[1].ffn.value.group_size == 32  # 8 bits (group 32) under the default policy
 
 
 @pytest.mark.parametrize("name,dtype", [("q0f32", torch.float32), ("q0bf16", torch.bfloat16), ("q0f16", torch.float16)])
@@ -376,7 +388,7 @@ def test_bad_schemes_raise_input_error(scheme, group_size):
 
 
 def test_group_size_not_dividing_width_changes_nothing():
-    m = _Model(C=192, F_=768)  # 192 % 128 = 64
+    m = _Model(C=192, F_=768, L=3)  # 192 % 128 = 64 (block 2 is int4)
     before = {k: v.clone() for k, v in m.state_dict().items()}
     with pytest.raises(InputError, match="does not divide"):
         quantize_model(m, "q4", group_size=128)

@@ -15,10 +15,18 @@ loopback port with --max-batch = the largest concurrency measured. Then:
   token (every stream decoding); "per stream" = the median over streams of its own
   tokens after the first / its time after the first token; "mean batch" = the server's decode
   rows per decode step (/metrics) in that round.
+  "engine ms / step" splits a decode step as the engine thread timed it (/metrics
+  engine_seconds_total): model forward, sampling, and streaming (detokenizer, stop strings,
+  handing the text to the event loop); what the HTTP side costs shows as the gap between
+  their sum and 1000 * mean batch / aggregate.
 * time to first token with a long system prompt (about --system-tokens tokens, a fresh text
   each repeat so the first request misses the cache): the first chat request (cold) and the
   same request again (the prompt-state cache resumes the system prompt). Both use one seed;
   the table says whether their answers are identical (they must be).
+
+With --baseline DIR, a second server runs the rwkv_engine package of DIR (e.g. a `git worktree`
+of an older revision), and every round runs on both servers in turn, so the two columns of
+numbers come from the same minutes of the same machine.
 
 Machines are noisy and shared: compare numbers from the same run.
 """
@@ -41,17 +49,20 @@ from pathlib import Path
 from bench_engine import SHAPES, converted_dir, make_checkpoint
 
 MODEL = "bench"
+PHASES = ("forward", "sample", "stream")  # of a decode step, as the engine times them
 WORDS = ("river stone light paper engine garden window silver morning violin harbour lantern meadow "
          "copper thunder velvet orchard compass").split()
 
 
-def start_server(ckpt: Path, args, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(ckpt: Path, args, log_path: Path, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """The server on a free port, running the rwkv_engine package of `tree` (None: the installed one)."""
     cmd = [sys.executable, "-c", "import sys; from rwkv_engine.cli import main; sys.exit(main())", "serve", str(ckpt),
            "--served-model-name", MODEL, "--port", "0", "--log-level", "warning", "--dtype", args.dtype,
            "--device", args.device, "--max-batch", str(max(args.concurrency)), "--max-queue", "256",
            "--prefill-chunk", str(args.prefill_chunk), "--max-prompt-tokens", "65536"]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # `python -c` puts its working directory first on sys.path: the package of `tree` wins.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
     import httpx
 
     deadline = time.monotonic() + 1800
@@ -105,12 +116,13 @@ async def decode_round(url: str, c: int, tokens: int, salt: int) -> dict:
     bodies = [{"model": MODEL, "prompt": f"Note {salt}-{i}: the {WORDS[i % len(WORDS)]} is", "max_tokens": tokens,
                "stream": True, "stream_options": {"include_usage": True}, "temperature": 1.0, "top_p": 0.9,
                "top_k": 40, "seed": i, "logit_bias": {"0": -100}} for i in range(c)]
-    steps0, rows0 = metric(url, "rwkv_engine_decode_steps_total"), metric(url, "rwkv_engine_decode_rows_total")
+    names = ["rwkv_engine_decode_steps_total", "rwkv_engine_decode_rows_total"] + [
+        f'rwkv_engine_engine_seconds_total{{phase="{phase}"}}' for phase in PHASES]
+    before = [metric(url, n) for n in names]
     limits = httpx.Limits(max_connections=c + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         results = await asyncio.gather(*(stream(http, "/v1/completions", b) for b in bodies))
-    steps = metric(url, "rwkv_engine_decode_steps_total") - steps0
-    rows = metric(url, "rwkv_engine_decode_rows_total") - rows0
+    steps, rows, *seconds = [metric(url, n) - b for n, b in zip(names, before)]
     total = sum(r["usage"]["completion_tokens"] for r in results)
     window = max(r["end"] for r in results) - max(r["first"] for r in results)
     after_first = total - c  # tokens decoded once every stream had its first
@@ -122,6 +134,7 @@ async def decode_round(url: str, c: int, tokens: int, salt: int) -> dict:
         "per_stream": statistics.median(per_stream),
         "ttft": statistics.median(r["first"] - r["start"] for r in results),
         "mean_batch": rows / steps if steps else 0.0,
+        "step_ms": {ph: 1e3 * t / steps if steps else 0.0 for ph, t in zip(PHASES, seconds)},
     }
 
 
@@ -166,11 +179,15 @@ def main() -> None:
                     help="system prompt length, about (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=2, help="cold/cached TTFT pairs (default: %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
+    ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                    help="also serve the rwkv_engine package in DIR, rounds alternating with this tree's")
     ap.add_argument("--workdir", default="/tmp/rwkv-engine-bench")
     args = ap.parse_args()
     if args.small:
         args.shape = "0.1B"
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.baseline is not None and not (args.baseline / "rwkv_engine" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline: no rwkv_engine package in {args.baseline}")
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -178,39 +195,59 @@ def main() -> None:
     make_checkpoint(ckpt, "5.2", args.shape)
     if args.quantization:
         ckpt = converted_dir(work, ckpt, args.quantization, args.dtype)
-    t0 = time.perf_counter()
-    proc, url = start_server(ckpt, args, work / "bench_server.log")
-    print(f"server up in {time.perf_counter() - t0:.1f} s at {url}", file=sys.stderr, flush=True)
+    trees = {"this tree": None}
+    if args.baseline is not None:
+        trees["baseline"] = args.baseline.resolve()
+    servers = {}
+    rounds: dict[str, list[dict]] = {name: [] for name in trees}
+    pairs: dict[str, list[dict]] = {name: [] for name in trees}
     try:
-        asyncio.run(decode_round(url, 1, 4, salt=-1))  # warm-up
-        rounds = []
+        for i, (name, tree) in enumerate(trees.items()):
+            t0 = time.perf_counter()
+            servers[name] = start_server(ckpt, args, work / f"bench_server{i or ''}.log", tree)
+            print(f"{name}: server up in {time.perf_counter() - t0:.1f} s at {servers[name][1]}",
+                  file=sys.stderr, flush=True)
+            asyncio.run(decode_round(servers[name][1], 1, 4, salt=-1))  # warm-up
         for c in args.concurrency:
-            rounds.append(asyncio.run(decode_round(url, c, args.tokens, salt=c)))
-            print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
-        pairs = []
+            for name, (_, url) in servers.items():
+                rounds[name].append(asyncio.run(decode_round(url, c, args.tokens, salt=c)))
+                print(name, json.dumps(rounds[name][-1]), file=sys.stderr, flush=True)
         for k in range(args.repeats):
-            pairs.append(asyncio.run(ttft_pair(url, args.system_tokens, 1000 + k, 8)))
-            print(json.dumps(pairs[-1]), file=sys.stderr, flush=True)
+            for name, (_, url) in servers.items():
+                pairs[name].append(asyncio.run(ttft_pair(url, args.system_tokens, 1000 + k, 8)))
+                print(name, json.dumps(pairs[name][-1]), file=sys.stderr, flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(60)
 
     L, C, V = SHAPES[args.shape]
     print(f"\nrwkv-engine serve, RWKV-5.2 {args.shape} shape ({L} x {C}, vocab {V}), {args.dtype} "
           f"(quantization {args.quantization or 'none'}) on {args.device}, "
-          f"max batch {max(args.concurrency)}, {os.cpu_count()} CPUs\n")
-    print("| streams | tokens | wall s | aggregate decode tok/s | per-stream tok/s | median TTFT ms | mean batch |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rounds:
-        print(f"| {r['c']} | {r['tokens']} | {r['wall']:.1f} | {r['aggregate']:.1f} | {r['per_stream']:.1f} | "
-              f"{r['ttft'] * 1e3:.0f} | {r['mean_batch']:.2f} |")
-    print()
-    print("| system prompt tokens | TTFT cold ms | TTFT cached ms | speed-up | cached tokens | same output |")
-    print("|---|---|---|---|---|---|")
-    for p in pairs:
-        print(f"| {p['prompt_tokens']} | {p['cold_ttft'] * 1e3:.0f} | {p['warm_ttft'] * 1e3:.0f} | "
-              f"{p['cold_ttft'] / p['warm_ttft']:.1f}x | {p['warm_cached']} (cold: {p['cold_cached']}) | "
-              f"{'yes' if p['identical'] else 'NO'} |")
+          f"max batch {max(args.concurrency)}, {os.cpu_count()} CPUs"
+          + (f"; baseline: {args.baseline}" if args.baseline else "") + "\n")
+    label = "| server " if len(trees) > 1 else ""
+    print(f"{label}| streams | tokens | wall s | aggregate decode tok/s | per-stream tok/s | median TTFT ms "
+          f"| mean batch | engine ms / step: forward + sample + stream |")
+    print("|---" * (8 + bool(label)) + "|")
+    for k in range(len(args.concurrency)):
+        for name in trees:
+            r = rounds[name][k]
+            ms = r["step_ms"]
+            split = " + ".join(f"{ms[ph]:.1f}" for ph in PHASES) if any(ms.values()) else "-"
+            print(f"{f'| {name} ' if label else ''}| {r['c']} | {r['tokens']} | {r['wall']:.1f} | "
+                  f"{r['aggregate']:.1f} | {r['per_stream']:.1f} | {r['ttft'] * 1e3:.0f} | {r['mean_batch']:.2f} | "
+                  f"{split} |")
+    if args.repeats:
+        print()
+        print(f"{label}| system prompt tokens | TTFT cold ms | TTFT cached ms | speed-up | cached tokens | same output |")
+        print("|---" * (6 + bool(label)) + "|")
+        for k in range(args.repeats):
+            for name in trees:
+                p = pairs[name][k]
+                print(f"{f'| {name} ' if label else ''}| {p['prompt_tokens']} | {p['cold_ttft'] * 1e3:.0f} | "
+                      f"{p['warm_ttft'] * 1e3:.0f} | {p['cold_ttft'] / p['warm_ttft']:.1f}x | "
+                      f"{p['warm_cached']} (cold: {p['cold_cached']}) | {'yes' if p['identical'] else 'NO'} |")
 
 
 if __name__ == "__main__":

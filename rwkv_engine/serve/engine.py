@@ -50,6 +50,7 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
+import time
 import traceback
 from array import array
 from collections import OrderedDict, deque
@@ -313,8 +314,11 @@ class Engine:
                     # Prompt tokens up to one chunk per turn: one chunk of a long prompt, or
                     # several short prompts, so that a burst of new requests joins quickly.
                     budget = self.config.prefill_chunk
-                    while self._prefilling and budget > 0:
-                        budget -= self._prefill_step()
+                    if self._prefilling:
+                        t0 = time.perf_counter()
+                        while self._prefilling and budget > 0:
+                            budget -= self._prefill_step()
+                        self.metrics.inc("engine_seconds_total", time.perf_counter() - t0, phase="prefill")
                     if self._joining:
                         self._join()
                     if self._decoding:
@@ -409,23 +413,29 @@ class Engine:
         self._joining.append((seq, state))
 
     def _decode_step(self) -> None:
-        rows = self._decoding
+        rows, metrics = self._decoding, self.metrics
         try:
+            t0 = time.perf_counter()
             tokens = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
             logits, self._batch = decode_rows(self.model, tokens, self._batch)
+            t1 = time.perf_counter()
             sampled = Sampler.sample_batch([s.sampler for s in rows], logits)
+            t2 = time.perf_counter()
         except Exception as e:
             self._decoding, self._batch = [], None
             self._fail(rows, e)
             return
-        self.metrics.inc("decode_steps_total")
-        self.metrics.inc("decode_rows_total", len(rows))
+        metrics.inc("decode_steps_total")
+        metrics.inc("decode_rows_total", len(rows))
         keep = []
         for i, (seq, token) in enumerate(zip(rows, sampled)):
             if self._push(seq, token):
                 seq.next_token = token
                 keep.append(i)
         self._keep_rows(keep)
+        metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
+        metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
+        metrics.inc("engine_seconds_total", time.perf_counter() - t2, phase="stream")
 
     def _push(self, seq: _Sequence, token: int) -> bool:
         """Give a sampled token to the request's stream; False when the request has ended."""

@@ -27,6 +27,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "generation_tokens_per_second": ("gauge", "Tokens generated per second over the last window."),
     "decode_steps_total": ("counter", "Batched decode steps (one model forward each)."),
     "decode_rows_total": ("counter", "Sequences decoded, summed over decode steps (rows / steps = mean batch size)."),
+    "engine_seconds_total": ("counter", "Seconds of the engine thread's work, by phase: prefill (prompt chunks and "
+                                        "first tokens), forward (decode steps' model forward), sample (decode steps' "
+                                        "sampling), stream (detokenizing, stop strings, handing text to the server)."),
     "prompt_cache_hits_total": ("counter", "Prompts that resumed from a cached prefix state."),
     "prompt_cache_misses_total": ("counter", "Prompts with no cached prefix state."),
     "prompt_cache_hit_tokens_total": ("counter", "Prompt tokens skipped thanks to the prompt-state cache."),

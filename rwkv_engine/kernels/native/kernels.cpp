@@ -91,6 +91,26 @@ struct Out {
 // ---------------------------------------------------------------------------------------------
 // x preparation: an fp32 copy of x [B, K], permuted per weight format.
 
+// fp32 copy of n elements of x (vectorized for the three dtypes).
+void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
+  int64_t i = 0;
+  if (xt == DType::kF32) {
+    std::memcpy(d, static_cast<const float*>(x) + off, static_cast<size_t>(n) * 4);
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(x) + off;
+  if (xt == DType::kBF16) {
+    for (; i + 8 <= n; i += 8) {
+      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+      _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+  } else {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+  }
+  for (; i < n; ++i) d[i] = load_elem(x, xt, off + i);
+}
+
 enum class Perm { kNone, kBF16, kQ4 };
 
 // Row stride of a prepared x [B, K] with `line` elements per 64-byte cache line: K rounded up
@@ -103,18 +123,25 @@ constexpr int64_t padded_stride(int64_t K, int64_t line) { return (K + line - 1)
 std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, Perm perm) {
   const int64_t Kx = padded_stride(K, 16);
   std::vector<float> xp(static_cast<size_t>(B * Kx));
-  std::vector<float> s(static_cast<size_t>(K));
+  std::vector<float> buf(xt == DType::kF32 ? 0 : static_cast<size_t>(K));
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t k = 0; k < K; ++k) s[k] = load_elem(x, xt, b * K + k);
+    const float* s = static_cast<const float*>(x) + b * K;
+    if (xt != DType::kF32) {
+      to_float(x, xt, b * K, K, buf.data());
+      s = buf.data();
+    }
     float* d = xp.data() + b * Kx;
     int64_t k = 0;
     if (perm == Perm::kBF16) {
-      // 16 bf16 weights = eight 32-bit lanes; lane j holds columns 2j (low half) and 2j+1 (high).
-      for (; k + 16 <= K; k += 16)
-        for (int j = 0; j < 8; ++j) {
-          d[k + j] = s[k + 2 * j];
-          d[k + 8 + j] = s[k + 2 * j + 1];
-        }
+      // 16 bf16 weights = eight 32-bit lanes; lane j holds columns 2j (low half) and 2j+1 (high):
+      // the even columns, then the odd. shufps picks them within 128-bit halves (columns 0 2 8 10
+      // | 4 6 12 14), then the 64-bit quarters are put in order.
+      for (; k + 16 <= K; k += 16) {
+        const __m256 lo = _mm256_loadu_ps(s + k), hi = _mm256_loadu_ps(s + k + 8);
+        const __m256 even = _mm256_shuffle_ps(lo, hi, 0x88), odd = _mm256_shuffle_ps(lo, hi, 0xDD);
+        _mm256_storeu_ps(d + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+        _mm256_storeu_ps(d + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+      }
     } else if (perm == Perm::kQ4) {
       // 64 int4 codes = eight 32-bit lanes; lane j holds columns 8j..8j+7, nibble t = column 8j+t.
       for (; k + 64 <= K; k += 64)
@@ -311,26 +338,6 @@ struct XQView {
 XQView view(const XQ& x, int64_t b0, int64_t K) {
   const int64_t qs = padded_stride(K, 32);
   return {x.q.data() + b0 * qs, x.dx.data() + b0 * (K / 64), x.xf.data() + b0 * K, qs};
-}
-
-// fp32 copy of n elements of x (vectorized for the three dtypes).
-void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
-  int64_t i = 0;
-  if (xt == DType::kF32) {
-    std::memcpy(d, static_cast<const float*>(x) + off, static_cast<size_t>(n) * 4);
-    return;
-  }
-  const uint16_t* s = static_cast<const uint16_t*>(x) + off;
-  if (xt == DType::kBF16) {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-      _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-    }
-  } else {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-  }
-  for (; i < n; ++i) d[i] = load_elem(x, xt, off + i);
 }
 
 // cs: optional fp16 column scales (K,): x is multiplied by them first (fp32), see kernels.h.

@@ -687,20 +687,24 @@ void run_part(const Prepared& p, int64_t B, int64_t b0, int64_t r0, int64_t r1) 
 // Entry points (see kernels.h).
 
 void gemv_many(const GemvCall* calls, int n, int64_t B) {
-  std::vector<Prepared> prep;
-  prep.reserve(n);
-  for (int i = 0; i < n; ++i) prep.push_back(prepare(calls[i], B));
+  const int T = omp_get_max_threads();
+  int64_t weights = 0;
+  for (int i = 0; i < n; ++i) weights += calls[i].l->N * calls[i].l->K;
+  const bool parallel = weights >= kMinParallel && T > 1;
+  // Each GEMV's x on its own work item: at batch 8 the x preparations of a decode step are a
+  // few ms (int8 / int4: quantizing x), and the GEMVs of one gemv_many take x of the same size.
+  std::vector<Prepared> prep(n);
+  auto prepare_one = [&](int64_t i) { prep[i] = prepare(calls[i], B); };
+  if (parallel) parallel_for(n, prepare_one);
+  else for (int i = 0; i < n; ++i) prepare_one(i);
   // Work items: (call, pass of x rows, rows [r0, r1)), sized by blocks_per_item.
   struct Item {
     int call;
     int64_t b0, r0, r1;
   };
   std::vector<Item> items;
-  const int T = omp_get_max_threads();
-  int64_t weights = 0;
   for (int i = 0; i < n; ++i) {
     const Linear& l = *calls[i].l;
-    weights += l.N * l.K;
     for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
       const int64_t R = block_rows(l, std::min<int64_t>(kMaxB, B - b0));
       const int64_t nblocks = (l.N + R - 1) / R;
@@ -713,7 +717,7 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
     const Item& it = items[j];
     run_part(prep[it.call], B, it.b0, it.r0, it.r1);
   };
-  if (weights < kMinParallel || T <= 1) {
+  if (!parallel) {
     for (size_t j = 0; j < items.size(); ++j) run_item(static_cast<int64_t>(j));
     return;
   }

@@ -276,6 +276,57 @@ def _kept(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, Tensor] | Non
     return values[:m], ids[:m]
 
 
+def _cut(values: Tensor, ids: Tensor, top_p: float, top_k: int, V: int) -> tuple[Tensor, Tensor] | None:
+    """What `_kept` returns for a row, given what its first `torch.topk(row, k)` returned (values
+    and ids [k]); None where `_kept` has to look further than k tokens: the running sum does not
+    reach top_p within them and no top_k stops the cut first (`_kept` grows k), or ties with the
+    cutoff reach the k-th token (`_kept` counts them over the row). The same tensor operations
+    as `_kept` on the same tensors, so the same result to the bit.
+    """
+    k = values.shape[0]
+    if top_p >= 1:
+        return values, ids
+    cumulative = values.exp().cumsum(0)
+    if bool(cumulative[-1] >= top_p) or k == V:
+        first = min(int((cumulative < top_p).sum()), k - 1)
+        m = int((values >= values[first]).sum())
+        if m == k and k < V:  # ties with the cutoff may continue beyond the k-th token
+            return None
+    elif 0 < top_k <= k:
+        m = top_k
+    else:
+        return None
+    if top_k > 0:
+        m = min(m, top_k)
+    return values[:m], ids[:m]
+
+
+def _kept_rows(logp: Tensor, top_p: Sequence[float], top_k: Sequence[int]) -> list[tuple[Tensor, Tensor] | None]:
+    """`_kept` for every row of logp [n, V]: the same tensors, with one topk for all rows.
+
+    The rows whose first topk in `_kept` has the same size k share one `torch.topk(rows, k)`,
+    which runs the same selection on each row as `torch.topk(row, k)`, so it gives the same values
+    and ids (tied values in the same order too); `_cut` finishes each row from them. A row whose
+    cut lies beyond those k tokens runs `_kept` itself.
+    """
+    n, V = logp.shape
+    out: list[tuple[Tensor, Tensor] | None] = [None] * n
+    groups: dict[int, list[int]] = {}  # first topk size of _kept -> rows
+    for b in range(n):
+        p, k = float(top_p[b]), int(top_k[b])
+        if p < 1:
+            groups.setdefault(min(V, max(256, k)), []).append(b)
+        elif 0 < k < V:
+            groups.setdefault(k, []).append(b)
+    for k, rows in groups.items():
+        values, ids = torch.topk(logp if len(rows) == n else logp[rows], k, dim=1)
+        for j, b in enumerate(rows):
+            p, tk = float(top_p[b]), int(top_k[b])
+            kept = _cut(values[j], ids[j], p, tk, V)
+            out[b] = kept if kept is not None else _kept(logp[b], p, tk)
+    return out
+
+
 def _check_temperature(temperature) -> None:
     if min(temperature) <= 0:
         raise InputError("the sampling distribution needs temperature > 0 (greedy is handled by the caller)")
@@ -303,8 +354,7 @@ def rwkv_probs(logits: Tensor, temperature=1.0, top_p=1.0, top_k=0) -> Tensor:
     temperature, top_p, top_k = _listed(temperature, B), _listed(top_p, B), _listed(top_k, B)
     _check_temperature(temperature)
     probs = torch.zeros_like(rows)
-    for b in range(B):
-        kept = _kept(rows[b], float(top_p[b]), int(top_k[b]))
+    for b, kept in enumerate(_kept_rows(rows, top_p, top_k)):
         if kept is None:
             probs[b] = torch.softmax(rows[b] / temperature[b], dim=-1)
         else:
@@ -323,8 +373,7 @@ def sample_rows(logits: Tensor, temperature, top_p, top_k, generators: Sequence[
     temperature, top_p, top_k = _listed(temperature, B), _listed(top_p, B), _listed(top_k, B)
     _check_temperature(temperature)
     out = []
-    for b in range(B):
-        kept = _kept(logp[b], float(top_p[b]), int(top_k[b]))
+    for b, kept in enumerate(_kept_rows(logp, top_p, top_k)):
         if kept is None:
             weights, ids = torch.softmax(logp[b] / temperature[b], dim=-1), None
         else:
@@ -368,7 +417,10 @@ class Sampler:
         self.params = params
         self.vocab_size = vocab_size
         self.generator = generator
-        self._bias = bias_vector(params, vocab_size)
+        bias = bias_vector(params, vocab_size)
+        # Kept sparse: adding the zeros of the dense vector changes no logit.
+        self._bias_ids = None if bias is None else bias.nonzero()[:, 0]
+        self._bias = None if bias is None else bias[self._bias_ids]
         self._position: dict[int, int] = {}  # token id -> index in _seen / _count
         self._seen = torch.zeros(0, dtype=torch.long)
         self._count = torch.zeros(0, dtype=torch.float32)
@@ -380,7 +432,7 @@ class Sampler:
 
     def _ready(self, device: torch.device) -> None:
         if self._bias is not None and self._bias.device != device:
-            self._bias = self._bias.to(device)
+            self._bias, self._bias_ids = self._bias.to(device), self._bias_ids.to(device)
         if self.generator is None:
             self.generator = torch.Generator(device=device)
             if self.params.seed is None:
@@ -390,15 +442,19 @@ class Sampler:
 
     def adjusted_logits(self, logits: Tensor) -> Tensor:
         """Steps 1-2: logits [V] with bias, bans and penalties applied (does not update counts)."""
-        self._ready(logits.device)
-        out = logits.float()
+        return self._adjust_(logits.to(torch.float32, copy=True))
+
+    def _adjust_(self, out: Tensor) -> Tensor:
+        """`adjusted_logits` in place on fp32 logits [V]."""
+        self._ready(out.device)
         if self._bias is not None:
-            out = out + self._bias
+            ids = self._bias_ids
+            out.index_put_((ids,), out[ids] + self._bias)
         p = self.params
         if self._position and (p.presence_penalty or p.frequency_penalty):
             seen = self._seen.to(out.device)
             penalty = p.presence_penalty + self._count.to(out.device) * p.frequency_penalty
-            out = out.index_put((seen,), out[seen] - penalty)
+            out.index_put_((seen,), out[seen] - penalty)
         return out
 
     def __call__(self, logits: Tensor) -> int:
@@ -423,7 +479,9 @@ class Sampler:
         """One token for each row of logits [B, V], row b sampled by samplers[b]."""
         if logits.dim() != 2 or logits.shape[0] != len(samplers):
             raise InputError(f"sample_batch: logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
-        adjusted = [s.adjusted_logits(row) for s, row in zip(samplers, logits)]
+        adjusted = logits.to(torch.float32, copy=True)
+        for s, row in zip(samplers, adjusted):
+            s._adjust_(row)
         params = [s.params for s in samplers]
         out = [None] * len(samplers)
         idx = []
@@ -434,7 +492,7 @@ class Sampler:
                 idx.append(b)
         if idx:
             drawn = sample_rows(
-                torch.stack([adjusted[b] for b in idx]),
+                adjusted if len(idx) == len(samplers) else adjusted[idx],
                 temperature=[params[b].temperature for b in idx],
                 top_p=[params[b].top_p for b in idx],
                 top_k=[params[b].top_k for b in idx],

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from rwkv_engine import sampling
 from rwkv_engine.errors import InputError
 from rwkv_engine.sampling import (
     Sampler,
     SamplingParams,
     apply_penalties,
+    bias_vector,
     draw,
     rwkv_probs,
     sample_rows,
@@ -245,3 +247,102 @@ def test_shared_generator_overrides_seed():
     a = [Sampler(SamplingParams(seed=1), V, generator=g1)(logits) for _ in range(20)]
     b = [Sampler(SamplingParams(seed=2), V, generator=g2)(logits) for _ in range(20)]
     assert a == b and len(set(a)) > 1
+
+
+# --- the batched path against the plain one ----------------------------------------------------
+# sample_rows finds the kept tokens of all rows at once (_kept_rows: one topk for the rows, then
+# _cut) and falls back to the plain per-row _kept where the cut lies beyond that topk. These
+# tests hold it to the plain path bit for bit: the same tensors, the same tokens for the same seeds.
+
+
+def _logits(gen, n, V, scale, step=None):
+    x = torch.randn(n, V, generator=gen) * scale
+    if step is not None:
+        x = (x / step).round() * step  # many exactly equal logits, also at the top (as bf16 logits)
+    return x
+
+
+def test_topk_of_rows_equals_topk_of_each_row():
+    # What _kept_rows relies on: topk over [n, V] selects each row as topk over that row alone,
+    # tied values in the same order.
+    gen = torch.Generator().manual_seed(20)
+    for V, k in [(65536, 256), (65536, 40), (50277, 300), (1000, 256)]:
+        logp = torch.log_softmax(_logits(gen, 6, V, 4.0, step=0.125), dim=-1)
+        values, ids = torch.topk(logp, k, dim=1)
+        for b in range(6):
+            want_values, want_ids = torch.topk(logp[b], k)
+            assert torch.equal(values[b], want_values) and torch.equal(ids[b], want_ids)
+
+
+@pytest.mark.parametrize("V", [65536, 50277, 300])
+def test_kept_rows_equals_kept(V, monkeypatch):
+    plain = sampling._kept
+    fallbacks = []
+    monkeypatch.setattr(sampling, "_kept", lambda *a: fallbacks.append(a[1:]) or plain(*a))
+    gen = torch.Generator().manual_seed(21)
+    top_p = [0.1, 0.3, 0.85, 0.9, 0.95, 0.999, 1.0, 1.0, 0.5, 0.7, 0.6, 1.0]
+    top_k = [0, 0, 0, 40, 1, 0, 40, 0, 300, 7, 256, 1]
+    rows = 0
+    for scale, step in [(0.3, None), (2.0, None), (6.0, None), (20.0, None), (4.0, 0.5), (4.0, 1e-3)]:
+        for _ in range(4):
+            logits = _logits(gen, len(top_p), V, scale, step)
+            logits[0, 5] = logits[0].max()  # a tie with the most probable token
+            logits[2, 10:310] = logits[2].max() + 3  # 300 tied top tokens: the cutoff's ties pass the 256th
+            logp = torch.log_softmax(logits, dim=-1)
+            for b, kept in enumerate(sampling._kept_rows(logp, top_p, top_k)):
+                want = plain(logp[b], top_p[b], top_k[b])
+                if want is None:
+                    assert kept is None
+                else:
+                    assert torch.equal(kept[0], want[0]) and torch.equal(kept[1], want[1]), (scale, step, b)
+                rows += 1
+    # _cut decided most rows; nuclei wider than 256 tokens (flat rows) without a top_k went to _kept.
+    assert len(fallbacks) < rows // 4
+    if V > 256:
+        assert fallbacks and all(k == 0 for _, k in fallbacks)
+
+
+def _sample_rows_plainly(logits, temperature, top_p, top_k, generators):
+    """sample_rows as it was written first: _kept row by row."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    out = []
+    for b in range(logp.shape[0]):
+        kept = sampling._kept(logp[b], top_p[b], top_k[b])
+        if kept is None:
+            weights, ids = torch.softmax(logp[b] / temperature[b], dim=-1), None
+        else:
+            weights, ids = torch.softmax(kept[0] / temperature[b], dim=-1), kept[1]
+        i = torch.multinomial(weights, 1, generator=generators[b])[0]
+        out.append(int(i if ids is None else ids[i]))
+    return out
+
+
+def test_sample_rows_equals_the_plain_path_at_extreme_temperatures():
+    V = 65536
+    temperature = [1e-3, 0.01, 0.3, 1.0, 1.0, 2.0, 5.0, 100.0, 1e-3, 100.0]
+    top_p = [0.9, 0.85, 0.3, 1.0, 0.95, 0.9, 0.99, 0.9, 1.0, 1.0]
+    top_k = [0, 40, 0, 40, 0, 1, 5, 0, 0, 256]
+    mine = [torch.Generator().manual_seed(30 + b) for b in range(len(temperature))]
+    plain = [torch.Generator().manual_seed(30 + b) for b in range(len(temperature))]
+    gen = torch.Generator().manual_seed(22)
+    for t, (scale, step) in enumerate([(1.0, None), (5.0, None), (3.0, 0.25), (12.0, None)] * 3):
+        logits = _logits(gen, len(temperature), V, scale, step)
+        got = sample_rows(logits, temperature, top_p, top_k, mine)
+        assert got == _sample_rows_plainly(logits, temperature, top_p, top_k, plain), t
+    # Both drew as many random numbers: the generators are still in step.
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(mine, plain))
+
+
+def test_sampler_adjusts_in_place_as_the_dense_functions_do():
+    V = 65536
+    params = SamplingParams(presence_penalty=0.4, frequency_penalty=0.3, penalty_decay=0.9,
+                            logit_bias={0: -100, 17: 2.5, 99: -0.0}, banned_token_ids=[3, 17], seed=1)
+    sampler = Sampler(params, V)
+    for token in [5, 9, 5, 1000, 5]:
+        sampler.accept(token)
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(23))
+    before = logits.clone()
+    want = apply_penalties(logits + bias_vector(params, V), sampler.counts, 0.4, 0.3)
+    assert torch.equal(sampler.adjusted_logits(logits), want)
+    assert torch.equal(logits, before)  # the caller's logits are left alone
+    assert torch.isinf(want[[3, 17]]).all()

@@ -372,8 +372,13 @@ def sample_rows(logits: Tensor, temperature, top_p, top_k, generators: Sequence[
     B = logp.shape[0]
     temperature, top_p, top_k = _listed(temperature, B), _listed(top_p, B), _listed(top_k, B)
     _check_temperature(temperature)
+    return _draw_kept(logp, _kept_rows(logp, top_p, top_k), temperature, generators)
+
+
+def _draw_kept(logp: Tensor, kept_rows, temperature: list, generators) -> list[int]:
+    """Steps 6-7 for log-probabilities [B, V] and each row's kept (log p, ids), or None for all."""
     out = []
-    for b, kept in enumerate(_kept_rows(logp, top_p, top_k)):
+    for b, kept in enumerate(kept_rows):
         if kept is None:
             weights, ids = torch.softmax(logp[b] / temperature[b], dim=-1), None
         else:

@@ -303,18 +303,10 @@ def test_kept_rows_equals_kept(V, monkeypatch):
 
 
 def _sample_rows_plainly(logits, temperature, top_p, top_k, generators):
-    """sample_rows as it was written first: _kept row by row."""
+    """sample_rows as it was written first: _kept row by row, then the same draw."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    out = []
-    for b in range(logp.shape[0]):
-        kept = sampling._kept(logp[b], top_p[b], top_k[b])
-        if kept is None:
-            weights, ids = torch.softmax(logp[b] / temperature[b], dim=-1), None
-        else:
-            weights, ids = torch.softmax(kept[0] / temperature[b], dim=-1), kept[1]
-        i = torch.multinomial(weights, 1, generator=generators[b])[0]
-        out.append(int(i if ids is None else ids[i]))
-    return out
+    kept = [sampling._kept(logp[b], top_p[b], top_k[b]) for b in range(logp.shape[0])]
+    return sampling._draw_kept(logp, kept, temperature, generators)
 
 
 def test_sample_rows_equals_the_plain_path_at_extreme_temperatures():

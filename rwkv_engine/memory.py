@@ -65,6 +65,9 @@ class FileRows:
         self.dtype = dtype
         self.row_bytes = shape[1] * torch.empty((), dtype=dtype).element_size()
         self._source = source.data_ptr()  # the mapped tensor these rows stand for
+        self._open()
+
+    def _open(self) -> None:
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
     @staticmethod
@@ -98,7 +101,7 @@ class FileRows:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._open()
 
     def close(self) -> None:
         if getattr(self, "_fd", -1) >= 0:

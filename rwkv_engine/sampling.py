@@ -356,9 +356,9 @@ def rwkv_probs(logits: Tensor, temperature=1.0, top_p=1.0, top_k=0) -> Tensor:
     probs = torch.zeros_like(rows)
     for b, kept in enumerate(_kept_rows(rows, top_p, top_k)):
         if kept is None:
-            probs[b] = torch.softmax(rows[b] / temperature[b], dim=-1)
+            probs[b] = _tempered(rows[b], temperature[b])
         else:
-            probs[b, kept[1]] = torch.softmax(kept[0] / temperature[b], dim=-1)
+            probs[b, kept[1]] = _tempered(kept[0], temperature[b])
     return probs.reshape(logp.shape)
 
 
@@ -375,14 +375,30 @@ def sample_rows(logits: Tensor, temperature, top_p, top_k, generators: Sequence[
     return _draw_kept(logp, _kept_rows(logp, top_p, top_k), temperature, generators)
 
 
+def _tempered(logp: Tensor, temperature: float) -> Tensor:
+    """Step 6: softmax(logp / T) over the log-probabilities [m] of a row's kept tokens.
+
+    Below T ~ 1e-37, logp / T leaves fp32's range (-inf everywhere, or 0 / 0 where T itself
+    rounds to 0 in fp32, as 1e-300 does), and the softmax is NaN. The law then is (up to fp32
+    rounding) its T -> 0 limit, the most probable token with its exact ties; it is computed
+    from the gaps to the maximum in float64, where any T > 0 is representable. Ordinary
+    temperatures take the first line only, so their draws are unchanged to the bit.
+    """
+    scaled = logp / temperature
+    if torch.isfinite(scaled.max()):
+        return torch.softmax(scaled, dim=-1)
+    gaps = logp.double() - logp.max()
+    return torch.softmax(gaps / temperature, dim=-1).float()
+
+
 def _draw_kept(logp: Tensor, kept_rows, temperature: list, generators) -> list[int]:
     """Steps 6-7 for log-probabilities [B, V] and each row's kept (log p, ids), or None for all."""
     out = []
     for b, kept in enumerate(kept_rows):
         if kept is None:
-            weights, ids = torch.softmax(logp[b] / temperature[b], dim=-1), None
+            weights, ids = _tempered(logp[b], temperature[b]), None
         else:
-            weights, ids = torch.softmax(kept[0] / temperature[b], dim=-1), kept[1]
+            weights, ids = _tempered(kept[0], temperature[b]), kept[1]
         i = torch.multinomial(weights, 1, generator=generators[b])[0]
         out.append(int(i if ids is None else ids[i]))
     return out

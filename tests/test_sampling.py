@@ -338,3 +338,23 @@ def test_sampler_adjusts_in_place_as_the_dense_functions_do():
     assert torch.equal(sampler.adjusted_logits(logits), want)
     assert torch.equal(logits, before)  # the caller's logits are left alone
     assert torch.isinf(want[[3, 17]]).all()
+
+
+@pytest.mark.parametrize("temperature", [1.5e-38, 1e-40, 1e-45, 1e-300, 1e-3])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_every_accepted_temperature_samples_without_nan(temperature, top_p):
+    """Issue 14 D1: log p / T overflowed fp32 for T near 1e-38 and below (NaN, multinomial raised).
+
+    Any T > 0 is accepted, and a tiny one must behave as the limit T -> 0: the most probable kept
+    token (or one of its exact ties), never a NaN or an error.
+    """
+    logits = torch.randn(2, 65536, generator=torch.Generator().manual_seed(5)) * 4
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # row 1: an exact tie for the top
+    probs = rwkv_probs(logits, temperature, top_p)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    for _ in range(4):
+        a, b = sample_rows(logits, [temperature] * 2, [top_p] * 2, [0, 0], gens)
+        assert a == int(logits[0].argmax()) and b in (7, 9)
+    sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p), 65536)
+    assert sampler(logits[0]) == int(logits[0].argmax())

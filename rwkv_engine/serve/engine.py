@@ -207,6 +207,7 @@ class _Sequence:
         self.stream = stream
         self.cancelled = False
         self.finished = False
+        self.admitted = False         # holds a batch slot (Engine._admit)
         self.started = False          # prefill begun (cache looked up)
         self.pos = 0                  # prompt tokens read
         self.cached = 0               # of which taken from the prompt cache
@@ -233,6 +234,8 @@ class Engine:
         self._joining: list[tuple[_Sequence, State]] = []  # prefilled this turn, join before decoding
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
+        self._holding = 0      # requests admitted and not finished (written by the engine thread only)
+        self._ready = False    # warmed up (see _warm_up)
 
     # --- control (any thread) -------------------------------------------------------------------
 
@@ -245,6 +248,11 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def ready(self) -> bool:
+        """Alive and warmed up: the first request will not wait for kernels to be built."""
+        return self._ready and self.alive
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; requests still queued or running finish with reason "error"."""
@@ -265,8 +273,12 @@ class Engine:
         with self._cond:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
-            if len(self._waiting) >= self.config.max_queue:
-                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are already waiting")
+            # Requests not yet admitted while slots are free take a slot at the next turn:
+            # only those beyond the free slots wait.
+            free = max(0, self.config.max_batch - self._holding)
+            waiting = len(self._waiting) - free
+            if waiting >= self.config.max_queue:
+                raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
             seq = _Sequence(next(self._ids), request, sink, sampler, stream)
             self._waiting.append(seq)
             self._cond.notify_all()
@@ -299,8 +311,24 @@ class Engine:
 
     # --- the engine thread --------------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        """One prefill and one decode step on a throwaway state before the first request: the
+        native kernels are built (or loaded from their cache) on first use, which can take
+        many seconds, and the first call of each path allocates its buffers."""
+        t0 = time.perf_counter()
+        _, state = self.model.forward([0] * (GEMV_MAX_ROWS + 1))  # the GEMM / chunked-WKV path
+        decode_rows(self.model, torch.zeros(1, 1, dtype=torch.long), state)  # the per-row step
+        print(f"rwkv-engine serve: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+
     def _loop(self) -> None:
         try:
+            try:
+                self._warm_up()
+            except Exception as e:
+                print("rwkv-engine serve: the warm-up forward failed; nothing can be served:", file=sys.stderr)
+                traceback.print_exception(e, file=sys.stderr)
+                return
+            self._ready = True
             while True:
                 with self._cond:
                     while not (self._stopping or self._waiting or self._prefilling or self._decoding or self._wake):
@@ -345,6 +373,8 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and len(self._prefilling) + len(self._decoding) < self.config.max_batch:
             seq = self._waiting.popleft()
+            seq.admitted = True
+            self._holding += 1
             self._prefilling.append(seq)
             self.metrics.inc("prompt_tokens_total", len(seq.request.prompt_ids))
 
@@ -418,24 +448,47 @@ class Engine:
             t0 = time.perf_counter()
             tokens = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
             logits, self._batch = decode_rows(self.model, tokens, self._batch)
-            t1 = time.perf_counter()
-            sampled = Sampler.sample_batch([s.sampler for s in rows], logits)
-            t2 = time.perf_counter()
         except Exception as e:
             self._decoding, self._batch = [], None
             self._fail(rows, e)
             return
+        t1 = time.perf_counter()
+        sampled = self._sample(rows, logits)
+        t2 = time.perf_counter()
         metrics.inc("decode_steps_total")
         metrics.inc("decode_rows_total", len(rows))
         keep = []
         for i, (seq, token) in enumerate(zip(rows, sampled)):
-            if self._push(seq, token):
+            if token is not None and self._push(seq, token):
                 seq.next_token = token
                 keep.append(i)
         self._keep_rows(keep)
         metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
         metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
         metrics.inc("engine_seconds_total", time.perf_counter() - t2, phase="stream")
+
+    def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int | None]:
+        """A token for each row of logits [B, V]; None for a row whose sampling raised (that
+        request fails, the others go on). After a failure each row is sampled again alone from
+        its generator's state before the batch call, so it draws what it would have drawn."""
+        samplers = [s.sampler for s in rows]
+        saved = [None if s.generator is None else s.generator.get_state() for s in samplers]
+        try:
+            return Sampler.sample_batch(samplers, logits)
+        except Exception:
+            pass
+        out = []
+        for i, (seq, sampler, gen_state) in enumerate(zip(rows, samplers, saved)):
+            if gen_state is None:
+                sampler.generator = None
+            else:
+                sampler.generator.set_state(gen_state)
+            try:
+                out.append(Sampler.sample_batch([sampler], logits[i : i + 1])[0])
+            except Exception as e:
+                self._fail([seq], e)
+                out.append(None)
+        return out
 
     def _push(self, seq: _Sequence, token: int) -> bool:
         """Give a sampled token to the request's stream; False when the request has ended."""
@@ -464,6 +517,8 @@ class Engine:
             return
         seq.finished = True
         seq.state = None
+        if seq.admitted:
+            self._holding -= 1
         self.metrics.inc("requests_total", outcome=reason)
         event = Finished(reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.cached, message)
         try:

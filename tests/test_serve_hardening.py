@@ -186,3 +186,256 @@ def test_only_requests_waiting_count_against_the_queue(model_and_tokenizer):
             h.cancel()
     finally:
         engine.stop()
+
+
+def test_health_says_starting_until_the_warm_up_is_done(model_and_tokenizer):
+    """D8: the kernels are built by a warm-up forward before /health says ok (503 "starting" until then)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from rwkv_engine.serve.app import ServerSettings, create_app
+    from rwkv_engine.serve.engine import Engine
+
+    model, tok = model_and_tokenizer
+    release, calls = threading.Event(), []
+
+    class SlowFirstForward:
+        """The model, with a first forward that waits (a kernel build, say)."""
+
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def forward(self, *args, **kw):
+            calls.append(1)
+            if len(calls) == 1:
+                assert release.wait(30)
+            return model.forward(*args, **kw)
+
+    engine = Engine(SlowFirstForward(), tok)
+    with TestClient(create_app(engine, ServerSettings(model_name=MODEL))) as http:
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "starting"}
+        release.set()
+        deadline = time.monotonic() + 30
+        while http.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert http.get("/health").json() == {"status": "ok"}
+        assert len(calls) == 2  # the warm-up's prefill and decode step, before any request
+
+
+# --- D2: TCP_NODELAY -----------------------------------------------------------------------------
+
+
+def test_accepted_connections_have_tcp_nodelay():
+    """D2: the listening socket was made with protocol 0, so asyncio never set TCP_NODELAY on the
+    connections and a small response waited for the client's delayed ACK (about 40 ms)."""
+    from rwkv_engine.cli.serve import _bind
+
+    async def run():
+        sock = _bind("127.0.0.1", 0)
+        accepted = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                accepted.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(run()) != 0  # (plain asyncio; uvloop sets it whatever the protocol)
+
+
+# --- D4, D5 and the smaller items ----------------------------------------------------------------
+
+
+def test_bad_requests_get_a_4xx_naming_the_field(open_server, files, model_and_tokenizer):
+    url = open_server.url
+    model, _ = model_and_tokenizer
+    fresh = model.new_state(1)
+    bad_shape = {k: (v[:, :1] if k == "att_x_prev" else v) for k, v in fresh.items()}
+    type(fresh)(bad_shape, fresh.signature).save(files["states"] / "bad-shape.safetensors")
+    nan = {k: torch.full_like(v, float("nan")) for k, v in fresh.items()}
+    type(fresh)(nan, fresh.signature).save(files["states"] / "nan.safetensors")
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"1" * 5000: 1}}, 400, "logit_bias"),  # D4
+        (CHAT, {**chat, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "x", "state": "bad-shape.safetensors"}, 400, "state"),
+        (COMPLETIONS, {"model": MODEL, "prompt": "x", "state": "nan.safetensors"}, 400, "state"),
+        (COMPLETIONS, {"model": "m" * 1_000_000, "prompt": "x"}, 404, "model"),
+    ]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for path, body, status, param in cases:
+            r = http.post(path, json=body)
+            assert r.status_code == status and r.json()["error"]["param"] == param, (param, r.text[:300])
+            assert len(r.text) < 1000
+        # A trailing slash: the same endpoint, not a bodyless redirect.
+        r = http.post(CHAT + "/", json={**chat, "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+    assert errors_500(open_server) == 0
+
+
+def test_client_gone_mid_body_is_a_cancel(open_server):
+    """D5: headers and part of the body, then the client closes: no 500, no traceback."""
+    host, port = open_server.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 500\r\n\r\n{\"model\": \"tiny-world\", \"pro")
+            time.sleep(0.2)
+    time.sleep(0.5)
+    assert httpx.get(open_server.url + "/health").status_code == 200
+    assert errors_500(open_server) == 0
+    assert "Traceback" not in open_server.log()
+
+
+# --- D6 and hardening: timeouts, connection cap, Host, Origin, key --------------------------------
+
+
+def test_stalled_headers_and_bodies_are_timed_out(open_server):
+    t0 = time.monotonic()
+    # Half the headers, then nothing: closed after --header-timeout, without an answer.
+    assert raw(open_server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n") == b""
+    # A connection that never sends a byte: the same.
+    assert raw(open_server, b"") == b""
+    # The headers and half the body: 408 after --body-timeout, then closed.
+    out = raw(open_server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{\"mo")
+    assert out.startswith(b"HTTP/1.1 408") and b"connection: close" in out.lower(), out
+    assert json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+    assert time.monotonic() - t0 < 3 * (max(HEADER_TIMEOUT, BODY_TIMEOUT) + 3)
+    assert errors_500(open_server) == 0
+
+
+def test_connection_cap(open_server):
+    host, port = open_server.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)
+        # One more: refused at once with a 503 (no file descriptors or memory held for it).
+        t0 = time.monotonic()
+        out = raw(open_server, b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 503") and time.monotonic() - t0 < HEADER_TIMEOUT, out
+        # The stalled ones are closed by the header timeout; then the server answers again.
+        for s in idle:
+            s.settimeout(HEADER_TIMEOUT + 10)
+            assert s.recv(100) == b""
+        assert httpx.get(open_server.url + "/health", timeout=10).status_code == 200
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_host_and_origin_checks_on_a_loopback_server(open_server):
+    url = open_server.url
+    port = url.rsplit(":", 1)[1]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for host in ("localhost", f"localhost:{port}", "127.0.0.1", "127.1.2.3:99", "[::1]", f"[::1]:{port}"):
+            assert http.get("/health", headers={"Host": host}).status_code == 200, host
+        # DNS rebinding: a page of evil.example whose name now points at 127.0.0.1.
+        for host in ("evil.example", f"evil.example:{port}", "localhost.evil.example", "127.0.0.1.nip.io"):
+            r = http.post(COMPLETIONS, json=body, headers={"Host": host})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", host
+        # Another site's page posting here (no CORS origin is allowed by default): refused, and a
+        # preflight gets no Access-Control-Allow-Origin. The same origin (a page this server serves) is fine.
+        r = http.post(COMPLETIONS, json=body, headers={"Origin": "http://evil.example"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+        r = http.options(COMPLETIONS, headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in r.headers
+        r = http.post(COMPLETIONS, json=body, headers={"Origin": f"http://127.0.0.1:{port}"})
+        assert r.status_code == 200, r.text
+
+
+def test_key_file_early_key_check_cors_and_allowed_host(keyed_server):
+    url = keyed_server.url
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    assert httpx.post(url + COMPLETIONS, json=body, headers=auth, timeout=30).status_code == 200
+    assert httpx.post(url + COMPLETIONS, json=body, timeout=30).status_code == 401
+    # A wrong key is refused as soon as the headers are in: the body is never waited for.
+    t0 = time.monotonic()
+    out = raw(keyed_server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n"
+                            b"Content-Length: 100000\r\n\r\n{")
+    assert out.startswith(b"HTTP/1.1 401") and time.monotonic() - t0 < 5, out
+    # --allowed-host adds a name; others are still refused.
+    assert httpx.get(url + "/health", headers={"Host": "rwkv.lan:8000"}).status_code == 200
+    assert httpx.get(url + "/health", headers={"Host": "evil.example"}).status_code == 403
+    # --cors-origin: the preflight and the answer carry the origin; the key is still needed.
+    origin = {"Origin": "http://app.example"}
+    r = httpx.options(url + COMPLETIONS, headers={**origin, "Access-Control-Request-Method": "POST",
+                                                  "Access-Control-Request-Headers": "authorization,content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.post(url + COMPLETIONS, json=body, headers={**origin, **auth}, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.post(url + COMPLETIONS, json=body, headers={"Origin": "http://other.example", **auth}, timeout=30)
+    assert r.status_code == 403
+
+
+def test_api_key_sources_and_exposure_warning(tmp_path):
+    import argparse
+
+    from rwkv_engine.cli import serve
+    from rwkv_engine.errors import InputError
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    parse = lambda *a: parser.parse_args(["model.pth", *a])  # noqa: E731
+    assert serve.api_key(parse(), {}) is None
+    assert serve.api_key(parse(), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-env"
+    assert serve.api_key(parse("--api-key-file", str(key_file)), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-file"
+    assert serve.api_key(parse("--api-key", "k"), {}) == "k"
+    for bad in (("--api-key", "k", "--api-key-file", str(key_file)), ("--api-key-file", str(tmp_path / "none")),
+                ("--api-key", "")):
+        with pytest.raises(InputError):
+            serve.api_key(parse(*bad), {})
+    assert serve.exposure_warning("0.0.0.0", None) and "WARNING" in serve.exposure_warning("0.0.0.0", None)
+    assert serve.exposure_warning("::", None)
+    assert serve.exposure_warning("0.0.0.0", "k") is None
+    assert serve.exposure_warning("127.0.0.1", None) is None and serve.exposure_warning("::1", None) is None
+
+
+# --- D7: SIGTERM (last: it stops the server) -------------------------------------------------------
+
+
+def test_sigterm_cuts_long_streams_with_an_error_event_and_done(open_server):
+    lines = {i: [] for i in range(3)}
+    started = {i: __import__("threading").Event() for i in range(3)}
+
+    def read(i):
+        body = {"model": MODEL, "prompt": f"Go {i}", "stream": True, "temperature": 0, **LONG}
+        with httpx.stream("POST", open_server.url + COMPLETIONS, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines[i].append(line)
+                    started[i].set()
+
+    import threading
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for t in readers:
+        t.start()
+    for e in started.values():
+        assert e.wait(60)
+    t0 = time.monotonic()
+    open_server.proc.send_signal(signal.SIGTERM)
+    for t in readers:
+        t.join(60)
+    assert open_server.proc.wait(30) == 0
+    assert time.monotonic() - t0 < 2 + 10
+    for i in range(3):
+        assert lines[i][-1] == "data: [DONE]", lines[i][-3:]
+        err = json.loads(lines[i][-2][6:])["error"]
+        assert err["code"] == "engine_error" and "shutting down" in err["message"]
+    log = open_server.log()
+    assert "Traceback" not in log and "Cancel" not in log, log

@@ -3,10 +3,11 @@
     GET  /v1/models              the one model served
     POST /v1/completions         text (or token ids) -> continuation; stream or not
     POST /v1/chat/completions    messages (World chat format) -> reply; stream or not
-    GET  /health                 200 {"status": "ok"} while the engine runs, else 503
+    GET  /health                 200 {"status": "ok"} while the engine runs; 503 {"status": "starting"}
+                                 until its warm-up is done, 503 {"status": "unavailable"} once it stops
     GET  /metrics                Prometheus text format
 
-A request goes: API key check -> body read (at most max_body_bytes) -> JSON -> `protocol`
+A request goes: `security.Guard` (Host, Origin, early API key check, body deadline) -> API key check -> body read (at most max_body_bytes) -> JSON -> `protocol`
 model (strict) -> prompt ids and `SamplingParams` -> `Engine.submit` -> the answer, whole or as
 server-sent events ending with `data: [DONE]`. Anything wrong with a request is an `APIError`:
 a 4xx with OpenAI's error body, decided before the request reaches the engine, so it never
@@ -23,7 +24,6 @@ chat's to the server's cap.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import sys
 import traceback
@@ -38,6 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import InputError, RWKVEngineError, StateError
 from ..sampling import SamplingParams
@@ -45,6 +46,7 @@ from ..state import State
 from . import protocol as p
 from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from .engine import Delta, Engine, EngineStopped, Finished, QueueFull, Request
+from .security import Guard, key_matches, quoted
 
 EOS_TOKEN_ID = 0
 
@@ -69,6 +71,9 @@ class ServerSettings:
     max_tokens_cap: int = 4096
     max_body_bytes: int = 4 << 20
     state_dir: Path | None = None
+    allowed_hosts: tuple[str, ...] | None = None  # None: any Host header (see security.Guard)
+    cors_origins: tuple[str, ...] = ()
+    body_timeout: float = 30.0
 
 
 class APIError(Exception):
@@ -120,6 +125,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="rwkv-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=settings.api_key, allowed_hosts=settings.allowed_hosts,
+                       cors_origins=settings.cors_origins, body_timeout=settings.body_timeout,
+                       count_error=lambda status: metrics.inc("http_errors_total", status=str(status)))
 
     # --- errors -------------------------------------------------------------------------------
 
@@ -139,6 +147,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def _validation_error(request, e: RequestValidationError):
         return error(400, str(e))
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request, e: ClientDisconnect):
+        return Response(status_code=499)  # (nobody reads it) a cancel: not an error, no traceback
+
     @app.exception_handler(Exception)
     async def _internal_error(request, e: Exception):
         traceback.print_exception(e, file=sys.stderr)
@@ -149,8 +161,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     def authorize(request: HTTPRequest) -> None:
         if settings.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        if not key_matches(request.headers.get("authorization", ""), settings.api_key):
             raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
                            code="invalid_api_key")
 
@@ -182,17 +193,17 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             param, message = p.describe_validation_error(e)
             raise APIError(400, message, param=param or None) from None
         if req.model != settings.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {settings.model_name!r}",
+            raise APIError(404, f"the model {quoted(req.model)} does not exist; this server serves {settings.model_name!r}",
                            param="model", code="model_not_found")
         return req
 
     def sampling_params(req, defaults: SamplingParams, max_tokens: int | None, default_max: int,
-                        extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+                        extra_stop: tuple[str, ...] = (), max_tokens_field: str = "max_tokens") -> SamplingParams:
         if max_tokens is None:
             max_tokens = min(default_max, settings.max_tokens_cap)
         if max_tokens > settings.max_tokens_cap:
-            raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {settings.max_tokens_cap}",
-                           param="max_tokens")
+            raise APIError(400, f"{max_tokens_field} is {max_tokens}; this server allows at most "
+                                f"{settings.max_tokens_cap}", param=max_tokens_field)
         changes = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
         changes["max_tokens"] = max_tokens
         changes["stop"] = tuple(dict.fromkeys((*extra_stop, *(req.stop or ()))))
@@ -251,6 +262,12 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                 raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
             if state.batch_size != 1:
                 raise APIError(400, f"state {name!r} holds {state.batch_size} sequences, not one", param="state")
+            fresh = model.new_state(1)
+            if dict((k, (t.shape, t.dtype)) for k, t in state.items()) != {
+                    k: (t.shape, t.dtype) for k, t in fresh.items()}:
+                raise APIError(400, f"state {name!r} does not have the shapes of this model's state", param="state")
+            if not all(bool(t.isfinite().all()) for _, t in state.items()):
+                raise APIError(400, f"state {name!r} holds NaN or infinite values", param="state")
             loaded_states[key] = state
             while len(loaded_states) > 8:
                 loaded_states.popitem(last=False)
@@ -344,9 +361,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if engine.alive:
+        if engine.ready:
             return {"status": "ok"}
-        return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "starting" if engine.alive else "unavailable"}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -363,7 +380,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def get_model(name: str, request: HTTPRequest):
         authorize(request)
         if name != settings.model_name:
-            raise APIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+            raise APIError(404, f"the model {quoted(name)} does not exist", param="model", code="model_not_found")
         return p.ModelCard(id=settings.model_name, created=created)
 
     @app.post("/v1/completions")
@@ -400,7 +417,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         authorize(request)
         req = parse(p.ChatCompletionRequest, await read_json(request))
         params = sampling_params(req, CHAT_DEFAULTS, req.token_limit, settings.max_tokens_cap,
-                                 extra_stop=(TURN_SEPARATOR,))
+                                 extra_stop=(TURN_SEPARATOR,), max_tokens_field=req.token_limit_field)
         prompt = render_chat((m.role, m.text) for m in req.messages)
         ids = await prompt_ids(prompt)
         state, state_key = await start_state(req.state)

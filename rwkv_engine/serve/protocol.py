@@ -112,7 +112,9 @@ class _SamplingFields(_Strict):
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
             if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"keys are token ids (digit strings), got {key!r}")
+                raise ValueError(f"keys are token ids (digit strings), got {key[:20]!r}")
+            if len(key) > 10:  # (int() of a few thousand digits raises; no vocabulary is that large)
+                raise ValueError(f"token id {key[:20]}... is outside any vocabulary")
             if not -100 <= value <= 100:
                 raise ValueError(f"values are in [-100, 100], got {value} for token {key}")
         return v
@@ -184,6 +186,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def token_limit_field(self) -> str:
+        """The field `token_limit` comes from, for error messages."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 # --- responses ---------------------------------------------------------------------------------

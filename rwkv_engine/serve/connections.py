@@ -1,0 +1,75 @@
+"""Limits below HTTP requests: a cap on open connections and a deadline for the request headers.
+
+uvicorn enforces only an idle keep-alive timeout (the time between one answer and the next
+request's first byte, --timeout-keep-alive, 5 s) and `limit_concurrency`, which answers 503
+once the headers are in but still accepts and holds every connection. A connection that sends
+nothing, or half a request line, or half the headers, stays open for good, holding a file
+descriptor; enough of them ("slowloris") and the server can take no connection at all.
+
+`guarded_protocol(base, ...)` subclasses uvicorn's HTTP protocol class (httptools or h11; both
+keep the request being served in `self.cycle`, a new one per request whose headers are in):
+
+* at most `max_connections` connections are open: one more is answered 503 and closed at once;
+* the headers of each request must be complete within `header_timeout` seconds of its first
+  byte (of the connection, for the first request); otherwise the connection is closed.
+
+The body's deadline is the ASGI layer's (security.py), which can answer 408.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .security import error_body
+
+
+def _busy_response() -> bytes:
+    body = error_body(503, "the server has too many open connections; retry later", "too_many_connections")
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, header_timeout: float) -> type:
+    """`base` (a uvicorn HTTP protocol class) with the connection cap and the header deadline."""
+    busy = _busy_response()
+
+    class Guarded(base):
+        _header_timer: asyncio.TimerHandle | None = None
+        _waiting_cycle = None  # self.cycle when the timer was armed: headers pending while unchanged
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(busy)
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            super().data_received(data)
+            if self.cycle is not cycle:  # a request's headers are in
+                self._disarm()
+            elif self._header_timer is None and (cycle is None or cycle.response_complete):
+                self._arm()  # the first bytes of the next request on a kept-alive connection
+
+        def connection_lost(self, exc):
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._waiting_cycle = self.cycle
+            self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.cycle is self._waiting_cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
+    return Guarded

@@ -427,15 +427,13 @@ def test_sigterm_cuts_long_streams_with_an_error_event_and_done(open_server):
         t.start()
     for e in started.values():
         assert e.wait(60)
-    t0 = time.monotonic()
     open_server.proc.send_signal(signal.SIGTERM)
     for t in readers:
         t.join(60)
     assert open_server.proc.wait(30) == 0
-    assert time.monotonic() - t0 < 2 + 10
     for i in range(3):
         assert lines[i][-1] == "data: [DONE]", lines[i][-3:]
         err = json.loads(lines[i][-2][6:])["error"]
         assert err["code"] == "engine_error" and "shutting down" in err["message"]
-    log = open_server.log()
+    log = open_server.log()  # ("Cancel": uvicorn's backstop cancelled tasks, 10 s after the engine's cut)
     assert "Traceback" not in log and "Cancel" not in log, log

@@ -63,6 +63,11 @@ def start_server(ckpt: Path, args, log_path: Path, tree: Path | None = None) -> 
     log = open(log_path, "w")
     # `python -c` puts its working directory first on sys.path: the package of `tree` wins.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
+    return proc, wait_ready(proc, log_path)
+
+
+def wait_ready(proc: subprocess.Popen, log_path: Path) -> str:
+    """The base URL of a server subprocess once its /health says ok (SystemExit if it never does)."""
     import httpx
 
     deadline = time.monotonic() + 1800
@@ -73,7 +78,7 @@ def start_server(ckpt: Path, args, log_path: Path, tree: Path | None = None) -> 
         if m:
             try:
                 if httpx.get(m.group(1) + "/health", timeout=2).status_code == 200:
-                    return proc, m.group(1)
+                    return m.group(1)
             except httpx.HTTPError:
                 pass
         time.sleep(0.2)

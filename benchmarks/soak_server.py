@@ -35,7 +35,6 @@ import asyncio
 import collections
 import json
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ from pathlib import Path
 import httpx
 
 from bench_engine import SHAPES, make_checkpoint
+from bench_server import wait_ready
 
 MODEL = "soak"
 HEADER_TIMEOUT = 3
@@ -75,20 +75,7 @@ def start_server(ckpt: Path, args, log_path: Path) -> tuple[subprocess.Popen, st
            "--shutdown-timeout", "5"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log_path.read_text()[-3000:]}")
-        m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log_path.read_text())
-        if m:
-            try:
-                if httpx.get(m.group(1) + "/health", timeout=2).status_code == 200:
-                    return proc, m.group(1)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the server did not come up")
+    return proc, wait_ready(proc, log_path)
 
 
 class Tally:

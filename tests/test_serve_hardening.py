@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from tests.test_serve import COMPLETIONS, CHAT, GREEDY, MODEL, Server, files, parse_prometheus  # noqa: F401
+from tests.test_serve import CHAT, COMPLETIONS, MODEL, Server, files  # noqa: F401 (files: the fixture)
 
 httpx = pytest.importorskip("httpx")
 
@@ -62,12 +62,6 @@ def raw(server, data: bytes, wait: float = 10.0) -> bytes:
         except (socket.timeout, ConnectionResetError):
             pass
         return out
-
-
-def stream_lines(url: str, body: dict, headers=None) -> list[str]:
-    with httpx.stream("POST", url + COMPLETIONS, json=body, headers=headers, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        return [line for line in r.iter_lines() if line]
 
 
 def errors_500(server) -> float:

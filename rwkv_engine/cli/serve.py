@@ -168,6 +168,8 @@ def allowed_hosts(host: str, names: list[str]) -> tuple[str, ...] | None:
 
     if "*" in names or not (names or is_loopback(host)):
         return None
+    if not is_loopback(host) and host not in ("0.0.0.0", "::", ""):
+        names = [*names, host]  # the address it listens on is a name of it too
     return tuple(names)
 
 

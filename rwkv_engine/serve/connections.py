@@ -9,9 +9,13 @@ descriptor; enough of them ("slowloris") and the server can take no connection a
 `guarded_protocol(base, ...)` subclasses uvicorn's HTTP protocol class (httptools or h11; both
 keep the request being served in `self.cycle`, a new one per request whose headers are in):
 
-* at most `max_connections` connections are open: one more is answered 503 and closed at once;
+* at most `max_connections` connections are open: one more is answered 503 at once, whatever
+  it sends is ignored, and it is closed a second later (closing at once, with its request
+  unread, would send a reset that can destroy the answer before the client reads it);
 * the headers of each request must be complete within `header_timeout` seconds of its first
-  byte (of the connection, for the first request); otherwise the connection is closed.
+  byte (of the connection, for the first request); otherwise the connection is closed. (The
+  start of a request sent in the same packet as the previous one, behind it, is not seen
+  arriving: uvicorn's keep-alive timeout closes that connection.)
 
 The body's deadline is the ASGI layer's (security.py), which can answer 408.
 """
@@ -21,6 +25,8 @@ from __future__ import annotations
 import asyncio
 
 from .security import error_body
+
+REFUSED_LINGER = 1.0  # seconds a connection over the cap stays open after its 503
 
 
 def _busy_response() -> bytes:
@@ -36,16 +42,22 @@ def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, header_
     class Guarded(base):
         _header_timer: asyncio.TimerHandle | None = None
         _waiting_cycle = None  # self.cycle when the timer was armed: headers pending while unchanged
+        _refused = False
 
         def connection_made(self, transport):
             super().connection_made(transport)
             if len(self.connections) > max_connections:
+                self._refused = True
                 transport.write(busy)
-                transport.close()
+                if transport.can_write_eof():
+                    transport.write_eof()
+                self.loop.call_later(REFUSED_LINGER, transport.close)
                 return
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
             cycle = self.cycle
             super().data_received(data)
             if self.cycle is not cycle:  # a request's headers are in

@@ -231,16 +231,25 @@ def _server_class():
 
 
 def run(args) -> int:
+    if args.state_dir is not None and not args.state_dir.is_dir():
+        raise InputError(f"--state-dir {args.state_dir}: not a directory")
+    key = api_key(args)
+    # Bound first: a port in use fails before a long model load, and clients that connect
+    # meanwhile wait in the backlog (then /health says "starting" until the warm-up is done).
+    sock = _bind(args.host, args.port)
+    try:
+        return _serve(args, key, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args, key: str | None, sock: socket.socket) -> int:
     import uvicorn
 
     from ..serve.app import ServerSettings, create_app
     from ..serve.connections import guarded_protocol
     from ..serve.engine import Engine, EngineConfig
 
-    _Server = _server_class()
-    if args.state_dir is not None and not args.state_dir.is_dir():
-        raise InputError(f"--state-dir {args.state_dir}: not a directory")
-    key = api_key(args)
     model, tokenizer = common.load_model(args)
     engine = Engine(model, tokenizer, EngineConfig(
         max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
@@ -254,7 +263,6 @@ def run(args) -> int:
         body_timeout=args.body_timeout,
     )
     app = create_app(engine, settings)
-    sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"rwkv-engine serve: {settings.model_name} on http://{shown}:{port}/v1 "
@@ -269,7 +277,7 @@ def run(args) -> int:
     config.load()
     config.http_protocol_class = guarded_protocol(config.http_protocol_class, _connection_budget(args.max_connections),
                                                   args.header_timeout)
-    server = _Server(config, engine, args.shutdown_timeout)
+    server = _server_class()(config, engine, args.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's default
     # action that would kill the process before the engine stops. Catch it instead.
     terminated = []
@@ -279,7 +287,6 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.stop()
-        sock.close()
     if not server.started:
         return 1
     print("rwkv-engine serve: stopped", file=sys.stderr, flush=True)

@@ -7,7 +7,8 @@
                                  until its warm-up is done, 503 {"status": "unavailable"} once it stops
     GET  /metrics                Prometheus text format
 
-A request goes: `security.Guard` (Host, Origin, early API key check, body deadline) -> API key check -> body read (at most max_body_bytes) -> JSON -> `protocol`
+A request goes: `security.Guard` (Host and Origin checks, API key, body deadline) -> the
+route's API key check -> body read (at most max_body_bytes) -> JSON -> `protocol`
 model (strict) -> prompt ids and `SamplingParams` -> `Engine.submit` -> the answer, whole or as
 server-sent events ending with `data: [DONE]`. Anything wrong with a request is an `APIError`:
 a 4xx with OpenAI's error body, decided before the request reaches the engine, so it never
@@ -262,9 +263,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                 raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
             if state.batch_size != 1:
                 raise APIError(400, f"state {name!r} holds {state.batch_size} sequences, not one", param="state")
-            fresh = model.new_state(1)
-            if dict((k, (t.shape, t.dtype)) for k, t in state.items()) != {
-                    k: (t.shape, t.dtype) for k, t in fresh.items()}:
+            layout = lambda s: {k: (t.shape, t.dtype) for k, t in s.items()}  # noqa: E731
+            if layout(state) != layout(model.new_state(1)):
                 raise APIError(400, f"state {name!r} does not have the shapes of this model's state", param="state")
             if not all(bool(t.isfinite().all()) for _, t in state.items()):
                 raise APIError(400, f"state {name!r} holds NaN or infinite values", param="state")

@@ -219,6 +219,30 @@ def test_health_says_starting_until_the_warm_up_is_done(model_and_tokenizer):
         assert len(calls) == 2  # the warm-up's prefill and decode step, before any request
 
 
+def test_twenty_at_once_with_eight_slots_and_two_queue_places(open_server):
+    """D3 as reported: --max-batch 8 --max-queue 2 and 20 requests at once: 10 are answered, 10 get 429."""
+
+    async def one(ac, i, statuses):
+        body = {"model": MODEL, "prompt": f"Go {i}", "stream": True, "temperature": 0, **LONG}
+        async with ac.stream("POST", COMPLETIONS, json=body) as r:
+            statuses.append(r.status_code)
+            if r.status_code == 200:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # it runs (or waits for a slot, then runs): enough; closing cancels it
+
+    async def run():
+        statuses = []
+        async with httpx.AsyncClient(base_url=open_server.url, timeout=60,
+                                     limits=httpx.Limits(max_connections=40)) as ac:
+            await asyncio.gather(*(one(ac, i, statuses) for i in range(20)))
+        return statuses
+
+    statuses = asyncio.run(run())
+    assert sorted(statuses) == [200] * 10 + [429] * 10
+    open_server.wait_metric("rwkv_engine_requests_running", lambda v: v == 0, timeout=30)
+
+
 # --- D2: TCP_NODELAY -----------------------------------------------------------------------------
 
 

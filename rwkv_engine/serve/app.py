@@ -96,6 +96,12 @@ def _sse(obj: BaseModel | dict) -> str:
     return f"data: {data}\n\n"
 
 
+def failure_status(event: Finished) -> int:
+    """The HTTP status of a request the engine ended with an error: 503 when it was cut by a
+    shutdown, 500 when a model step failed."""
+    return 503 if event.message and "shutting down" in event.message else 500
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -303,7 +309,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                     parts.append(event.text)
                     continue
                 if event.reason == "error":
-                    raise APIError(500, event.message or "the request failed", code="engine_error")
+                    raise APIError(failure_status(event), event.message or "the request failed", code="engine_error")
                 return "".join(parts), event
         finally:
             watcher.cancel()
@@ -319,7 +325,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def stream_error(event: Finished) -> str:
-        status = 503 if event.message and "shutting down" in event.message else 500
+        status = failure_status(event)
         detail = p.ErrorDetail(message=event.message or "the request failed", type=p.error_type(status),
                                code="engine_error")
         return _sse(p.ErrorResponse(error=detail))

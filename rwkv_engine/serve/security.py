@@ -87,7 +87,7 @@ class Guard:
                  count_error: Callable[[int], None] | None = None):
         self.app = app
         self.api_key = api_key
-        self.allowed_hosts = None if allowed_hosts is None else {h.lower().rstrip(".") for h in allowed_hosts}
+        self.allowed_hosts = None if allowed_hosts is None else {host_name(h).rstrip(".") for h in allowed_hosts}
         self.any_origin = "*" in cors_origins
         self.cors_origins = {o.rstrip("/").lower() for o in cors_origins if o != "*"}
         self.body_timeout = body_timeout
@@ -96,8 +96,8 @@ class Guard:
     def _host_allowed(self, host: str | None) -> bool:
         if self.allowed_hosts is None or host is None:  # (HTTP/1.0 without Host: not a browser)
             return True
-        name = host_name(host)
-        return is_loopback(name) or name.rstrip(".") in self.allowed_hosts
+        name = host_name(host).rstrip(".")
+        return is_loopback(name) or name in self.allowed_hosts
 
     def _cors_allowed(self, origin: str) -> bool:
         return self.any_origin or origin.rstrip("/").lower() in self.cors_origins
@@ -160,7 +160,7 @@ class Guard:
         chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = headers.get("content-length", "0").strip()
         state = {"body_done": not chunked and (not length.isdigit() or int(length) == 0),
-                 "started": False, "timed_out": False}
+                 "started": False, "timed_out": False, "replied": False}
 
         async def timed_receive():
             if state["body_done"] or state["timed_out"]:
@@ -170,16 +170,16 @@ class Guard:
             except asyncio.TimeoutError:
                 state["timed_out"] = True
                 if not state["started"]:
-                    state["started"] = True
+                    state["started"] = state["replied"] = True
                     await self._reply(send, 408, f"the request body did not arrive within {self.body_timeout:g} s",
                                       "timeout", extra=cors)
-                return {"type": "http.disconnect"}
+                return {"type": "http.disconnect"}  # the app sees a client that went away
             if message["type"] != "http.request" or not message.get("more_body", False):
                 state["body_done"] = True
             return message
 
         async def guarded_send(message):
-            if state["timed_out"]:
+            if state["replied"]:
                 return  # the 408 went out; the app's late answer goes nowhere
             if message["type"] == "http.response.start":
                 state["started"] = True

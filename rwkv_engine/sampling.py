@@ -24,7 +24,8 @@ the nucleus is chosen from the model's own distribution, so a high temperature f
 choice among plausible tokens but can never bring back the long tail that top-p removed (with
 temperature first, T=1.5 on a 65536-token vocabulary pulls in thousands of junk tokens). Step 6
 is computed as `softmax(log p / T)` over the kept tokens, which is the same distribution as
-`p ** (1/T)` renormalised but cannot underflow to all zeros at small T.
+`p ** (1/T)` renormalised but cannot underflow to all zeros at small T; below T ~ 1e-37, where
+log p / T leaves fp32's range, it is the T -> 0 limit (`_tempered`).
 
 temperature == 0 means greedy: the arg-max of the biased, penalised logits (the pip implements
 it as top_p = 0, which keeps the most probable token and its exact ties). Greedy rows do not

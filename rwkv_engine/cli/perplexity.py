@@ -29,17 +29,10 @@ def add_arguments(parser) -> None:
 
 def perplexity(model, ids: list[int], chunk: int = 512) -> tuple[float, int, float]:
     """(mean NLL in nats, tokens scored, seconds) of ids[1:] given their prefixes."""
-    import torch
+    from ..scoring import sequence_nll
 
-    nll, n, state = 0.0, 0, None
     t0 = time.perf_counter()
-    for start in range(0, len(ids) - 1, chunk):
-        inp = ids[start : start + chunk]
-        target = torch.tensor(ids[start + 1 : start + 1 + len(inp)])
-        logits, state = model.forward(inp, state, all_logits=True)
-        logits = logits[: len(target)]
-        nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
-        n += len(target)
+    nll, n = sequence_nll(model, ids, chunk)
     return nll / n, n, time.perf_counter() - t0
 
 

@@ -28,6 +28,7 @@ COMMANDS = {
     "bench": "measure prefill and decode speed",
     "perplexity": "measure the perplexity of a model on a text file",
     "serve": "serve an OpenAI-compatible HTTP API",
+    "eval": "run lm-evaluation-harness tasks on a model",
 }
 
 PROG = "rwkv-engine"

@@ -29,6 +29,7 @@ COMMANDS = {
     "perplexity": "measure the perplexity of a model on a text file",
     "serve": "serve an OpenAI-compatible HTTP API",
     "eval": "run lm-evaluation-harness tasks on a model",
+    "batch": "answer a JSONL file of OpenAI requests (resumable)",
 }
 
 PROG = "rwkv-engine"

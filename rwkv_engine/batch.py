@@ -93,6 +93,9 @@ class AppClient:
             return parsed
         custom_id, url, body = parsed
         r = await client.post(url, json=body)
+        while r.status_code == 429:          # the engine's queue is full: wait for a slot, never drop the line
+            await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+            r = await client.post(url, json=body)
         try:
             payload = r.json()
         except ValueError:

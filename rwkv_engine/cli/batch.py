@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from . import common
-from .serve import _model_name, _non_negative, _positive
+from . import serve
 
 HELP = "Answer a JSONL file of OpenAI request bodies, one answer line per request, resumable."
 
@@ -25,32 +25,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--served-model-name", metavar="NAME", default=None,
                         help="the model id requests may name; bodies without 'model' get it "
                              "(default: the checkpoint's file or directory name)")
-    parser.add_argument("--max-batch", type=_positive, metavar="N", default=8,
-                        help="requests decoded together (default: %(default)s)")
-    parser.add_argument("--concurrency", type=_positive, metavar="N", default=None,
-                        help="requests in flight at once (default: twice --max-batch)")
-    parser.add_argument("--prefill-chunk", type=_positive, metavar="N", default=256,
-                        help="prompt tokens prefilled between two decode steps (default: %(default)s)")
-    parser.add_argument("--state-cache-mb", type=_non_negative, metavar="MB", default=1024,
-                        help="memory for cached prompt-prefix states, in MiB; 0 = off (default: %(default)s)")
-    parser.add_argument("--max-prompt-tokens", type=_positive, metavar="N", default=16384,
-                        help="longest prompt accepted, in tokens (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=_positive, metavar="N", default=4096,
-                        help="most tokens a request may generate; the chat default (default: %(default)s)")
-
-
-def make_app(args, model, tokenizer):
-    """(app, engine) as `serve` builds them, for in-process requests."""
-    from ..serve.app import ServerSettings, create_app
-    from ..serve.engine import Engine, EngineConfig
-
-    engine = Engine(model, tokenizer, EngineConfig(
-        max_batch=args.max_batch, max_queue=max(64, 4 * args.max_batch), prefill_chunk=args.prefill_chunk,
-        state_cache_bytes=args.state_cache_mb << 20,
-    ))
-    settings = ServerSettings(model_name=args.served_model_name or _model_name(args.model),
-                              max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens)
-    return create_app(engine, settings), engine, settings.model_name
+    parser.add_argument("--concurrency", type=serve._positive, metavar="N", default=None,
+                        help="requests in flight at once, per worker (default: twice --max-batch)")
+    serve.add_engine_arguments(parser)
+    r = parser.add_argument_group("spread over a Ray cluster (needs the [ray] extra)")
+    r.add_argument("--ray", action="store_true", help="run on Ray Data: --workers actors, one model load each")
+    r.add_argument("--workers", type=serve._positive, metavar="N", default=2,
+                   help="with --ray: actors answering lines (default: %(default)s)")
+    r.add_argument("--ray-address", metavar="ADDR", default=None,
+                   help="with --ray: a running Ray cluster to join (default: start a local one)")
+    r.add_argument("--worker-cpus", type=float, metavar="N", default=1.0,
+                   help="with --ray: CPUs Ray reserves for each worker (default: %(default)s)")
+    # The server-only settings `serve.build` reads: requests come from this process, on loopback.
+    parser.set_defaults(state_dir=None, host="127.0.0.1", allowed_host=[], cors_origin=[], body_timeout=30.0)
 
 
 def run(args) -> int:
@@ -73,8 +60,6 @@ def run(args) -> int:
     if not lines:
         print(f"rwkv-engine batch: nothing to do ({total} lines answered)", file=sys.stderr)
         return 0
-    model, tokenizer = common.load_model(args)
-    app, engine, name = make_app(args, model, tokenizer)
     out = OutputFile(args.output)
     bar = tqdm(total=total, initial=done, desc="batch", unit="req", disable=not sys.stderr.isatty())
 
@@ -82,11 +67,21 @@ def run(args) -> int:
         out.write(answer)
         bar.update(1)
 
-    engine.start()
     try:
-        asyncio.run(AppClient(app, name).answer_all(lines, write, args.concurrency or 2 * args.max_batch))
+        if args.ray:
+            from ..serve.ray import batch_on_ray
+
+            batch_on_ray(args, lines, write)
+        else:
+            model, tokenizer = common.load_model(args)
+            engine, app, settings = serve.build(args, model, tokenizer)
+            engine.start()
+            try:
+                client = AppClient(app, settings.model_name)
+                asyncio.run(client.answer_all(lines, write, args.concurrency or 2 * args.max_batch))
+            finally:
+                engine.stop()
     finally:
-        engine.stop()
         out.close()
         bar.close()
     print(f"rwkv-engine batch: {out.count} lines answered ({out.ok} ok, {out.errors} errors), "

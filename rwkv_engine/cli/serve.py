@@ -106,6 +106,20 @@ def add_arguments(parser) -> None:
                    help="most open connections; one more is answered 503 and closed (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: %(default)s)")
+    add_engine_arguments(parser)
+    r = parser.add_argument_group("scale-out on Ray (needs the [ray] extra)")
+    r.add_argument("--ray", action="store_true",
+                   help="serve with Ray Serve: --replicas engine replicas behind one endpoint, routed by prompt prefix")
+    r.add_argument("--replicas", type=_positive, metavar="N", default=2,
+                   help="with --ray: engine replicas, one model copy each (default: %(default)s)")
+    r.add_argument("--ray-address", metavar="ADDR", default=None,
+                   help="with --ray: a running Ray cluster to join (default: start a local one)")
+    r.add_argument("--replica-cpus", type=float, metavar="N", default=1.0,
+                   help="with --ray: CPUs Ray reserves for each replica (default: %(default)s)")
+
+
+def add_engine_arguments(parser) -> None:
+    """The engine's flags and the request limits: `serve` and `batch` share them."""
     e = parser.add_argument_group("engine and limits")
     e.add_argument("--max-batch", type=_positive, metavar="N", default=8,
                    help="most requests decoded together in one batched forward (default: %(default)s)")
@@ -230,10 +244,34 @@ def _server_class():
     return _Server
 
 
+def build(args, model, tokenizer, key: str | None = None):
+    """(engine, app, settings) from this command's flags and API key: what the single server
+    process runs, and what every replica runs under --ray and every worker of `rwkv-engine batch`."""
+    from ..serve.app import ServerSettings, create_app
+    from ..serve.engine import Engine, EngineConfig
+
+    engine = Engine(model, tokenizer, EngineConfig(
+        max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+        state_cache_bytes=args.state_cache_mb << 20,
+    ))
+    settings = ServerSettings(
+        model_name=args.served_model_name or _model_name(args.model), api_key=key,
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens,
+        max_body_bytes=args.max_body_kb << 10, state_dir=args.state_dir,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_host), cors_origins=tuple(args.cors_origin),
+        body_timeout=args.body_timeout,
+    )
+    return engine, create_app(engine, settings), settings
+
+
 def run(args) -> int:
     if args.state_dir is not None and not args.state_dir.is_dir():
         raise InputError(f"--state-dir {args.state_dir}: not a directory")
     key = api_key(args)
+    if args.ray:
+        from ..serve.ray import run_cli
+
+        return run_cli(args, key)
     # Bound first: a port in use fails before a long model load, and clients that connect
     # meanwhile wait in the backlog (then /health says "starting" until the warm-up is done).
     sock = _bind(args.host, args.port)
@@ -246,23 +284,10 @@ def run(args) -> int:
 def _serve(args, key: str | None, sock: socket.socket) -> int:
     import uvicorn
 
-    from ..serve.app import ServerSettings, create_app
     from ..serve.connections import guarded_protocol
-    from ..serve.engine import Engine, EngineConfig
 
     model, tokenizer = common.load_model(args)
-    engine = Engine(model, tokenizer, EngineConfig(
-        max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-        state_cache_bytes=args.state_cache_mb << 20,
-    ))
-    settings = ServerSettings(
-        model_name=args.served_model_name or _model_name(args.model), api_key=key,
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens,
-        max_body_bytes=args.max_body_kb << 10, state_dir=args.state_dir,
-        allowed_hosts=allowed_hosts(args.host, args.allowed_host), cors_origins=tuple(args.cors_origin),
-        body_timeout=args.body_timeout,
-    )
-    app = create_app(engine, settings)
+    engine, app, settings = build(args, model, tokenizer, key)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"rwkv-engine serve: {settings.model_name} on http://{shown}:{port}/v1 "

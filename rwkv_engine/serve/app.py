@@ -3,6 +3,7 @@
     GET  /v1/models              the one model served
     POST /v1/completions         text (or token ids) -> continuation; stream or not
     POST /v1/chat/completions    messages (World chat format) -> reply; stream or not
+    POST /tokenize, /detokenize  text <-> token ids (llama.cpp and vLLM bodies; also under /v1/)
     GET  /health                 200 {"status": "ok"} while the engine runs; 503 {"status": "starting"}
                                  until its warm-up is done, 503 {"status": "unavailable"} once it stops
     GET  /metrics                Prometheus text format
@@ -222,13 +223,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             raise APIError(400, "the request body must be a JSON object")
         return obj
 
-    def parse(kind: type[p._SamplingFields], obj: dict):
+    def parse(kind: type[p._Strict], obj: dict):
         try:
             req = kind.model_validate(obj)
         except ValidationError as e:
             param, message = p.describe_validation_error(e)
             raise APIError(400, message, param=param or None) from None
-        if req.model != settings.model_name:
+        if req.model is not None and req.model != settings.model_name:  # (optional in /tokenize)
             raise APIError(404, f"the model {quoted(req.model)} does not exist; this server serves {settings.model_name!r}",
                            param="model", code="model_not_found")
         return req
@@ -250,17 +251,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         except InputError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from None
 
+    async def encode_text(text: str, param: str) -> list[int]:
+        try:
+            if len(text) > 4096:
+                return list(await asyncio.to_thread(tokenizer.encode, text))
+            return list(tokenizer.encode(text))
+        except (RWKVEngineError, UnicodeError) as e:  # e.g. a lone surrogate "\ud800"
+            raise APIError(400, f"the {param} cannot be tokenized: {e}", param=param) from None
+
     async def prompt_ids(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                if len(prompt) > 4096:
-                    ids = list(await asyncio.to_thread(tokenizer.encode, prompt))
-                else:
-                    ids = list(tokenizer.encode(prompt))
-            except (RWKVEngineError, UnicodeError) as e:  # e.g. a lone surrogate "\ud800"
-                raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
-        else:
-            ids = list(prompt)
+        ids = await encode_text(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
         if len(ids) > settings.max_prompt_tokens:
@@ -439,6 +439,36 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if name != settings.model_name:
             raise APIError(404, f"the model {quoted(name)} does not exist", param="model", code="model_not_found")
         return p.ModelCard(id=settings.model_name, created=created)
+
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: HTTPRequest):
+        authorize(request)
+        req = parse(p.TokenizeRequest, await read_json(request))
+        ids = await encode_text(req.text, "content" if req.content is not None else "prompt")
+        if req.with_pieces:
+            tokens = []
+            for t in ids:
+                raw = tokenizer.decode_bytes([t])
+                try:
+                    tokens.append({"id": t, "piece": raw.decode("utf-8")})
+                except UnicodeDecodeError:
+                    tokens.append({"id": t, "piece": list(raw)})
+        else:
+            tokens = ids
+        return {"tokens": tokens, "count": len(ids), "max_model_len": settings.max_prompt_tokens}
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: HTTPRequest):
+        authorize(request)
+        req = parse(p.DetokenizeRequest, await read_json(request))
+        vocab = model.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+        text = tokenizer.decode(req.tokens)
+        return {"content": text, "prompt": text}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):

@@ -207,6 +207,40 @@ class ChatCompletionRequest(_SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize: the text as llama.cpp's `content` or vLLM's `prompt` (exactly one).
+
+    `add_special` (llama.cpp) / `add_special_tokens` (vLLM) are accepted and change nothing: the
+    World tokenizer adds no special tokens. `with_pieces` (llama.cpp) returns each token as
+    {"id", "piece"}, the piece a string when its bytes are valid UTF-8, else the list of bytes.
+    """
+
+    model: str | None = None
+    content: str | None = None
+    prompt: str | None = None
+    add_special: bool = False
+    add_special_tokens: bool = False
+    with_pieces: bool = False
+
+    @model_validator(mode="after")
+    def _one_text(self):
+        if (self.content is None) == (self.prompt is None):
+            raise ValueError("give the text as either content (llama.cpp) or prompt (vLLM)")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content if self.content is not None else self.prompt
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: {"tokens": [ids]}; the answer has the text as both `content` (llama.cpp)
+    and `prompt` (vLLM)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # --- responses ---------------------------------------------------------------------------------
 
 

@@ -285,3 +285,29 @@ def test_tokenize_and_detokenize(ref, server):
                        ("/tokenize", {"content": "a", "model": "other"})):
         r = post(server, path, body)
         assert r.status_code in (400, 404) and "error" in r.json(), (path, body, r.text)
+
+
+def test_lm_eval_local_completions_loglikelihood(ref, server):
+    """lm-evaluation-harness's own `local-completions` model (token-id prompts, batches of 4),
+    which finds the server's tokenizer through /tokenizer_info and /tokenize: its loglikelihoods
+    equal log_softmax of model.forward."""
+    api = pytest.importorskip("lm_eval.models.openai_completions")
+    from lm_eval.api.instance import Instance
+
+    lm = api.LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=MODEL, tokenized_requests=True,
+                                 batch_size=4, max_retries=1, custom_prefix_token_id=0)
+    assert lm.tokenizer_backend == "remote"
+    pairs = [("The cat sat on the", " mat"), ("Two plus two is", " four"), ("Paris is in", " France today"),
+             ("A B C D E F G", " H"), ("", "Hello world")]
+    requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
+    got = lm.loglikelihood(requests, disable_tqdm=True)
+    tok = ref[1]
+    for (context, continuation), (ll, greedy) in zip(pairs, got):
+        if context:  # lm-eval encodes the whole text and the context, and splits
+            ctx, whole = tok.encode(context), tok.encode(context + continuation)
+        else:  # its prefix token (custom_prefix_token_id) stands for an empty context
+            ctx, whole = [0], [0] + tok.encode(continuation)
+        logp = forward_logp(ref, whole)
+        want = sum(float(logp[t - 1, whole[t]]) for t in range(len(ctx), len(whole)))
+        assert ll == pytest.approx(want, abs=1e-3), (context, continuation)
+        assert greedy == all(int(logp[t - 1].argmax()) == whole[t] for t in range(len(ctx), len(whole)))

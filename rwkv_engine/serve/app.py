@@ -4,6 +4,7 @@
     POST /v1/completions         text (or token ids) -> continuation; stream or not
     POST /v1/chat/completions    messages (World chat format) -> reply; stream or not
     POST /tokenize, /detokenize  text <-> token ids (llama.cpp and vLLM bodies; also under /v1/)
+    GET  /tokenizer_info         vLLM's tokenizer description (lm-eval's remote tokenizer probe)
     GET  /health                 200 {"status": "ok"} while the engine runs; 503 {"status": "starting"}
                                  until its warm-up is done, 503 {"status": "unavailable"} once it stops
     GET  /metrics                Prometheus text format
@@ -457,6 +458,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         else:
             tokens = ids
         return {"tokens": tokens, "count": len(ids), "max_model_len": settings.max_prompt_tokens}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: HTTPRequest):
+        """vLLM's tokenizer description, which lm-evaluation-harness's `local-completions` probes
+        to use the server's /tokenize. The World tokenizer has no end-of-text *text* (token 0 has
+        none), so the special-token strings are null and `eos_token_id` is 0."""
+        authorize(request)
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": None, "bos_token": None,
+                "pad_token": None, "eos_token_id": EOS_TOKEN_ID, "vocab_size": model.config.vocab_size,
+                "model_max_length": settings.max_prompt_tokens, "chat_template": None}
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")

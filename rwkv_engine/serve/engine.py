@@ -48,7 +48,10 @@ Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each 
 `Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
 reads its whole prompt with `all_logits=True` to get the log-probability of every prompt token
 after the first, so it does not resume from the prompt cache (it still fills it); they come in
-one `Prompt` event per choice before the first `Delta`.
+one `Prompt` event per choice before the first `Delta`. Its first token is sampled from the
+last row of those logits, which may differ from the last-position logits of a plain prefill in
+the last bits (the output head is one GEMM over the chunk): an echo's continuation is not
+guaranteed to be the same bits as the same request without echo.
 
 Threads: `submit` and `cancel` may be called from any thread. Output goes to the request's
 `sink(event)` -- for an echo request one `Prompt` first, then per choice `Delta(text)` any number

@@ -262,6 +262,22 @@ def test_prompt_lists_equal_single_requests(ref, server, client):
     assert post(server, "/v1/completions", {**base, "prompt": "x", "best_of": 2}).status_code == 400
 
 
+def test_disconnect_cancels_every_choice(server):
+    """A client that drops a stream of 2 prompts x 2 choices frees all four batch rows."""
+    cancelled = lambda m: m.get('rwkv_engine_requests_total{outcome="cancelled"}', 0.0)
+    base = cancelled(server.metrics())
+    body = {"model": MODEL, "prompt": ["Go", "Run"], "n": 2, "stream": True, "max_tokens": 4000,
+            "logit_bias": {"0": -100}, "temperature": 0, "logprobs": 1}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: ")
+            if events == 12:
+                break
+    m = server.wait_metric("rwkv_engine_requests_running", lambda v: v == 0, timeout=10)
+    assert cancelled(m) == base + 4
+
+
 # --- tokenize -----------------------------------------------------------------------------------
 
 

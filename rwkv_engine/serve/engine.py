@@ -234,7 +234,8 @@ class Handle:
 
 
 class _Sequence:
-    """One request inside the engine."""
+    """One choice of a request inside the engine (a batch row once decoding). The first choice
+    of a request (its `group`) is the one that is queued and prefilled."""
 
     def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream,
                  index: int = 0):

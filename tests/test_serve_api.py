@@ -207,9 +207,12 @@ def test_echo_with_zero_tokens_and_streamed(ref, server, client):
 # --- n choices and prompt lists -----------------------------------------------------------------
 
 
-def test_n_choices_equal_single_requests_with_derived_seeds(ref, client):
+def test_n_choices_equal_single_requests_with_derived_seeds(ref, server, client):
     prompt, sampling = "In the beginning", sampled(7)
+    prefilled = lambda: server.metrics()["rwkv_engine_prefill_tokens_total"]
+    before = prefilled()
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, n=3, **client_kwargs(sampling))
+    assert prefilled() - before == len(ref[1].encode(prompt))  # one prefill for the three choices
     assert [c.index for c in got.choices] == [0, 1, 2]
     singles = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
                                          **client_kwargs({**sampling, "seed": 7 + i})) for i in range(3)]

@@ -330,3 +330,12 @@ def test_lm_eval_local_completions_loglikelihood(ref, server):
         want = sum(float(logp[t - 1, whole[t]]) for t in range(len(ctx), len(whole)))
         assert ll == pytest.approx(want, abs=1e-3), (context, continuation)
         assert greedy == all(int(logp[t - 1].argmax()) == whole[t] for t in range(len(ctx), len(whole)))
+
+    # generate_until: the same batches of token-id prompts; the server's completion defaults apply
+    # to what lm-eval leaves out (it sends temperature 0, so: greedy with RWKV's penalties).
+    contexts = ["The cat sat on the", "Two plus two is", "Paris is in"]
+    gen = [Instance(request_type="generate_until", doc={}, arguments=(c, {"until": ["\n"], "max_gen_toks": 8}),
+                    idx=i) for i, c in enumerate(contexts)]
+    defaults = dict(temperature=0.0, top_p=0.85, presence_penalty=0.2, frequency_penalty=0.2, penalty_decay=0.996)
+    want = [reference(ref, tok.encode(c), 8, defaults, stop=("\n",)).text for c in contexts]
+    assert any(want) and lm.generate_until(gen, disable_tqdm=True) == want

@@ -309,7 +309,7 @@ def test_tokenize_and_detokenize(ref, server):
 def test_lm_eval_local_completions_loglikelihood(ref, server):
     """lm-evaluation-harness's own `local-completions` model (token-id prompts, batches of 4),
     which finds the server's tokenizer through /tokenizer_info and /tokenize: its loglikelihoods
-    equal log_softmax of model.forward."""
+    equal log_softmax of model.forward, its generate_until answers equal `generate`."""
     api = pytest.importorskip("lm_eval.models.openai_completions")
     from lm_eval.api.instance import Instance
 

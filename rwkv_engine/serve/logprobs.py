@@ -44,7 +44,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: Sequence[in
     if not len(tokens):
         return []
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.as_tensor(list(tokens), dtype=torch.long)[:, None])[:, 0].tolist()
+    index = torch.as_tensor(list(tokens), dtype=torch.long, device=logp.device)[:, None]
+    chosen = logp.gather(1, index)[:, 0].tolist()
     k = max(top, default=0)
     if k:
         values, ids = torch.topk(logp, k, dim=1)

@@ -359,7 +359,7 @@ class Engine:
         with self._cond:
             waiting = len(self._waiting)
         return {
-            "requests_running": len(self._prefilling) + len(self._joining) + len(self._decoding),
+            "requests_running": self._rows(),
             "requests_waiting": waiting,
             "prompt_cache_entries": len(self.cache),
             "prompt_cache_bytes": self.cache.nbytes,
@@ -429,8 +429,9 @@ class Engine:
         self._joining = []
 
     def _rows(self) -> int:
-        """Batch rows held: decoding, joining, and the choices of the requests being prefilled."""
-        return sum(len(s.group) for s in self._prefilling) + len(self._joining) + len(self._decoding)
+        """Batch rows held: decoding, joining, and the choices of the requests being prefilled.
+        (Also read by `gauges` from other threads: it only copies and counts.)"""
+        return sum(len(s.group) for s in list(self._prefilling)) + len(self._joining) + len(self._decoding)
 
     def _admit(self) -> None:
         while self._waiting and self._rows() + len(self._waiting[0].group) <= self.config.max_batch:

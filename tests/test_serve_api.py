@@ -78,10 +78,11 @@ def test_chat_logprobs_match_forward_and_stream(ref, client):
     tok = ref[1]
     want = reference(ref, prompt, 12, sampling, stop=("\n\n",))
     content = got.choices[0].logprobs.content
-    generated = [t for t in want.tokens]
-    assert [bytes(c.bytes) for c in content][: len(generated)] == [tok.decode_bytes([t]) for t in generated]
-    assert b"".join(bytes(c.bytes) for c in content[: len(generated)]).decode("utf-8", errors="replace").lstrip(" ") \
-        .startswith(got.choices[0].message.content)
+    generated = list(want.tokens)
+    assert len(content) == len(generated) == got.usage.completion_tokens, "12 tokens, no stop (or fix the seed)"
+    assert [bytes(c.bytes) for c in content] == [tok.decode_bytes([t]) for t in generated]
+    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", errors="replace")[1:] \
+        == got.choices[0].message.content
     ids = tok.encode(prompt) + generated
     logp = forward_logp(ref, ids)
     P = len(tok.encode(prompt))
@@ -199,6 +200,14 @@ def test_echo_with_zero_tokens_and_streamed(ref, server, client):
     lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
     assert sum((x.token_logprobs for x in lps), []) == full.choices[0].logprobs.token_logprobs
     assert sum((x.text_offset for x in lps), []) == full.choices[0].logprobs.text_offset
+
+    # The end-of-text token that stops an answer has its entry (lm-eval counts on one generated entry).
+    eos = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
+                                    logit_bias={"0": 100}, temperature=0)
+    c = eos.choices[0]
+    assert c.finish_reason == "stop" and c.text == prompt and eos.usage.completion_tokens == 0
+    assert len(c.logprobs.token_logprobs) == len(ids) + 1 and c.logprobs.tokens[-1] == ""
+    assert c.logprobs.token_logprobs[-1] == pytest.approx(float(forward_logp(ref, ids)[-1, 0]), abs=ATOL)
 
     r = post(server, "/v1/completions", dict(model=MODEL, prompt=prompt, max_tokens=0))
     assert r.status_code == 400 and "echo" in r.json()["error"]["message"]

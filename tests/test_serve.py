@@ -530,19 +530,23 @@ def test_openai_client_sees_errors(client):
 # --- disconnects, limits, load, shutdown ------------------------------------------------------------
 
 
+def drop_stream(server, body: dict, events: int) -> None:
+    """Stream a completion with raw HTTP and close the connection after `events` events."""
+    with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=30) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == events:
+                break
+
+
 def test_disconnect_frees_the_slot(server, client):
     long = {"max_tokens": 4000, "logit_bias": {"0": -100}, "temperature": 0}
     cancelled = lambda m: m.get('rwkv_engine_requests_total{outcome="cancelled"}', 0.0)
     base = cancelled(server.metrics())
 
     # A raw SSE stream dropped after three events.
-    with httpx.stream("POST", server.url + COMPLETIONS, json={"model": MODEL, "prompt": "Go", "stream": True, **long},
-                      timeout=30) as r:
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events == 3:
-                break
+    drop_stream(server, {"model": MODEL, "prompt": "Go", "stream": True, **long}, events=3)
     m = server.wait_metric("rwkv_engine_requests_running", lambda v: v == 0, timeout=5)
     assert cancelled(m) == base + 1
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .test_serve import (  # noqa: F401  (fixtures)
-    CHUNK, GREEDY, MODEL, client, client_kwargs, files, reference, ref, sampled, server,
+    CHUNK, GREEDY, MODEL, client, client_kwargs, drop_stream, files, reference, ref, sampled, server,
 )
 
 httpx = pytest.importorskip("httpx")
@@ -280,12 +280,7 @@ def test_disconnect_cancels_every_choice(server):
     base = cancelled(server.metrics())
     body = {"model": MODEL, "prompt": ["Go", "Run"], "n": 2, "stream": True, "max_tokens": 4000,
             "logit_bias": {"0": -100}, "temperature": 0, "logprobs": 1}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events == 12:
-                break
+    drop_stream(server, body, events=12)
     m = server.wait_metric("rwkv_engine_requests_running", lambda v: v == 0, timeout=10)
     assert cancelled(m) == base + 4
 

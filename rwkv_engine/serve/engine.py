@@ -276,7 +276,7 @@ class Engine:
         self._joining: list[tuple[_Sequence, State]] = []  # prefilled this turn, join before decoding
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self._holding = 0      # requests admitted and not finished (written by the engine thread only)
+        self._holding = 0      # batch rows (choices) admitted and not finished (written by the engine thread only)
         self._ready = False    # warmed up (see _warm_up)
 
     # --- control (any thread) -------------------------------------------------------------------

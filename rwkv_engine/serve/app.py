@@ -8,6 +8,7 @@
     GET  /health                 200 {"status": "ok"} while the engine runs; 503 {"status": "starting"}
                                  until its warm-up is done, 503 {"status": "unavailable"} once it stops
     GET  /metrics                Prometheus text format
+    GET  /, /chat                the web chat page (webui.py; its files under /static/)
 
 A request goes: `security.Guard` (Host and Origin checks, API key, body deadline) -> the
 route's API key check -> body read (at most max_body_bytes) -> JSON -> `protocol`
@@ -47,7 +48,7 @@ from starlette.requests import ClientDisconnect
 from ..errors import InputError, RWKVEngineError, StateError
 from ..sampling import SamplingParams
 from ..state import State
-from . import protocol as p
+from . import protocol as p, webui
 from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from .engine import Delta, Engine, EngineStopped, Finished, Prompt, QueueFull, Request
 from .security import Guard, key_matches, quoted
@@ -416,6 +417,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             job.cancel()
 
     # --- routes ---------------------------------------------------------------------------------
+
+    app.include_router(webui.router(CHAT_DEFAULTS, settings.max_tokens_cap))
 
     @app.get("/health")
     async def health():

@@ -2,7 +2,7 @@
 
 The server runs as in test_serve.py: a subprocess on a tiny random-weight World model. The model
 is rigged so that its replies are full of markup: the head rows of the tokens holding '<', '>'
-or '&' are doubled, so those tokens win about half the draws. Every reply the page shows is then
+or '&' are doubled, so those tokens win a good part of the draws. Every reply the page shows is then
 a test of safe rendering, and the comparisons below fail if the page ever parses model text as
 HTML (a "</x>" or "<!" would vanish from the text, or become an element).
 

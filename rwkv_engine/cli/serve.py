@@ -292,6 +292,7 @@ def _serve(args, key: str | None, sock: socket.socket) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"rwkv-engine serve: {settings.model_name} on http://{shown}:{port}/v1 "
           f"(max batch {args.max_batch}, queue {args.max_queue})", file=sys.stderr, flush=True)
+    print(f"rwkv-engine serve: chat page at http://{shown}:{port}/", file=sys.stderr, flush=True)
     warning = exposure_warning(host, key)
     if warning:
         print("\n".join(["", "!" * 78, warning, "!" * 78, ""]), file=sys.stderr, flush=True)

@@ -227,11 +227,16 @@ def test_new_chat_and_system_prompt(browser, server):
     assert page.messages() == []
 
     # The new conversation starts from nothing, with the system prompt the user set.
-    page.set(system="You answer in HTML.")
+    system = "You answer in HTML. " * 80  # over 256 tokens: a prefill chunk the prompt cache keeps
+    page.js("document.getElementById('system').value = arguments[0]", system)  # (typing it takes seconds)
     got = page.say("Hi")
-    want = api_reply(server, [{"role": "system", "content": "You answer in HTML."}, user("Hi")], **settings)
+    want = api_reply(server, [{"role": "system", "content": system.strip()}, user("Hi")], **settings)
     assert got == want
     assert want != api_reply(server, [user("Hi")], **settings)  # (the system prompt makes a difference)
+
+    # The next turn resends the conversation as the server rendered it: its prompt cache resumes.
+    page.say("More.")
+    assert re.search(r"prompt \d+ tokens, \d+ from the cache$", page.notes()[-1]), page.notes()[-1]
 
 
 def test_stop_cancels_the_request_and_keeps_the_reply_so_far(browser, server):

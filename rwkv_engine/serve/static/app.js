@@ -274,6 +274,7 @@ $("stop").addEventListener("click", () => { if (running) running.abort(); });
 $("new-chat").addEventListener("click", newChat);
 
 showDefaults();
+if (matchMedia("(max-width: 50rem)").matches) $("settings").open = false;  // a phone: the conversation first
 setRunning(null);
 $("message").focus();
 loadModel().catch((e) => showError(e.message));

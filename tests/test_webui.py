@@ -26,7 +26,9 @@ from rwkv_engine.serve.app import CHAT_DEFAULTS
 from rwkv_engine.testing import random_state_dict, save_pth
 from rwkv_engine.tokenizer.world import load_vocab
 
-from .test_serve import MODEL, Server, httpx
+from .test_serve import MODEL, Server
+
+httpx = pytest.importorskip("httpx")
 
 API_KEY = "page-key"
 CANCELLED = 'rwkv_engine_requests_total{outcome="cancelled"}'

@@ -18,6 +18,7 @@ import hashlib
 import html
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from fastapi import APIRouter, Request
@@ -46,7 +47,7 @@ class _File:
     media_type: str
     headers: dict[str, str]
 
-    @property
+    @cached_property
     def etag(self) -> str:
         return '"' + hashlib.sha256(self.body).hexdigest()[:32] + '"'
 

@@ -331,10 +331,11 @@ def main() -> None:
     model_name, isa = cpu_summary(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
     llama_runs = [r for label, rs in runs.items() if label.startswith("llama.cpp") for r in rs]
     our_runs = [r for label, rs in runs.items() if label.startswith("rwkv-engine") for r in rs]
+    commit = llama_runs[0]["build_commit"] if llama_runs else "?"  # "unknown": the sdist carries no git history
     L, C, V = SHAPES[args.shape]
     print(f"\nCPU: {model_name}; ISA: {' '.join(isa) or '?'}; {args.threads} threads")
     print(f"rwkv-engine {our_version()}" + (f" (native level {our_runs[0]['isa']})" if our_runs and "isa" in our_runs[0] else "")
-          + f"; llama.cpp {llama_runs[0]['build_commit'] if llama_runs else '?'} (llama-cpp-python {LLAMA_CPP_PYTHON} sdist)")
+          + f"; llama.cpp {commit + ' ' if commit not in ('unknown', '?') else ''}(llama-cpp-python {LLAMA_CPP_PYTHON} sdist)")
     print(f"RWKV-7 {args.shape} shape ({L} x {C}, vocab {V}), random weights; prompt {args.prompt_len} tokens, "
           f"decode {args.decode}; median of {args.rounds} alternating round(s); x = rwkv-engine / llama.cpp\n")
     got = {label: summarize(rs) for label, rs in runs.items() if rs}

@@ -65,6 +65,7 @@ from ..models.model import prefill_end
 from ..quant.linear import GEMV_MAX_ROWS
 from ..sampling import Sampler, SamplingParams
 from ..state import State
+from ..structured import Constraint, constraint_for
 from .metrics import Metrics
 
 
@@ -92,6 +93,7 @@ class Request:
     params: SamplingParams
     start_state: State | None = None
     start_key: str = ""  # names start_state in the prompt cache; "" is the fresh state
+    constraint: Constraint | None = None  # grammar of the output (default: from params.json_schema)
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,8 @@ class Engine:
         request.prompt_ids = encode_prompt(self.tokenizer, request.prompt_ids, vocab)
         if request.start_state is not None and request.start_state.batch_size != 1:
             raise InputError(f"a start state must hold one sequence, got {request.start_state.batch_size}")
-        sampler = Sampler(request.params, vocab)
+        constraint = request.constraint or constraint_for(request.params, self.tokenizer, vocab)
+        sampler = Sampler(request.params, vocab, constraint=constraint)
         stream = TextStream(self.tokenizer, request.params)
         with self._cond:
             if not self.alive:

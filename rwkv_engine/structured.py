@@ -341,4 +341,4 @@ def parse_call(text: str) -> tuple[str, str] | None:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
         return None
-    return call["name"], json.dumps(call["arguments"], ensure_ascii=False)
+    return call["name"], json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))

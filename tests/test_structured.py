@@ -189,4 +189,4 @@ def test_tool_call_trigger(tiny):
     for t in tok.encode(body):
         calling.accept(t)
     assert calling.complete
-    assert parse_call(" " + TOOL_CALL_MARKER + body) == ("get_weather", '{"city": "Oslo"}')
+    assert parse_call(" " + TOOL_CALL_MARKER + body) == ("get_weather", '{"city":"Oslo"}')

@@ -48,6 +48,8 @@ from . import protocol as p
 from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from .engine import Delta, Engine, EngineStopped, Finished, QueueFull, Request
 from .security import Guard, key_matches, quoted
+from .. import tool_calls
+from ..structured import constraint_for
 
 EOS_TOKEN_ID = 0
 
@@ -280,10 +282,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         loaded_states.move_to_end(key)
         return state, "file:" + ":".join(map(str, key))
 
-    def submit(ids: list[int], params: SamplingParams, state: State | None, state_key: str):
+    def submit(ids: list[int], params: SamplingParams, state: State | None, state_key: str, constraint=None):
         receiver = _Receiver(asyncio.get_running_loop())
         try:
-            handle = engine.submit(Request(ids, params, state, state_key), receiver)
+            handle = engine.submit(Request(ids, params, state, state_key, constraint), receiver)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
         except EngineStopped as e:
@@ -363,6 +365,48 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         finally:
             handle.cancel()
 
+    def chat_messages(req: p.ChatCompletionRequest) -> list[tuple[str, str]]:
+        """(role, text) of the conversation, with the tools and tool calls written in
+        (rwkv_engine/tool_calls.py)."""
+        names = {}  # tool call id -> function name
+        out = []
+        for m in req.messages:
+            text = m.text
+            if m.tool_calls:
+                names.update((c.id, c.function.name) for c in m.tool_calls)
+                written = tool_calls.render_calls([(c.function.name, c.function.arguments) for c in m.tool_calls])
+                text = f"{text}\n{written}" if text.strip() else written
+            elif m.role == "tool" and m.tool_call_id in names:
+                text = f"{names[m.tool_call_id]}: {text}"
+            out.append((m.role, text))
+        if req.tool_mode != "none":
+            listed = tool_calls.render_tools([t.function.model_dump() for t in req.tools])
+            if out and out[0][0] in ("system", "developer"):
+                out[0] = (out[0][0], f"{out[0][1]}\n{listed}")
+            else:
+                out.insert(0, ("system", listed))
+        return out
+
+    async def chat_constraint(req: p.ChatCompletionRequest, params: SamplingParams):
+        """(params, the reply's Constraint or None) for response_format and tools."""
+        fmt, mode = req.response_format, req.tool_mode
+        if fmt is not None and fmt.type != "text":
+            if mode != "none":
+                raise APIError(400, "response_format json_object / json_schema cannot be combined with tools "
+                                    "(use tool_choice none, or one of the two)", param="response_format")
+            schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+            params = params.replace(json_schema=schema, json_object=fmt.type == "json_object")
+            make, param = (lambda: constraint_for(params, tokenizer, model.config.vocab_size)), "response_format"
+        elif mode != "none":
+            tools = [t.function.model_dump() for t in req.tools]
+            make, param = (lambda: tool_calls.tool_constraint(tools, mode, tokenizer, model.config.vocab_size)), "tools"
+        else:
+            return params, None
+        try:
+            return params, await asyncio.to_thread(make)
+        except InputError as e:
+            raise APIError(400, str(e), param=param) from None
+
     # --- routes ---------------------------------------------------------------------------------
 
     @app.get("/health")
@@ -424,35 +468,56 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         req = parse(p.ChatCompletionRequest, await read_json(request))
         params = sampling_params(req, CHAT_DEFAULTS, req.token_limit, settings.max_tokens_cap,
                                  extra_stop=(TURN_SEPARATOR,), max_tokens_field=req.token_limit_field)
-        prompt = render_chat((m.role, m.text) for m in req.messages)
+        params, constraint = await chat_constraint(req, params)
+        prompt = render_chat(chat_messages(req))
         ids = await prompt_ids(prompt)
         state, state_key = await start_state(req.state)
-        handle, receiver = submit(ids, params, state, state_key)
+        handle, receiver = submit(ids, params, state, state_key, constraint)
         rid, when = p.new_id("chatcmpl"), p.now()
+        calls = req.tool_mode != "none"
+
+        def tool_call(reply: str, reason: str) -> p.ToolCall | None:
+            call = tool_calls.parse_call(reply) if calls and reason == "stop" else None
+            return call and p.ToolCall(id=p.new_id("call"), function=p.CalledFunction(name=call[0], arguments=call[1]))
 
         if not req.stream:
             text, event = await collect(request, handle, receiver)
             if event.reason == "cancelled":
                 return Response(status_code=499)
             reply = ReplyText()(text)
+            call = tool_call(reply, event.reason)
+            message = p.AssistantMessage(content=None, tool_calls=[call]) if call else p.AssistantMessage(content=reply)
             return p.ChatCompletionResponse(
                 id=rid, created=when, model=settings.model_name, usage=usage(event),
-                choices=[p.ChatChoice(message=p.AssistantMessage(content=reply), finish_reason=event.reason)])
+                choices=[p.ChatChoice(message=message, finish_reason="tool_calls" if call else event.reason)])
 
         def chunk(delta: p.Delta | None, finish=None, use=None) -> str:
             cs = [p.ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
             return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=cs, usage=use))
 
         reply, with_usage = ReplyText(), req.include_usage_in_stream
+        held = {"text": "", "free": not calls}  # with tools: the reply is held while it may be a call
 
         def delta(text: str) -> str | None:
             text = reply(text)
+            if not held["free"]:
+                held["text"] += text
+                if tool_calls.undecided(held["text"]) or tool_calls.is_call(held["text"]):
+                    return None  # a call is sent whole when it is complete
+                text, held["text"], held["free"] = held["text"], "", True
             return chunk(p.Delta(content=text)) if text else None
+
+        def finish(reason: str) -> str:
+            text, call = held["text"], tool_call(held["text"], reason)
+            if call:
+                d = p.Delta(tool_calls=[p.ToolCallDelta(id=call.id, function=call.function)])
+                return chunk(d) + chunk(p.Delta(), finish="tool_calls")
+            return (chunk(p.Delta(content=text)) if text else "") + chunk(p.Delta(), finish=reason)
 
         return stream_response(stream_events(
             handle, receiver,
             delta=delta,
-            finish=lambda reason: chunk(p.Delta(), finish=reason),
+            finish=finish,
             usage_chunk=(lambda event: chunk(None, use=usage(event))) if with_usage else None,
             opening=chunk(p.Delta(role="assistant", content="")),
         ))

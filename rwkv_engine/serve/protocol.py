@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
 # --- requests ----------------------------------------------------------------------------------
 
@@ -39,14 +39,64 @@ class TextPart(_Strict):
     text: str
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """text, json_object (any JSON object) or json_schema (JSON valid against the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only there")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: list[TextPart] = Field(default_factory=list)
     name: str | None = None  # accepted, not rendered
+    tool_calls: list[ToolCall] | None = None  # assistant messages: calls it made
+    tool_call_id: str | None = None  # tool messages: the call answered
 
     @field_validator("content", mode="before")
     @classmethod
@@ -67,7 +117,7 @@ class ChatMessage(_Strict):
 # Values of OpenAI fields this server does not implement that mean "not used".
 _NEUTRAL: dict[str, tuple] = {
     "echo": (False,), "best_of": (None, 1), "logprobs": (None, False, 0), "suffix": (None, ""),
-    "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"), "store": (None, False),
+    "top_logprobs": (None, 0), "store": (None, False),
 }
 
 
@@ -169,14 +219,40 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a reply makes at most one call
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
 
-    @field_validator("logprobs", "top_logprobs", "tools", "tool_choice", "store")
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v, info):
+        tools = info.data.get("tools") or []
+        if v is not None and v != "none" and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in [t.function.name for t in tools]:
+            raise ValueError(f"tool_choice names the function {v.function.name!r}, which is not among the tools")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v):
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be distinct")
+        return v
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or the name of the function to call."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+
+    @field_validator("logprobs", "top_logprobs", "store")
     @classmethod
     def _neutral(cls, v: Any, info) -> Any:
         if v not in _NEUTRAL[info.field_name]:
@@ -235,14 +311,22 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer
+    def _calls_when_made(self) -> dict[str, Any]:
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -254,20 +338,31 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int = 0
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
     def _set_fields_only(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -40,6 +40,7 @@ import json
 import math
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .errors import InputError, RWKVEngineError
@@ -215,13 +216,12 @@ def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()  # [256, 8]: bits of a byte, LSB first
-
-
 def unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 bitmask [n, words] -> bool [n, vocab_size]: True where the token is allowed."""
-    as_bytes = bitmask.contiguous().view(torch.uint8).to(torch.long)  # little-endian: token 8 i + j
-    return _BYTE_BITS[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab_size]
+    # numpy's unpackbits: a table lookup in torch costs ~50x more on a busy 2-core machine.
+    as_bytes = bitmask.contiguous().numpy().view(np.uint8)  # little-endian: bit j of byte i = token 8 i + j
+    bits = np.unpackbits(as_bytes, axis=1, bitorder="little").view(bool)
+    return torch.from_numpy(bits)[:, :vocab_size]
 
 
 def apply_masks(logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) -> None:

@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 from typing import Mapping, Sequence
 
-from .structured import TOOL_CALL_MARKER, ToolCallTrigger, call_grammar, parse_call
+from .structured import CALL_HEAD, TOOL_CALL_MARKER, ToolCallTrigger, call_grammar, parse_call
 
-__all__ = ["render_tools", "render_calls", "tool_constraint", "parse_call", "TOOL_CALL_MARKER"]
+__all__ = ["render_tools", "render_calls", "tool_constraint", "parse_call", "CallStream", "TOOL_CALL_MARKER"]
 
 
 def compact(value) -> str:
@@ -83,3 +83,53 @@ def undecided(reply: str) -> bool:
     """True while a reply could still become a call: spaces and a beginning of the marker."""
     head = reply.lstrip(" ")
     return TOOL_CALL_MARKER.startswith(head)
+
+
+class CallStream:
+    """A streamed reply under tools, as the pieces a client is sent: `push(text)` and `finish()`
+    return a list of ("content", text), ("call", name) (a call starts; its name is known) and
+    ("arguments", text) (the next piece of the call's arguments JSON).
+
+    The reply is held while it may still become a call (spaces and a beginning of the marker).
+    Text goes out as content; a call goes out as its name once the model has written it, then
+    its arguments as they grow, always holding back the last character (the "}" that closes
+    the call, not the arguments). A call cut short (max_tokens) ends with what was sent.
+    """
+
+    def __init__(self):
+        self.held = ""
+        self.free = False  # decided: plain text
+        self._head = None  # the call's head match, once written
+        self._sent = 0  # characters of the arguments sent
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        if self.free:
+            return [("content", text)] if text else []
+        self.held += text
+        if undecided(self.held):
+            return []
+        if not is_call(self.held):
+            self.free, text, self.held = True, self.held, ""
+            return [("content", text)]
+        return self._call()
+
+    def finish(self) -> list[tuple[str, str]]:
+        if self.free or not is_call(self.held):
+            text, self.held = self.held, ""
+            return [("content", text)] if text else []
+        return self._call()
+
+    def _call(self) -> list[tuple[str, str]]:
+        body = self.held.lstrip(" ")[len(TOOL_CALL_MARKER):]
+        out = []
+        if self._head is None:
+            self._head = CALL_HEAD.match(body)
+            if self._head is None:
+                return []
+            out.append(("call", json.loads(f'"{self._head.group(1)}"')))
+        arguments = body[self._head.end():]
+        end = len(arguments) - 1  # (the last character may be the "}" that closes the call)
+        if end > self._sent:
+            out.append(("arguments", arguments[self._sent:end]))
+            self._sent = end
+        return out

@@ -122,10 +122,12 @@ def test_named_tool_choice_and_stream(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                                  seed=2, max_tokens=80, stream=True, **WILD))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].id and calls[0].type == "function"
-    assert calls[0].function.name == want.choices[0].message.tool_calls[0].function.name
-    assert calls[0].function.arguments == want.choices[0].message.tool_calls[0].function.arguments
+    pieces = [tc for d in deltas for tc in (d.tool_calls or [])]
+    first, rest = pieces[0], pieces[1:]
+    assert first.index == 0 and first.id and first.type == "function" and first.function.arguments == ""
+    assert first.function.name == want.choices[0].message.tool_calls[0].function.name
+    assert len(rest) > 1 and all(r.index == 0 and r.id is None and r.function.name is None for r in rest)
+    assert "".join(r.function.arguments for r in rest) == want.choices[0].message.tool_calls[0].function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(d.content or "" for d in deltas)
 

@@ -190,3 +190,22 @@ def test_tool_call_trigger(tiny):
         calling.accept(t)
     assert calling.complete
     assert parse_call(" " + TOOL_CALL_MARKER + body) == ("get_weather", '{"city":"Oslo"}')
+
+
+def test_call_stream_pieces():
+    """A streamed reply under tools: held while it may be a call; a call as name then arguments."""
+    from rwkv_engine.tool_calls import CallStream
+
+    def run(chunks):
+        s = CallStream()
+        out = [piece for ch in chunks for piece in s.push(ch)]
+        return out + s.finish()
+
+    call = ["<", "tool", "_call", '>{"', 'name":"f","', "argu", 'ments":{"a":', '1,"b":"x"}', "}"]
+    out = run(call)
+    assert out[0] == ("call", "f")
+    assert "".join(v for k, v in out[1:] if k == "arguments") == '{"a":1,"b":"x"}'
+    assert parse_call("".join(call)) == ("f", '{"a":1,"b":"x"}')
+    assert run([" Hel", "lo"]) == [("content", " Hel"), ("content", "lo")]
+    assert run(["<", "b>", " bold"]) == [("content", "<b>"), ("content", " bold")]
+    assert run(["<tool"]) == [("content", "<tool")]  # ended before it was a call

@@ -496,23 +496,33 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=cs, usage=use))
 
         reply, with_usage = ReplyText(), req.include_usage_in_stream
-        held = {"text": "", "free": not calls}  # with tools: the reply is held while it may be a call
+        pieces = tool_calls.CallStream() if calls else None  # with tools: text or a call, as it grows
+        call_id = p.new_id("call")
+
+        def sent(parts: list[tuple[str, str]]) -> str | None:
+            out = []
+            for kind, value in parts:
+                if kind == "content":
+                    d = p.Delta(content=value)
+                elif kind == "call":
+                    fn = p.FunctionDelta(name=value, arguments="")
+                    d = p.Delta(tool_calls=[p.ToolCallDelta(id=call_id, type="function", function=fn)])
+                else:
+                    d = p.Delta(tool_calls=[p.ToolCallDelta(function=p.FunctionDelta(arguments=value))])
+                out.append(chunk(d))
+            return "".join(out) or None
 
         def delta(text: str) -> str | None:
             text = reply(text)
-            if not held["free"]:
-                held["text"] += text
-                if tool_calls.undecided(held["text"]) or tool_calls.is_call(held["text"]):
-                    return None  # a call is sent whole when it is complete
-                text, held["text"], held["free"] = held["text"], "", True
+            if pieces is not None:
+                return sent(pieces.push(text))
             return chunk(p.Delta(content=text)) if text else None
 
         def finish(reason: str) -> str:
-            text, call = held["text"], tool_call(held["text"], reason)
-            if call:
-                d = p.Delta(tool_calls=[p.ToolCallDelta(id=call.id, function=call.function)])
-                return chunk(d) + chunk(p.Delta(), finish="tool_calls")
-            return (chunk(p.Delta(content=text)) if text else "") + chunk(p.Delta(), finish=reason)
+            if pieces is None:
+                return chunk(p.Delta(), finish=reason)
+            called = tool_call(pieces.held, reason) is not None
+            return (sent(pieces.finish()) or "") + chunk(p.Delta(), finish="tool_calls" if called else reason)
 
         return stream_response(stream_events(
             handle, receiver,

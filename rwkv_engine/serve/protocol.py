@@ -338,11 +338,28 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
 class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first has id, type and name (arguments ""), the next
+    ones the following pieces of the arguments."""
+
     index: int = 0
-    id: str
-    type: Literal["function"] = "function"
-    function: CalledFunction
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, Any]:
+        out = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type=self.type)
+        out["function"] = {k: v for k, v in (("name", self.function.name), ("arguments", self.function.arguments))
+                           if v is not None}
+        return out
 
 
 class Delta(BaseModel):

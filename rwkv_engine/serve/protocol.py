@@ -98,6 +98,14 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # assistant messages: calls it made
     tool_call_id: str | None = None  # tool messages: the call answered
 
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers), and only it")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
     @field_validator("content", mode="before")
     @classmethod
     def _text_as_part(cls, v: Any) -> Any:

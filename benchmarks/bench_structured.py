@@ -71,17 +71,14 @@ class LLGuidance:
         self.grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, overrides=structured.JSON_OPTIONS)
 
     def compile(self):
-        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
-
         m = self.llg.LLMatcher(self.llt, self.grammar, log_level=0)
-        fill_next_token_bitmask(m, allocate_token_bitmask(1, 65536))  # lazy: the first mask builds the lexer
+        bm = torch.full((1, 2048), -1, dtype=torch.int32)
+        m.unsafe_compute_mask_ptr(bm.data_ptr(), 2048 * 4)  # lazy: the first mask builds the lexer
         return m
 
     def walker(self):
-        from llguidance.torch import fill_next_token_bitmask
-
         m = self.llg.LLMatcher(self.llt, self.grammar, log_level=0)
-        return (lambda bm: fill_next_token_bitmask(m, bm, 0)), m.consume_token
+        return (lambda bm: m.unsafe_compute_mask_ptr(bm.data_ptr(), 2048 * 4)), m.consume_token
 
 
 class XGrammar:

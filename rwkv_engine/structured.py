@@ -56,8 +56,7 @@ __all__ = ["Grammar", "Constraint", "ToolCallTrigger", "grammar_for", "constrain
 
 def _llguidance():
     try:
-        import llguidance
-        import llguidance.torch  # noqa: F401
+        import llguidance  # (not llguidance.torch: its import runs torch.compile, ~10 s)
     except ImportError:  # a runtime dependency; only a broken install lacks it
         raise InputError("structured output needs the llguidance package (pip install llguidance)") from None
     return llguidance
@@ -246,7 +245,8 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) ->
     if pairs:
         if _EXECUTOR is None:
             _EXECUTOR = _executor()
-        _llguidance().torch.fill_next_token_bitmask_par(_EXECUTOR, pairs, bitmask)
+        # llguidance.torch.fill_next_token_bitmask_par, without importing that module
+        _EXECUTOR.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
     allowed = _unpacked(bitmask, V)
     cpu = logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype == torch.float32
     values = logits.numpy() if cpu else None

@@ -50,8 +50,8 @@ EOS_TOKEN_ID = 0
 TOOL_CALL_MARKER = "<tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: "," and ":" without spaces
 
-__all__ = ["Grammar", "Constraint", "ToolCallTrigger", "grammar_for", "constraint_for", "json_grammar", "call_grammar", "apply_masks",
-           "TOOL_CALL_MARKER"]
+__all__ = ["Grammar", "Constraint", "ToolCallTrigger", "grammar_for", "constraint_for", "json_grammar",
+           "call_grammar", "apply_masks", "TOOL_CALL_MARKER"]
 
 
 def _llguidance():
@@ -88,11 +88,10 @@ def grammar_tokenizer(tokenizer, vocab_size: int):
     return llg.LLTokenizer(llg.TokenizerWrapper(Vocabulary()), n_vocab=vocab_size, eos_token=EOS_TOKEN_ID)
 
 
+@functools.lru_cache(maxsize=1)
 def _executor():
+    """llguidance's thread pool that computes the masks of a batch's rows in parallel."""
     return _llguidance().LLExecutor(num_threads=2)
-
-
-_EXECUTOR = None
 
 
 class Grammar:
@@ -104,7 +103,7 @@ class Grammar:
         self._tokenizer = grammar_tokenizer(tokenizer, vocab_size)
         self._grammar = lark_or_json
         error = llg.LLMatcher.validate_grammar(lark_or_json, self._tokenizer)
-        if error:
+        if error and not error.startswith("WARNING"):
             raise InputError(f"{what} cannot be used: {error.splitlines()[0]}")
 
     def matcher(self):
@@ -233,7 +232,6 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) ->
     a fraction of a millisecond, where torch's kernels for the same (big enough to go to its
     thread pool) took 5-30 ms a row on the busy 2-core machine this was measured on.
     """
-    global _EXECUTOR
     if not rows:
         return
     V = logits.shape[1]
@@ -242,11 +240,8 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) ->
     for j, (_, c) in enumerate(rows):
         pairs += c.matchers(j)
         c.fill(bitmask, j)
-    if pairs:
-        if _EXECUTOR is None:
-            _EXECUTOR = _executor()
-        # llguidance.torch.fill_next_token_bitmask_par, without importing that module
-        _EXECUTOR.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+    if pairs:  # what llguidance.torch.fill_next_token_bitmask_par does, without importing that module
+        _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
     allowed = _unpacked(bitmask, V)
     cpu = logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype == torch.float32
     values = logits.numpy() if cpu else None
@@ -293,7 +288,7 @@ def _json_text(schema) -> str:
 def check_json_schema(schema) -> None:
     """Raise InputError if `schema` cannot be compiled (checked without a vocabulary: fast)."""
     error = _llguidance().LLMatcher.validate_grammar(_json_text(schema))
-    if error:
+    if error and not error.startswith("WARNING"):
         raise InputError(f"the JSON schema cannot be used: {error.splitlines()[0]}")
 
 

@@ -209,3 +209,32 @@ def test_call_stream_pieces():
     assert run([" Hel", "lo"]) == [("content", " Hel"), ("content", "lo")]
     assert run(["<", "b>", " bold"]) == [("content", "<b>"), ("content", " bold")]
     assert run(["<tool"]) == [("content", "<tool")]  # ended before it was a call
+
+
+def test_generate_command_json_schema(tiny, tmp_path, capsys):
+    """`rwkv-engine generate --json-schema FILE` prints what `generate` gives with that schema."""
+    from rwkv_engine.cli import main
+
+    model, tok = tiny
+    path = tmp_path / "tiny.pth"
+    from rwkv_engine.testing import random_state_dict, save_pth
+
+    save_pth(random_state_dict(version="5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=3), path)
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(PERSON))
+    flags = ["--temperature", "1", "--top-p", "1", "--presence-penalty", "0", "--frequency-penalty", "0",
+             "--seed", "4", "--max-tokens", str(MAX_TOKENS)]
+    assert main(["generate", str(path), "--prompt", "Person:", "--json-schema", str(schema), "--stats", *flags]) == 0
+    out, err = capsys.readouterr()
+    want = rwkv_engine.generate(model, tok, "Person:", wild(4, json_schema=PERSON).replace(
+        penalty_decay=0.996, presence_penalty=0.0, frequency_penalty=0.0))
+    assert out == want.read() and f"finish: {want.finish_reason}" in err
+    if want.finish_reason == "stop":
+        jsonschema.validate(json.loads(out), PERSON)
+
+    (tmp_path / "bad.json").write_text('{"type": 5}')
+    assert main(["generate", str(path), "--prompt", "x", "--json-schema", str(tmp_path / "bad.json")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "JSON schema cannot be used" in err[0]
+    assert main(["generate", str(path), "--prompt", "x", "--json-schema", str(tmp_path / "none.json")]) != 0
+    assert "none.json" in capsys.readouterr().err

@@ -285,7 +285,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     def submit(ids: list[int], params: SamplingParams, state: State | None, state_key: str, constraint=None):
         receiver = _Receiver(asyncio.get_running_loop())
         try:
-            handle = engine.submit(Request(ids, params, state, state_key, constraint), receiver)
+            handle = engine.submit(Request(ids, params, state, state_key, constraint=constraint), receiver)
         except QueueFull as e:
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
         except EngineStopped as e:

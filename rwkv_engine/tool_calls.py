@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 from .structured import CALL_HEAD, TOOL_CALL_MARKER, ToolCallTrigger, call_grammar, parse_call
 
-__all__ = ["render_tools", "render_calls", "tool_constraint", "parse_call", "CallStream", "TOOL_CALL_MARKER"]
+__all__ = ["render_tools", "render_calls", "tool_constraints", "parse_call", "CallStream", "TOOL_CALL_MARKER"]
 
 
 def compact(value) -> str:
@@ -63,15 +63,16 @@ def render_calls(calls: Sequence[tuple[str, str]]) -> str:
     return "\n".join(out)
 
 
-def tool_constraint(tools: Sequence[Mapping], choice: str, tokenizer, vocab_size: int):
-    """The Constraint of a reply under tool_choice `choice` ("auto", "required" or a function
-    name), or None for "none"."""
+def tool_constraints(tools: Sequence[Mapping], choice: str, tokenizer, vocab_size: int):
+    """A factory of the Constraint of a reply (one per choice) under tool_choice `choice`
+    ("auto", "required" or a function name), or None for "none". The grammar is compiled here."""
     if choice == "none":
         return None
     if choice == "auto":
-        return ToolCallTrigger(call_grammar(tools, tokenizer, vocab_size, forced=False), tokenizer)
+        grammar = call_grammar(tools, tokenizer, vocab_size, forced=False)
+        return lambda: ToolCallTrigger(grammar, tokenizer)
     chosen = tools if choice == "required" else [f for f in tools if f["name"] == choice]
-    return call_grammar(chosen, tokenizer, vocab_size, forced=True).constraint()
+    return call_grammar(chosen, tokenizer, vocab_size, forced=True).constraint
 
 
 def is_call(reply: str) -> bool:

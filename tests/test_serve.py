@@ -454,7 +454,8 @@ BAD = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 4001}, 400, "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": 5}, 400, "stop"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed"),
@@ -462,7 +463,8 @@ BAD = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, 70000]}, 400, None),
     (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": 6.5}, 400, "logprobs"),
     (COMPLETIONS, b'{"model": "tiny-world", "prompt": "lone \\ud800 surrogate"}', 400, "prompt"),
     (COMPLETIONS, b"[" * 50000 + b"]" * 50000, 400, None),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": ["y" * 300]}, 400, "stop[0]"),
@@ -528,19 +530,23 @@ def test_openai_client_sees_errors(client):
 # --- disconnects, limits, load, shutdown ------------------------------------------------------------
 
 
+def drop_stream(server, body: dict, events: int) -> None:
+    """Stream a completion with raw HTTP and close the connection after `events` events."""
+    with httpx.stream("POST", server.url + COMPLETIONS, json=body, timeout=30) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == events:
+                break
+
+
 def test_disconnect_frees_the_slot(server, client):
     long = {"max_tokens": 4000, "logit_bias": {"0": -100}, "temperature": 0}
     cancelled = lambda m: m.get('rwkv_engine_requests_total{outcome="cancelled"}', 0.0)
     base = cancelled(server.metrics())
 
     # A raw SSE stream dropped after three events.
-    with httpx.stream("POST", server.url + COMPLETIONS, json={"model": MODEL, "prompt": "Go", "stream": True, **long},
-                      timeout=30) as r:
-        events = 0
-        for line in r.iter_lines():
-            events += line.startswith("data: ")
-            if events == 3:
-                break
+    drop_stream(server, {"model": MODEL, "prompt": "Go", "stream": True, **long}, events=3)
     m = server.wait_metric("rwkv_engine_requests_running", lambda v: v == 0, timeout=5)
     assert cancelled(m) == base + 1
 

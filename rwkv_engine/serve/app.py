@@ -3,6 +3,8 @@
     GET  /v1/models              the one model served
     POST /v1/completions         text (or token ids) -> continuation; stream or not
     POST /v1/chat/completions    messages (World chat format) -> reply; stream or not
+    POST /tokenize, /detokenize  text <-> token ids (llama.cpp and vLLM bodies; also under /v1/)
+    GET  /tokenizer_info         vLLM's tokenizer description (lm-eval's remote tokenizer probe)
     GET  /health                 200 {"status": "ok"} while the engine runs; 503 {"status": "starting"}
                                  until its warm-up is done, 503 {"status": "unavailable"} once it stops
     GET  /metrics                Prometheus text format
@@ -25,12 +27,13 @@ chat's to the server's cap.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import traceback
 from collections import OrderedDict
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -46,10 +49,11 @@ from ..sampling import SamplingParams
 from ..state import State
 from . import protocol as p
 from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
-from .engine import Delta, Engine, EngineStopped, Finished, QueueFull, Request
+from .engine import Delta, Engine, EngineStopped, Finished, Prompt, QueueFull, Request
 from .security import Guard, key_matches, quoted
 from .. import tool_calls
-from ..structured import constraint_for
+from ..structured import grammar_for
+from .logprobs import CompletionLogprobs, TokenLogprob, TokenText, chat_content
 
 EOS_TOKEN_ID = 0
 
@@ -108,15 +112,41 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-class _Receiver:
-    """The sink of one request: hands engine events (engine thread) to an asyncio queue."""
+class _Job:
+    """The engine requests behind one API request: one per prompt, each with n choices. Their
+    events (from the engine thread) go to one asyncio queue, re-indexed to the API's choice
+    index, prompt * n + choice, as OpenAI numbers the choices of a list of prompts."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.handles: list = []
+        self.choices = 0
 
-    def __call__(self, event) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+    def sink(self, offset: int) -> Callable[[object], None]:
+        def put(event) -> None:
+            if offset:
+                event = dataclasses.replace(event, index=event.index + offset)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        return put
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            handle.cancel()
+
+
+@dataclass
+class _Choice:
+    """What one choice of a non-streamed request received."""
+
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt: Prompt | None = None
+    finished: Finished | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
@@ -125,6 +155,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     tokenizer = engine.tokenizer
     model = engine.model
     loaded_states: OrderedDict[tuple, State] = OrderedDict()
+    token_text = TokenText(tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -195,13 +226,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             raise APIError(400, "the request body must be a JSON object")
         return obj
 
-    def parse(kind: type[p._SamplingFields], obj: dict):
+    def parse(kind: type[p._Strict], obj: dict):
         try:
             req = kind.model_validate(obj)
         except ValidationError as e:
             param, message = p.describe_validation_error(e)
             raise APIError(400, message, param=param or None) from None
-        if req.model != settings.model_name:
+        if req.model is not None and req.model != settings.model_name:  # (optional in /tokenize)
             raise APIError(404, f"the model {quoted(req.model)} does not exist; this server serves {settings.model_name!r}",
                            param="model", code="model_not_found")
         return req
@@ -223,17 +254,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         except InputError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0].rstrip(":")) from None
 
+    async def encode_text(text: str, param: str) -> list[int]:
+        try:
+            if len(text) > 4096:
+                return list(await asyncio.to_thread(tokenizer.encode, text))
+            return list(tokenizer.encode(text))
+        except (RWKVEngineError, UnicodeError) as e:  # e.g. a lone surrogate "\ud800"
+            raise APIError(400, f"the {param} cannot be tokenized: {e}", param=param) from None
+
     async def prompt_ids(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                if len(prompt) > 4096:
-                    ids = list(await asyncio.to_thread(tokenizer.encode, prompt))
-                else:
-                    ids = list(tokenizer.encode(prompt))
-            except (RWKVEngineError, UnicodeError) as e:  # e.g. a lone surrogate "\ud800"
-                raise APIError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
-        else:
-            ids = list(prompt)
+        ids = await encode_text(prompt, "prompt") if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
         if len(ids) > settings.max_prompt_tokens:
@@ -282,45 +312,67 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         loaded_states.move_to_end(key)
         return state, "file:" + ":".join(map(str, key))
 
-    def submit(ids: list[int], params: SamplingParams, state: State | None, state_key: str, constraint=None):
-        receiver = _Receiver(asyncio.get_running_loop())
+    def submit(prompts: list[list[int]], params: SamplingParams, state: State | None, state_key: str,
+               n: int = 1, logprobs: int | None = None, echo: bool = False, constraint=None) -> _Job:
+        """One engine request per prompt (n choices each); all or none are queued. `constraint`:
+        a fresh grammar Constraint per call (structured.py), for each choice."""
+        job = _Job(asyncio.get_running_loop())
         try:
-            handle = engine.submit(Request(ids, params, state, state_key, constraint=constraint), receiver)
+            for i, ids in enumerate(prompts):
+                request = Request(ids, params, state, state_key, n=n, logprobs=logprobs, echo=echo,
+                                  constraint=constraint)
+                job.handles.append(engine.submit(request, job.sink(i * n)))
         except QueueFull as e:
+            job.cancel()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
         except EngineStopped as e:
+            job.cancel()
             raise APIError(503, str(e), code="unavailable") from None
         except InputError as e:
+            job.cancel()
             raise APIError(400, str(e)) from None
-        return handle, receiver
+        job.choices = len(prompts) * n
+        return job
 
-    async def watch_disconnect(request: HTTPRequest, handle) -> None:
+    async def watch_disconnect(request: HTTPRequest, job: _Job) -> None:
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                handle.cancel()
+                job.cancel()
                 return
 
-    async def collect(request: HTTPRequest, handle, receiver: _Receiver) -> tuple[str, Finished]:
-        watcher = asyncio.create_task(watch_disconnect(request, handle))
-        parts = []
+    async def collect(request: HTTPRequest, job: _Job) -> list[_Choice] | None:
+        """Every choice's events, when all have finished; None if the request was cancelled."""
+        watcher = asyncio.create_task(watch_disconnect(request, job))
+        choices = [_Choice() for _ in range(job.choices)]
+        left = job.choices
         try:
-            while True:
-                event = await receiver.queue.get()
+            while left:
+                event = await job.queue.get()
+                choice = choices[event.index]
                 if isinstance(event, Delta):
-                    parts.append(event.text)
-                    continue
-                if event.reason == "error":
+                    choice.parts.append(event.text)
+                    choice.logprobs += event.logprobs
+                elif isinstance(event, Prompt):
+                    choice.prompt = event
+                elif event.reason == "error":
                     raise APIError(failure_status(event), event.message or "the request failed", code="engine_error")
-                return "".join(parts), event
+                elif event.reason == "cancelled":
+                    return None
+                else:
+                    choice.finished = event
+                    left -= 1
+            return choices
         finally:
             watcher.cancel()
-            handle.cancel()
+            job.cancel()
 
-    def usage(event: Finished) -> p.Usage:
-        return p.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-                       total_tokens=event.prompt_tokens + event.completion_tokens,
-                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=event.cached_tokens))
+    def usage(events: list[Finished], n: int = 1) -> p.Usage:
+        """Summed over the choices; a prompt counts once however many choices it has."""
+        firsts = [e for e in events if e.index % n == 0]
+        prompt, completion = sum(e.prompt_tokens for e in firsts), sum(e.completion_tokens for e in events)
+        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(e.cached_tokens for e in firsts)))
 
     def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(events, media_type="text/event-stream",
@@ -332,38 +384,40 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                                code="engine_error")
         return _sse(p.ErrorResponse(error=detail))
 
-    async def stream_events(handle, receiver: _Receiver, delta: Callable[[str], str | None],
-                            finish: Callable[[str], str], usage_chunk: Callable[[Finished], str] | None,
-                            opening: str | None = None) -> AsyncIterator[str]:
+    async def stream_events(job: _Job, on_event: Callable[[object], str | None],
+                            usage_chunk: Callable[[list[Finished]], str] | None,
+                            opening: tuple[str, ...] = ()) -> AsyncIterator[str]:
         """The server-sent events of a streamed request, completion or chat.
 
-        `opening` first (if any); `delta(text)` for each piece of text (nothing where it gives
-        None); at the end `finish(reason)` and then `usage_chunk(event)` (if the client asked for
-        usage), or an error event; then `data: [DONE]`. A cancelled request's stream just ends.
-        Whenever the stream ends (the client gone too) the request is cancelled in the engine.
+        `opening` first; then `on_event(event)` for each engine event (`Prompt`, `Delta`, and the
+        `Finished` of each choice that ends normally; nothing where it gives None); when every
+        choice has finished, `usage_chunk(finished events)` (if the client asked for usage), then
+        `data: [DONE]`. An error in any choice gives an error event and `[DONE]`; a cancelled
+        request's stream just ends. Whenever the stream ends (the client gone too) the request
+        is cancelled in the engine.
         """
         try:
-            if opening is not None:
-                yield opening
-            while True:
-                event = await receiver.queue.get()
-                if isinstance(event, Delta):
-                    piece = delta(event.text)
-                    if piece is not None:
-                        yield piece
-                    continue
-                if event.reason == "cancelled":
-                    return
-                if event.reason == "error":
-                    yield stream_error(event)
-                else:
-                    yield finish(event.reason)
-                    if usage_chunk is not None:
-                        yield usage_chunk(event)
-                yield "data: [DONE]\n\n"
-                return
+            for piece in opening:
+                yield piece
+            finished: list[Finished] = []
+            while len(finished) < job.choices:
+                event = await job.queue.get()
+                if isinstance(event, Finished):
+                    if event.reason == "cancelled":
+                        return
+                    if event.reason == "error":
+                        yield stream_error(event)
+                        yield "data: [DONE]\n\n"
+                        return
+                    finished.append(event)
+                piece = on_event(event)
+                if piece is not None:
+                    yield piece
+            if usage_chunk is not None:
+                yield usage_chunk(finished)
+            yield "data: [DONE]\n\n"
         finally:
-            handle.cancel()
+            job.cancel()
 
     def chat_messages(req: p.ChatCompletionRequest) -> list[tuple[str, str]]:
         """(role, text) of the conversation, with the tools and tool calls written in
@@ -388,7 +442,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return out
 
     async def chat_constraint(req: p.ChatCompletionRequest, params: SamplingParams):
-        """(params, the reply's Constraint or None) for response_format and tools."""
+        """(params, a factory of the reply's Constraint, or None) for response_format and tools;
+        the grammar is compiled here, off the event loop."""
         fmt, mode = req.response_format, req.tool_mode
         if fmt is not None and fmt.type != "text":
             if mode != "none":
@@ -396,10 +451,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                                     "(use tool_choice none, or one of the two)", param="response_format")
             schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
             params = params.replace(json_schema=schema, json_object=fmt.type == "json_object")
-            make, param = (lambda: constraint_for(params, tokenizer, model.config.vocab_size)), "response_format"
+            make, param = (lambda: grammar_for(params, tokenizer, model.config.vocab_size).constraint), "response_format"
         elif mode != "none":
             tools = [t.function.model_dump() for t in req.tools]
-            make, param = (lambda: tool_calls.tool_constraint(tools, mode, tokenizer, model.config.vocab_size)), "tools"
+            make, param = (lambda: tool_calls.tool_constraints(tools, mode, tokenizer, model.config.vocab_size)), "tools"
         else:
             return params, None
         try:
@@ -433,33 +488,97 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             raise APIError(404, f"the model {quoted(name)} does not exist", param="model", code="model_not_found")
         return p.ModelCard(id=settings.model_name, created=created)
 
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: HTTPRequest):
+        authorize(request)
+        req = parse(p.TokenizeRequest, await read_json(request))
+        ids = await encode_text(req.text, "content" if req.content is not None else "prompt")
+        if req.with_pieces:
+            tokens = []
+            for t in ids:
+                raw = tokenizer.decode_bytes([t])
+                try:
+                    tokens.append({"id": t, "piece": raw.decode("utf-8")})
+                except UnicodeDecodeError:
+                    tokens.append({"id": t, "piece": list(raw)})
+        else:
+            tokens = ids
+        return {"tokens": tokens, "count": len(ids), "max_model_len": settings.max_prompt_tokens}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: HTTPRequest):
+        """vLLM's tokenizer description, which lm-evaluation-harness's `local-completions` probes
+        to use the server's /tokenize. The World tokenizer has no end-of-text *text* (token 0 has
+        none), so the special-token strings are null and `eos_token_id` is 0."""
+        authorize(request)
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": None, "bos_token": None,
+                "pad_token": None, "eos_token_id": EOS_TOKEN_ID, "vocab_size": model.config.vocab_size,
+                "model_max_length": settings.max_prompt_tokens, "chat_template": None}
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: HTTPRequest):
+        authorize(request)
+        req = parse(p.DetokenizeRequest, await read_json(request))
+        vocab = model.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+        text = tokenizer.decode(req.tokens)
+        return {"content": text, "prompt": text}
+
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         authorize(request)
         req = parse(p.CompletionRequest, await read_json(request))
         params = sampling_params(req, COMPLETION_DEFAULTS, req.max_tokens, COMPLETION_MAX_TOKENS)
-        ids = await prompt_ids(req.prompt)
+        prompts = [await prompt_ids(prompt) for prompt in req.prompt]
         state, state_key = await start_state(req.state)
-        handle, receiver = submit(ids, params, state, state_key)
+        n = req.n or 1
+        job = submit(prompts, params, state, state_key, n=n, logprobs=req.logprobs, echo=req.echo)
         rid, when = p.new_id("cmpl"), p.now()
+        books = [CompletionLogprobs(token_text) for _ in range(job.choices)] if req.logprobs is not None else None
 
-        def chunk(text: str, finish=None, use=None, choices=True) -> str:
-            cs = [p.CompletionChoice(text=text, finish_reason=finish)] if choices else []
-            return _sse(p.CompletionResponse(id=rid, created=when, model=settings.model_name, choices=cs, usage=use))
+        def prompt_text(i: int) -> str:
+            return tokenizer.decode(prompts[i // n])
+
+        def logprobs(i: int, event: Prompt | None, entries) -> p.CompletionLogprobs | None:
+            """Choice i's log-probabilities of what `event` (echo) and `entries` (tokens) add."""
+            if books is None:
+                return None
+            if event is not None:
+                books[i].add_first(prompts[i // n][0])
+                books[i].add(event.logprobs)
+            books[i].add(entries)
+            return p.CompletionLogprobs(**books[i].take())
+
+        def chunk(choices: list[p.CompletionChoice], use=None) -> str:
+            return _sse(p.CompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices, usage=use))
 
         if not req.stream:
-            text, event = await collect(request, handle, receiver)
-            if event.reason == "cancelled":
+            got = await collect(request, job)
+            if got is None:
                 return Response(status_code=499)
-            return p.CompletionResponse(id=rid, created=when, model=settings.model_name, usage=usage(event),
-                                        choices=[p.CompletionChoice(text=text, finish_reason=event.reason)])
+            choices = [p.CompletionChoice(index=i, text=(prompt_text(i) if req.echo else "") + c.text,
+                                          logprobs=logprobs(i, c.prompt, c.logprobs), finish_reason=c.finished.reason)
+                       for i, c in enumerate(got)]
+            return p.CompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices,
+                                        usage=usage([c.finished for c in got], n))
 
-        with_usage = req.include_usage_in_stream
+        def on_event(event) -> str:
+            i = event.index
+            if isinstance(event, Finished):
+                return chunk([p.CompletionChoice(index=i, text="", finish_reason=event.reason)])
+            if isinstance(event, Prompt):
+                text, lp = prompt_text(i), logprobs(i, event, ())
+            else:
+                text, lp = event.text, logprobs(i, None, event.logprobs)
+            return chunk([p.CompletionChoice(index=i, text=text, logprobs=lp)])
+
         return stream_response(stream_events(
-            handle, receiver,
-            delta=chunk,
-            finish=lambda reason: chunk("", finish=reason),
-            usage_chunk=(lambda event: chunk("", use=usage(event), choices=False)) if with_usage else None,
+            job, on_event,
+            usage_chunk=(lambda events: chunk([], use=usage(events, n))) if req.include_usage_in_stream else None,
         ))
 
     @app.post("/v1/chat/completions")
@@ -472,7 +591,8 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         prompt = render_chat(chat_messages(req))
         ids = await prompt_ids(prompt)
         state, state_key = await start_state(req.state)
-        handle, receiver = submit(ids, params, state, state_key, constraint)
+        n = req.n or 1
+        job = submit([ids], params, state, state_key, n=n, logprobs=req.top_logprob_count, constraint=constraint)
         rid, when = p.new_id("chatcmpl"), p.now()
         calls = req.tool_mode != "none"
 
@@ -480,56 +600,69 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             call = tool_calls.parse_call(reply) if calls and reason == "stop" else None
             return call and p.ToolCall(id=p.new_id("call"), function=p.CalledFunction(name=call[0], arguments=call[1]))
 
+        def logprobs(entries) -> p.ChatLogprobs | None:
+            return p.ChatLogprobs(content=chat_content(token_text, entries)) if req.logprobs else None
+
         if not req.stream:
-            text, event = await collect(request, handle, receiver)
-            if event.reason == "cancelled":
+            got = await collect(request, job)
+            if got is None:
                 return Response(status_code=499)
-            reply = ReplyText()(text)
-            call = tool_call(reply, event.reason)
-            message = p.AssistantMessage(content=None, tool_calls=[call]) if call else p.AssistantMessage(content=reply)
-            return p.ChatCompletionResponse(
-                id=rid, created=when, model=settings.model_name, usage=usage(event),
-                choices=[p.ChatChoice(message=message, finish_reason="tool_calls" if call else event.reason)])
+            choices = []
+            for i, c in enumerate(got):
+                reply = ReplyText()(c.text)
+                call = tool_call(reply, c.finished.reason)
+                message = p.AssistantMessage(content=None, tool_calls=[call]) if call else p.AssistantMessage(content=reply)
+                choices.append(p.ChatChoice(index=i, message=message, logprobs=None if call else logprobs(c.logprobs),
+                                            finish_reason="tool_calls" if call else c.finished.reason))
+            return p.ChatCompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices,
+                                            usage=usage([c.finished for c in got], n))
 
-        def chunk(delta: p.Delta | None, finish=None, use=None) -> str:
-            cs = [p.ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
-            return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=cs, usage=use))
+        def chunk(choices: list[p.ChatChunkChoice], use=None) -> str:
+            return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=choices, usage=use))
 
-        reply, with_usage = ReplyText(), req.include_usage_in_stream
-        pieces = tool_calls.CallStream() if calls else None  # with tools: text or a call, as it grows
-        call_id = p.new_id("call")
+        replies = [ReplyText() for _ in range(n)]
+        # With tools: each choice's reply is text or a call, sent as it grows (tool_calls.CallStream);
+        # log-probabilities of held text go out with it (a call carries none).
+        pieces = [tool_calls.CallStream() for _ in range(n)] if calls else None
+        held_logprobs: list[list] = [[] for _ in range(n)]
+        call_ids = [p.new_id("call") for _ in range(n)]
 
-        def sent(parts: list[tuple[str, str]]) -> str | None:
+        def sent(i: int, parts: list[tuple[str, str]]) -> str | None:
             out = []
             for kind, value in parts:
+                lp = None
                 if kind == "content":
                     d = p.Delta(content=value)
+                    lp, held_logprobs[i] = logprobs(held_logprobs[i]), []
                 elif kind == "call":
                     fn = p.FunctionDelta(name=value, arguments="")
-                    d = p.Delta(tool_calls=[p.ToolCallDelta(id=call_id, type="function", function=fn)])
+                    d = p.Delta(tool_calls=[p.ToolCallDelta(id=call_ids[i], type="function", function=fn)])
                 else:
                     d = p.Delta(tool_calls=[p.ToolCallDelta(function=p.FunctionDelta(arguments=value))])
-                out.append(chunk(d))
+                out.append(chunk([p.ChatChunkChoice(index=i, delta=d, logprobs=lp)]))
             return "".join(out) or None
 
-        def delta(text: str) -> str | None:
-            text = reply(text)
+        def on_event(event) -> str | None:
+            i = event.index
+            if isinstance(event, Finished):
+                reason, before = event.reason, ""
+                if pieces is not None:
+                    called = tool_call(pieces[i].held, reason) is not None
+                    before, reason = sent(i, pieces[i].finish()) or "", "tool_calls" if called else reason
+                return before + chunk([p.ChatChunkChoice(index=i, delta=p.Delta(), finish_reason=reason)])
+            text = replies[i](event.text)
             if pieces is not None:
-                return sent(pieces.push(text))
-            return chunk(p.Delta(content=text)) if text else None
-
-        def finish(reason: str) -> str:
-            if pieces is None:
-                return chunk(p.Delta(), finish=reason)
-            called = tool_call(pieces.held, reason) is not None
-            return (sent(pieces.finish()) or "") + chunk(p.Delta(), finish="tool_calls" if called else reason)
+                held_logprobs[i] += event.logprobs or []
+                return sent(i, pieces[i].push(text))
+            if not (text or event.logprobs):
+                return None
+            return chunk([p.ChatChunkChoice(index=i, delta=p.Delta(content=text), logprobs=logprobs(event.logprobs))])
 
         return stream_response(stream_events(
-            handle, receiver,
-            delta=delta,
-            finish=finish,
-            usage_chunk=(lambda event: chunk(None, use=usage(event))) if with_usage else None,
-            opening=chunk(p.Delta(role="assistant", content="")),
+            job, on_event,
+            usage_chunk=(lambda events: chunk([], use=usage(events, n))) if req.include_usage_in_stream else None,
+            opening=tuple(chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))])
+                          for i in range(n)),
         ))
 
     return app

@@ -40,9 +40,23 @@ GEMV_MAX_ROWS tokens: see `prefill_end`). Because the chunks are aligned, a resu
 the very same forward calls on the very same state as a cold one: the cache changes how fast
 an answer starts, never what it is.
 
+Choices (`Request.n` > 1): the prompt is prefilled once; at its end the state is copied into n
+rows, each choice sampled with its own `Sampler` (choice i of a seeded request uses seed + i, so
+it equals the same request with n = 1 and that seed) and ending on its own.
+
+Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each sampled token's
+`Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
+reads its whole prompt with `all_logits=True` to get the log-probability of every prompt token
+after the first, so it does not resume from the prompt cache (it still fills it); they come in
+one `Prompt` event per choice before the first `Delta`. Its first token is sampled from the
+last row of those logits, which may differ from the last-position logits of a plain prefill in
+the last bits (the output head is one GEMM over the chunk): an echo's continuation is not
+guaranteed to be the same bits as the same request without echo.
+
 Threads: `submit` and `cancel` may be called from any thread. Output goes to the request's
-`sink(event)` -- `Delta(text)` any number of times, then one `Finished` -- called on the engine
-thread; a sink must not block (the server's hands the event to its asyncio loop).
+`sink(event)` -- for an echo request one `Prompt` first, then per choice `Delta(text)` any number
+of times and one `Finished`; events carry the choice's `index` -- called on the engine thread;
+a sink must not block (the server's hands the event to its asyncio loop).
 """
 
 from __future__ import annotations
@@ -65,7 +79,8 @@ from ..models.model import prefill_end
 from ..quant.linear import GEMV_MAX_ROWS
 from ..sampling import Sampler, SamplingParams
 from ..state import State
-from ..structured import Constraint, constraint_for
+from ..structured import Constraint, grammar_for
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .metrics import Metrics
 
 
@@ -93,12 +108,27 @@ class Request:
     params: SamplingParams
     start_state: State | None = None
     start_key: str = ""  # names start_state in the prompt cache; "" is the fresh state
-    constraint: Constraint | None = None  # grammar of the output (default: from params.json_schema)
+    n: int = 1                   # choices sampled from the one prefill
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    echo: bool = False           # send a Prompt event (with logprobs: the prompt's log-probabilities)
+    # A fresh grammar Constraint for each choice (default: from params.json_schema / json_object).
+    constraint: Callable[[], Constraint] | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt of an echo request: log-probabilities of its tokens (the first has none), or
+    None when the request asked for no log-probabilities."""
+
+    logprobs: tuple[TokenLogprob, ...] | None
+    index: int = 0
 
 
 @dataclass(frozen=True)
 class Delta:
     text: str
+    index: int = 0  # the choice
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) behind this piece, if asked for
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     message: str | None = None  # what went wrong, for "error"
+    index: int = 0  # the choice
 
 
 Sink = Callable[[object], None]
@@ -183,6 +214,13 @@ class PromptCache:
         self.nbytes = 0
 
 
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The sampling parameters of choice `index`: a seed becomes seed + index (mod 2**63)."""
+    if index == 0 or params.seed is None:
+        return params
+    return params.replace(seed=(params.seed + index) % 2**63)
+
+
 class Handle:
     """A submitted request; `cancel()` frees its slot (a no-op once it has finished)."""
 
@@ -199,10 +237,14 @@ class Handle:
 
 
 class _Sequence:
-    """One request inside the engine."""
+    """One choice of a request inside the engine (a batch row once decoding). The first choice
+    of a request (its `group`) is the one that is queued and prefilled."""
 
-    def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream):
+    def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream,
+                 index: int = 0):
         self.id = seq_id
+        self.index = index            # the choice
+        self.group = [self]           # every choice of the request (the same list in each)
         self.request = request
         self.sink = sink
         self.sampler = sampler
@@ -215,6 +257,7 @@ class _Sequence:
         self.cached = 0               # of which taken from the prompt cache
         self.state: State | None = None  # during prefill
         self.next_token: int | None = None  # sampled, not yet fed to the model
+        self.prompt_logprobs: list[TokenLogprob] = []  # during an echo's prefill
 
 
 class Engine:
@@ -236,7 +279,7 @@ class Engine:
         self._joining: list[tuple[_Sequence, State]] = []  # prefilled this turn, join before decoding
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self._holding = 0      # requests admitted and not finished (written by the engine thread only)
+        self._holding = 0      # batch rows (choices) admitted and not finished (written by the engine thread only)
         self._ready = False    # warmed up (see _warm_up)
 
     # --- control (any thread) -------------------------------------------------------------------
@@ -270,9 +313,14 @@ class Engine:
         request.prompt_ids = encode_prompt(self.tokenizer, request.prompt_ids, vocab)
         if request.start_state is not None and request.start_state.batch_size != 1:
             raise InputError(f"a start state must hold one sequence, got {request.start_state.batch_size}")
-        constraint = request.constraint or constraint_for(request.params, self.tokenizer, vocab)
-        sampler = Sampler(request.params, vocab, constraint=constraint)
-        stream = TextStream(self.tokenizer, request.params)
+        self._check_choices(request)
+        params = [choice_params(request.params, i) for i in range(request.n)]
+        constraint = request.constraint
+        if constraint is None:
+            grammar = grammar_for(request.params, self.tokenizer, vocab)
+            constraint = grammar and grammar.constraint
+        samplers = [Sampler(p, vocab, constraint=constraint and constraint()) for p in params]
+        streams = [TextStream(self.tokenizer, p) for p in params]
         with self._cond:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
@@ -282,20 +330,34 @@ class Engine:
             waiting = len(self._waiting) - free
             if waiting >= self.config.max_queue:
                 raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
-            seq = _Sequence(next(self._ids), request, sink, sampler, stream)
+            group = [_Sequence(next(self._ids), request, sink, s, t, i) for i, (s, t) in enumerate(zip(samplers, streams))]
+            for s in group:
+                s.group = group
+            seq = group[0]
             self._waiting.append(seq)
             self._cond.notify_all()
         return Handle(self, seq)
 
+    def _check_choices(self, request: Request) -> None:
+        n, k = request.n, request.logprobs
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_batch:
+            raise InputError(f"n must be an integer from 1 to {self.config.max_batch} (the batch size), got {n!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise InputError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
+
     def cancel(self, handle: Handle) -> None:
-        seq = handle._seq
+        """Cancel every choice of the request."""
+        leader = handle._seq
         with self._cond:
-            if seq.finished or seq.cancelled:
+            live = [s for s in leader.group if not (s.finished or s.cancelled)]
+            if not live:
                 return
-            seq.cancelled = True
-            if seq in self._waiting:
-                self._waiting.remove(seq)
-                self._finish(seq, "cancelled")
+            for s in live:
+                s.cancelled = True
+            if leader in self._waiting:
+                self._waiting.remove(leader)
+                for s in live:
+                    self._finish(s, "cancelled")
             else:
                 self._wake = True
                 self._cond.notify_all()
@@ -304,7 +366,7 @@ class Engine:
         with self._cond:
             waiting = len(self._waiting)
         return {
-            "requests_running": len(self._prefilling) + len(self._joining) + len(self._decoding),
+            "requests_running": self._rows(),
             "requests_waiting": waiting,
             "prompt_cache_entries": len(self.cache),
             "prompt_cache_bytes": self.cache.nbytes,
@@ -361,7 +423,7 @@ class Engine:
 
     def _clear(self) -> list[_Sequence]:
         """Forget every admitted request; returns them."""
-        seqs = list(self._prefilling) + self._decoding + [s for s, _ in self._joining]
+        seqs = [s for leader in self._prefilling for s in leader.group] + self._decoding + [s for s, _ in self._joining]
         self._prefilling.clear()
         self._decoding, self._batch, self._joining = [], None, []
         return seqs
@@ -373,18 +435,25 @@ class Engine:
         self._decoding += [s for s, _ in self._joining]
         self._joining = []
 
+    def _rows(self) -> int:
+        """Batch rows held: decoding, joining, and the choices of the requests being prefilled.
+        (Also read by `gauges` from other threads: it only copies and counts.)"""
+        return sum(len(s.group) for s in list(self._prefilling)) + len(self._joining) + len(self._decoding)
+
     def _admit(self) -> None:
-        while self._waiting and len(self._prefilling) + len(self._decoding) < self.config.max_batch:
+        while self._waiting and self._rows() + len(self._waiting[0].group) <= self.config.max_batch:
             seq = self._waiting.popleft()
-            seq.admitted = True
-            self._holding += 1
+            for s in seq.group:
+                s.admitted = True
+            self._holding += len(seq.group)
             self._prefilling.append(seq)
             self.metrics.inc("prompt_tokens_total", len(seq.request.prompt_ids))
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self._prefilling if s.cancelled]:
+        for seq in [s for s in self._prefilling if any(c.cancelled for c in s.group)]:
             self._prefilling.remove(seq)
-            self._finish(seq, "cancelled")
+            for s in seq.group:
+                self._finish(s, "cancelled")
         if any(s.cancelled for s in self._decoding):
             keep = [i for i, s in enumerate(self._decoding) if not s.cancelled]
             for s in self._decoding:
@@ -406,7 +475,8 @@ class Engine:
         try:
             if not seq.started:
                 seq.started = True
-                seq.pos, seq.state = self.cache.lookup(req.start_key, ids, chunk)
+                # An echo needs the logits of every prompt position: it reads the whole prompt.
+                seq.pos, seq.state = (0, None) if req.echo else self.cache.lookup(req.start_key, ids, chunk)
                 seq.cached = seq.pos
                 if seq.pos:
                     self.metrics.inc("prompt_cache_hits_total")
@@ -416,7 +486,14 @@ class Engine:
                     seq.state = req.start_state
             start = seq.pos
             end = prefill_end(start, len(ids), chunk)
-            logits, seq.state = self.model.forward(ids[start:end], state=seq.state)
+            echo_logprobs = req.echo and req.logprobs is not None
+            logits, seq.state = self.model.forward(ids[start:end], state=seq.state, all_logits=echo_logprobs)
+            if echo_logprobs:
+                # Row r predicts token start + r + 1; the last row predicts the first generated token.
+                seq.prompt_logprobs += token_logprobs(logits[:-1], ids[start + 1 : end], [req.logprobs] * (end - start - 1))
+                if end < len(ids):  # the row that predicts the next chunk's first token
+                    seq.prompt_logprobs += token_logprobs(logits[-1:], ids[end : end + 1], [req.logprobs])
+                logits = logits[-1]
             self.metrics.inc("prefill_tokens_total", end - start)
             seq.pos = end
             if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
@@ -430,20 +507,42 @@ class Engine:
         except Exception as e:  # one request's failure must not stop the others
             if self._prefilling and self._prefilling[0] is seq:
                 self._prefilling.popleft()
-            self._fail([seq], e)
+            self._fail(seq.group, e)
             return 1
 
-    def _first_token(self, seq: _Sequence, logits: torch.Tensor) -> None:
-        state, seq.state = seq.state, None
-        if seq.request.params.max_tokens == 0:
-            self._emit(seq, seq.stream.finish("length"))
-            self._finish(seq, seq.stream.finish_reason)
+    def _first_token(self, leader: _Sequence, logits: torch.Tensor) -> None:
+        """The prompt is read: sample each choice's first token from its last logits [V]."""
+        state, leader.state = leader.state, None
+        req, group = leader.request, leader.group
+        if req.echo:
+            prompt = None
+            if req.logprobs is not None:
+                prompt, leader.prompt_logprobs = tuple(leader.prompt_logprobs), []
+            for seq in group:
+                self._send(seq, Prompt(prompt, seq.index))
+        if req.params.max_tokens == 0:
+            for seq in group:
+                self._emit(seq, seq.stream.finish("length"))
+                self._finish(seq, seq.stream.finish_reason)
             return
-        token = Sampler.sample_batch([seq.sampler], logits[None])[0]
-        if not self._push(seq, token):
-            return
-        seq.next_token = token
-        self._joining.append((seq, state))
+        tokens = Sampler.sample_batch([s.sampler for s in group], logits[None].expand(len(group), -1))
+        entries = self._logprobs(group, logits[None].expand(len(group), -1), tokens)
+        for seq, token, entry in zip(group, tokens, entries):
+            if self._push(seq, token, entry):
+                seq.next_token = token
+                self._joining.append((seq, state))
+
+    @staticmethod
+    def _logprobs(rows: list[_Sequence], logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
+        """Row i's TokenLogprob for tokens[i] from logits [B, V], for the rows that asked for it
+        (and were sampled: a row whose sampling failed has no token)."""
+        want = [i for i, s in enumerate(rows) if s.request.logprobs is not None and tokens[i] is not None]
+        out: list[TokenLogprob | None] = [None] * len(rows)
+        if want:
+            got = token_logprobs(logits[want], [tokens[i] for i in want], [rows[i].request.logprobs for i in want])
+            for i, entry in zip(want, got):
+                out[i] = entry
+        return out
 
     def _decode_step(self) -> None:
         rows, metrics = self._decoding, self.metrics
@@ -457,12 +556,13 @@ class Engine:
             return
         t1 = time.perf_counter()
         sampled = self._sample(rows, logits)
+        entries = self._logprobs(rows, logits, sampled)
         t2 = time.perf_counter()
         metrics.inc("decode_steps_total")
         metrics.inc("decode_rows_total", len(rows))
         keep = []
-        for i, (seq, token) in enumerate(zip(rows, sampled)):
-            if token is not None and self._push(seq, token):
+        for i, (seq, token, entry) in enumerate(zip(rows, sampled, entries)):
+            if token is not None and self._push(seq, token, entry):
                 seq.next_token = token
                 keep.append(i)
         self._keep_rows(keep)
@@ -493,12 +593,12 @@ class Engine:
                 out.append(None)
         return out
 
-    def _push(self, seq: _Sequence, token: int) -> bool:
+    def _push(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> bool:
         """Give a sampled token to the request's stream; False when the request has ended."""
         before = len(seq.stream.tokens)
         text = seq.stream.push(token)
         self.metrics.generated(len(seq.stream.tokens) - before)
-        self._emit(seq, text)
+        self._emit(seq, text, () if logprob is None else (logprob,))
         if seq.stream.done:
             self._finish(seq, seq.stream.finish_reason)
             return False
@@ -507,11 +607,15 @@ class Engine:
             return False
         return True
 
-    def _emit(self, seq: _Sequence, text: str) -> None:
-        if not text or seq.cancelled:
+    def _emit(self, seq: _Sequence, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        if text or logprobs:
+            self._send(seq, Delta(text, seq.index, logprobs))
+
+    def _send(self, seq: _Sequence, event) -> None:
+        if seq.cancelled:
             return
         try:
-            seq.sink(Delta(text))
+            seq.sink(event)
         except Exception:  # the receiver is gone: treat as a cancel
             seq.cancelled = True
 
@@ -523,7 +627,8 @@ class Engine:
         if seq.admitted:
             self._holding -= 1
         self.metrics.inc("requests_total", outcome=reason)
-        event = Finished(reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.cached, message)
+        event = Finished(reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.group[0].cached, message,
+                         seq.index)
         try:
             seq.sink(event)
         except Exception:
@@ -542,7 +647,7 @@ class Engine:
     def _shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-            left = list(self._waiting) + self._clear()
+            left = [s for leader in self._waiting for s in leader.group] + self._clear()
             self._waiting.clear()
         for seq in left:
             self._finish(seq, "error", "the server is shutting down")

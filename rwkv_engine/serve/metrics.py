@@ -17,9 +17,9 @@ PREFIX = "rwkv_engine_"
 
 # name -> (type, help)
 METRICS: dict[str, tuple[str, str]] = {
-    "requests_running": ("gauge", "Requests holding a batch slot (prefilling their prompt or decoding)."),
+    "requests_running": ("gauge", "Batch slots held (one per choice of a request; prefilling their prompt or decoding)."),
     "requests_waiting": ("gauge", "Requests queued for a batch slot."),
-    "requests_total": ("counter", "Requests the engine finished, by outcome (stop, length, cancelled, error)."),
+    "requests_total": ("counter", "Requests the engine finished, by outcome (stop, length, cancelled, error); each choice counts."),
     "http_errors_total": ("counter", "Requests answered with an error status, by status code."),
     "prompt_tokens_total": ("counter", "Prompt tokens of admitted requests."),
     "prefill_tokens_total": ("counter", "Prompt tokens run through the model (prompt tokens minus cache hits)."),

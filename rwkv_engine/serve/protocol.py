@@ -3,7 +3,7 @@
 Requests are validated strictly (a number must be a JSON number, not a string; unknown fields
 are refused, as OpenAI does) so that a wrong request gets one clear 400 naming the field,
 instead of being silently reinterpreted. Fields OpenAI defines but this server does not
-implement are accepted only with their neutral value (n = 1, echo = false, no tools, ...).
+implement are accepted only with their neutral value (best_of = 1, no suffix, no tools, ...).
 
 Extensions (all optional; with the `openai` client pass them in `extra_body`):
     top_k           keep at most this many tokens (0 = off)
@@ -22,6 +22,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
+
+from .logprobs import MAX_TOP_LOGPROBS
 
 # --- requests ----------------------------------------------------------------------------------
 
@@ -124,9 +126,9 @@ class ChatMessage(_Strict):
 
 # Values of OpenAI fields this server does not implement that mean "not used".
 _NEUTRAL: dict[str, tuple] = {
-    "echo": (False,), "best_of": (None, 1), "logprobs": (None, False, 0), "suffix": (None, ""),
-    "top_logprobs": (None, 0), "store": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "store": (None, False),
 }
+MAX_CHOICES = 128  # OpenAI's limit on n (the engine's batch size may allow fewer)
 
 
 class _SamplingFields(_Strict):
@@ -143,18 +145,11 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = None
     stop: list[Annotated[str, Field(max_length=256)]] | None = Field(default=None, max_length=16)
     seed: int | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     state: str | None = Field(default=None, min_length=1)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only n = 1 is supported (send several requests instead)")
-        return v
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -189,16 +184,22 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. `prompt` is a string or a list of token ids (one prompt per request)."""
+def _token_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
-    prompt: Any
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of prompts (each
+    a string or a list of token ids), as OpenAI; validated into a list of prompts."""
+
+    prompt: list[str | list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo
     echo: bool = False
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
 
-    @field_validator("echo", "best_of", "logprobs", "suffix")
+    @field_validator("best_of", "suffix")
     @classmethod
     def _neutral(cls, v: Any, info) -> Any:
         if v not in _NEUTRAL[info.field_name]:
@@ -207,17 +208,18 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and v and all(isinstance(x, str) for x in v):
-            if len(v) != 1:
-                raise ValueError("one prompt per request: a string, a list of one string or a list of token ids")
-            return v[0]
-        if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
-            raise ValueError("one prompt per request: a string, a list of one string or a list of token ids")
-        ids = isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-        if not (isinstance(v, str) or ids):
-            raise ValueError("must be a string or a list of token ids")
-        return v
+    def _prompts(cls, v: Any) -> Any:
+        if isinstance(v, str) or (_token_ids(v) and v):
+            return [v]
+        if isinstance(v, list) and v and all(isinstance(x, str) or _token_ids(x) for x in v):
+            return v
+        raise ValueError("must be a string, a list of token ids, or a non-empty list of those")
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is allowed only with echo (there is nothing to answer)")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -226,7 +228,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # accepted; a reply makes at most one call
@@ -260,12 +262,23 @@ class ChatCompletionRequest(_SamplingFields):
         choice = self.tool_choice if self.tool_choice is not None else "auto"
         return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
-    @field_validator("logprobs", "top_logprobs", "store")
+    @field_validator("store")
     @classmethod
     def _neutral(cls, v: Any, info) -> Any:
         if v not in _NEUTRAL[info.field_name]:
             raise ValueError("not supported by this server")
         return v
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        """Alternatives per token the engine reports; None without logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -275,6 +288,40 @@ class ChatCompletionRequest(_SamplingFields):
     def token_limit_field(self) -> str:
         """The field `token_limit` comes from, for error messages."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize: the text as llama.cpp's `content` or vLLM's `prompt` (exactly one).
+
+    `add_special` (llama.cpp) / `add_special_tokens` (vLLM) are accepted and change nothing: the
+    World tokenizer adds no special tokens. `with_pieces` (llama.cpp) returns each token as
+    {"id", "piece"}, the piece a string when its bytes are valid UTF-8, else the list of bytes.
+    """
+
+    model: str | None = None
+    content: str | None = None
+    prompt: str | None = None
+    add_special: bool = False
+    add_special_tokens: bool = False
+    with_pieces: bool = False
+
+    @model_validator(mode="after")
+    def _one_text(self):
+        if (self.content is None) == (self.prompt is None):
+            raise ValueError("give the text as either content (llama.cpp) or prompt (vLLM)")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content if self.content is not None else self.prompt
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize: {"tokens": [ids]}; the answer has the text as both `content` (llama.cpp)
+    and `prompt` (vLLM)."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -299,10 +346,33 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class CompletionLogprobs(BaseModel):
+    """Legacy completions log-probabilities (see logprobs.py for the token text and offsets)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -333,7 +403,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
@@ -386,7 +456,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 

@@ -181,3 +181,20 @@ def test_langchain_bind_tools_and_structured_output(server):
     structured = llm.with_structured_output(Verdict, method="json_schema", strict=True)
     verdict = structured.invoke("Is it cold?")
     assert isinstance(verdict, Verdict) and verdict.answer in ("yes", "no") and 0 <= verdict.score <= 9
+
+
+def test_n_choices_each_constrained(client):
+    """n = 3 from one prefill: every choice has its own grammar state."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    got = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=3, seed=7, max_tokens=60,
+                                         **WILD)
+    assert len(got.choices) == 3
+    for c in got.choices:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), ANSWER)
+    calls = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=2,
+                                           seed=7, max_tokens=80, **WILD)
+    for c in calls.choices:
+        if c.finish_reason == "tool_calls":
+            assert c.message.tool_calls[0].function.name in ("get_weather", "get_time")
+    assert any(c.finish_reason == "tool_calls" for c in calls.choices)

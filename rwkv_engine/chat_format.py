@@ -24,7 +24,8 @@ from typing import Iterable
 
 TURN_SEPARATOR = "\n\n"
 
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant",
+              "tool": "Tool"}  # a tool's result (rwkv_engine/tool_calls.py)
 
 
 def normalize_text(text: str) -> str:

@@ -42,6 +42,7 @@ import torch
 
 from .errors import InputError
 from .sampling import Sampler, SamplingParams
+from .structured import constraint_for
 
 __all__ = ["generate", "Generation", "GenerationStats", "TextStream", "encode_prompt"]
 
@@ -167,7 +168,7 @@ class Generation:
         self.model = model
         self.params = params
         self.prompt_tokens = encode_prompt(tokenizer, prompt, vocab_size)
-        self.sampler = Sampler(params, vocab_size, generator)
+        self.sampler = Sampler(params, vocab_size, generator, constraint_for(params, tokenizer, vocab_size))
         self.stream = TextStream(tokenizer, params)
         self.state = state
         self.prompt_state = None

@@ -11,6 +11,8 @@ One sampling step, in this order (FORMATS.md section D, the `rwkv` pip `PIPELINE
 1. bias and bans: `logit[t] += logit_bias[t]`; banned tokens get -inf.
 2. penalties: `logit[t] -= presence + count[t] * frequency` for every token t generated so far
    (count[t] > 0). Counts are over generated tokens only, not the prompt.
+   A sequence with a grammar (json_schema / json_object, tool calls: rwkv_engine/structured.py)
+   then gets -inf at every token its grammar does not allow next.
 3. `p = softmax(logit)`.
 4. top-p: sort p descending; the cutoff is the sorted probability at which the running sum first
    reaches >= top_p; every token with p < cutoff is dropped (ties with the cutoff are kept).
@@ -101,6 +103,9 @@ class SamplingParams:
     stop               strings that end the generation; they are never part of the output.
     max_tokens         most tokens to generate (None = unbounded).
     seed               seed of the sequence's torch.Generator (None = nondeterministic).
+    json_schema        a JSON schema (dict or JSON text): the output is JSON that validates
+                       against it, by constrained decoding (rwkv_engine/structured.py).
+    json_object        True: the output is a JSON object (any keys and values).
 
     Use `dataclasses.replace(params, temperature=0.5)` for a modified copy (validated too).
     """
@@ -117,6 +122,8 @@ class SamplingParams:
     stop: Sequence[str] = ()
     max_tokens: int | None = 256
     seed: int | None = None
+    json_schema: Mapping | str | None = None
+    json_object: bool = False
 
     def __post_init__(self):
         self.temperature = _number("temperature", self.temperature)
@@ -167,6 +174,13 @@ class SamplingParams:
             self.seed = _number("seed", self.seed, integer=True)
             if not 0 <= self.seed < 2**63:
                 raise InputError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.json_object, bool):
+            raise InputError(f"json_object must be true or false, got {self.json_object!r}")
+        if self.json_schema is not None:
+            if self.json_object:
+                raise InputError("json_schema and json_object are exclusive (a schema already asks for JSON)")
+            if not isinstance(self.json_schema, (Mapping, str)):
+                raise InputError(f"json_schema must be a JSON schema (a mapping or its JSON text), got {self.json_schema!r}")
 
     @staticmethod
     def _ids(name: str, ids) -> tuple[int, ...]:
@@ -427,16 +441,20 @@ class Sampler:
     `Sampler.sample_batch(samplers, logits)` samples B sequences at once from logits [B, V],
     each with its own parameters and generator; a row gets the same token it would get alone.
     `generator` overrides the one built from `params.seed` (a chat shares one over its turns);
-    otherwise it is created on the logits' device at the first call.
+    otherwise it is created on the logits' device at the first call. `constraint` (a
+    `structured.Constraint`, e.g. from `structured.grammar_for(params, ...)`) masks the tokens
+    its grammar does not allow, after bias and penalties, and advances on every accepted token.
 
     The counts are kept sparse (the generated token ids and their decayed counts), so a step
     costs O(tokens generated) on top of the logits, not O(V); `counts` gives the dense [V] view
     that `apply_penalties` / `update_counts` define.
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int, generator: torch.Generator | None = None):
+    def __init__(self, params: SamplingParams, vocab_size: int, generator: torch.Generator | None = None,
+                 constraint=None):
         params.check_vocab(vocab_size)
         self.params = params
+        self.constraint = constraint  # a structured.Constraint: grammar mask per step (None = free)
         self.vocab_size = vocab_size
         self.generator = generator
         bias = bias_vector(params, vocab_size)
@@ -487,6 +505,8 @@ class Sampler:
     def accept(self, token: int) -> None:
         """Step 8 for a token chosen elsewhere (e.g. forced): decay counts, count the token."""
         token = int(token)
+        if self.constraint is not None and self.constraint.active:
+            self.constraint.accept(token)
         self._count = self._count * self.params.penalty_decay
         i = self._position.get(token)
         if i is None:
@@ -504,6 +524,11 @@ class Sampler:
         adjusted = logits.to(torch.float32, copy=True)
         for s, row in zip(samplers, adjusted):
             s._adjust_(row)
+        constrained = [(b, s.constraint) for b, s in enumerate(samplers) if s.constraint is not None and s.constraint.active]
+        if constrained:
+            from .structured import apply_masks
+
+            apply_masks(adjusted, constrained)
         params = [s.params for s in samplers]
         out = [None] * len(samplers)
         idx = []

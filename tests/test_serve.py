@@ -475,11 +475,11 @@ BAD = [
     (COMPLETIONS, {"model": "gpt-4o", "prompt": "x"}, 404, "model"),
     (COMPLETIONS, {"prompt": "x"}, 400, "model"),
     (CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
-    (CHAT, {**OK_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),  # no tool_call_id
     (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content"),
     (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages[0].content[0].type"),
-    (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function"),  # a tool without its function
     (CHAT, {**OK_CHAT, "presence_penalty": "high"}, 400, "presence_penalty"),
 ]
 

@@ -5,14 +5,20 @@ trailing newline is stripped or added). Generation ends at end-of-text (token 0)
 string (not printed) or after --max-tokens. Sampling defaults are the `rwkv` pip package's
 PIPELINE_ARGS (FORMATS.md D): temperature 1.0, top-p 0.85, presence and frequency penalty 0.2,
 decay 0.996.
+
+--json-schema FILE makes the output JSON that validates against the schema in FILE, --json any
+JSON object (constrained decoding, rwkv_engine/structured.py); the output then ends when the JSON
+is complete (or at --max-tokens, with the JSON cut short: --stats says finish: length).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 from ..errors import InputError
+from ..structured import check_json_schema
 from . import common
 
 HELP = "Continue a prompt with an RWKV model, streaming the text to stdout."
@@ -30,6 +36,10 @@ def add_arguments(parser) -> None:
     source.add_argument("--prompt", "-p", metavar="TEXT", help="the prompt (default: read stdin)")
     source.add_argument("--prompt-file", "-f", metavar="FILE", help="read the prompt from a UTF-8 file")
     common.add_sampling_args(parser, DEFAULTS)
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="constrain the output to JSON that validates against the JSON schema in FILE")
+    shape.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
     parser.add_argument("--stats", action="store_true",
                         help="print token counts, speeds and the finish reason to stderr at the end")
 
@@ -50,11 +60,28 @@ def read_prompt(args) -> str:
         raise InputError(f"stdin: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def read_schema(path: str | None):
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--json-schema {path}: cannot read it ({e})") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise InputError(f"--json-schema {path}: not valid JSON ({e})") from None
+    check_json_schema(schema)
+    return schema
+
+
 def run(args) -> int:
     from ..generation import generate
 
     # Check everything the user typed before the (slow) model load.
     params = common.sampling_params(args, DEFAULTS)
+    if args.json_schema is not None or args.json:
+        params = params.replace(json_schema=read_schema(args.json_schema), json_object=args.json)
     prompt = read_prompt(args)
     if not prompt:
         raise InputError("the prompt is empty: there is nothing to continue")

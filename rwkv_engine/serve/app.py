@@ -52,6 +52,8 @@ from . import protocol as p, webui
 from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from .engine import Delta, Engine, EngineStopped, Finished, Prompt, QueueFull, Request
 from .security import Guard, key_matches, quoted
+from .. import tool_calls
+from ..structured import grammar_for
 from .logprobs import CompletionLogprobs, TokenLogprob, TokenText, chat_content
 
 EOS_TOKEN_ID = 0
@@ -312,12 +314,14 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         return state, "file:" + ":".join(map(str, key))
 
     def submit(prompts: list[list[int]], params: SamplingParams, state: State | None, state_key: str,
-               n: int = 1, logprobs: int | None = None, echo: bool = False) -> _Job:
-        """One engine request per prompt (n choices each); all or none are queued."""
+               n: int = 1, logprobs: int | None = None, echo: bool = False, constraint=None) -> _Job:
+        """One engine request per prompt (n choices each); all or none are queued. `constraint`:
+        a fresh grammar Constraint per call (structured.py), for each choice."""
         job = _Job(asyncio.get_running_loop())
         try:
             for i, ids in enumerate(prompts):
-                request = Request(ids, params, state, state_key, n=n, logprobs=logprobs, echo=echo)
+                request = Request(ids, params, state, state_key, n=n, logprobs=logprobs, echo=echo,
+                                  constraint=constraint)
                 job.handles.append(engine.submit(request, job.sink(i * n)))
         except QueueFull as e:
             job.cancel()
@@ -415,6 +419,49 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             job.cancel()
+
+    def chat_messages(req: p.ChatCompletionRequest) -> list[tuple[str, str]]:
+        """(role, text) of the conversation, with the tools and tool calls written in
+        (rwkv_engine/tool_calls.py)."""
+        names = {}  # tool call id -> function name
+        out = []
+        for m in req.messages:
+            text = m.text
+            if m.tool_calls:
+                names.update((c.id, c.function.name) for c in m.tool_calls)
+                written = tool_calls.render_calls([(c.function.name, c.function.arguments) for c in m.tool_calls])
+                text = f"{text}\n{written}" if text.strip() else written
+            elif m.role == "tool" and m.tool_call_id in names:
+                text = f"{names[m.tool_call_id]}: {text}"
+            out.append((m.role, text))
+        if req.tool_mode != "none":
+            listed = tool_calls.render_tools([t.function.model_dump() for t in req.tools])
+            if out and out[0][0] in ("system", "developer"):
+                out[0] = (out[0][0], f"{out[0][1]}\n{listed}")
+            else:
+                out.insert(0, ("system", listed))
+        return out
+
+    async def chat_constraint(req: p.ChatCompletionRequest, params: SamplingParams):
+        """(params, a factory of the reply's Constraint, or None) for response_format and tools;
+        the grammar is compiled here, off the event loop."""
+        fmt, mode = req.response_format, req.tool_mode
+        if fmt is not None and fmt.type != "text":
+            if mode != "none":
+                raise APIError(400, "response_format json_object / json_schema cannot be combined with tools "
+                                    "(use tool_choice none, or one of the two)", param="response_format")
+            schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
+            params = params.replace(json_schema=schema, json_object=fmt.type == "json_object")
+            make, param = (lambda: grammar_for(params, tokenizer, model.config.vocab_size).constraint), "response_format"
+        elif mode != "none":
+            tools = [t.function.model_dump() for t in req.tools]
+            make, param = (lambda: tool_calls.tool_constraints(tools, mode, tokenizer, model.config.vocab_size)), "tools"
+        else:
+            return params, None
+        try:
+            return params, await asyncio.to_thread(make)
+        except InputError as e:
+            raise APIError(400, str(e), param=param) from None
 
     # --- routes ---------------------------------------------------------------------------------
 
@@ -543,12 +590,18 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         req = parse(p.ChatCompletionRequest, await read_json(request))
         params = sampling_params(req, CHAT_DEFAULTS, req.token_limit, settings.max_tokens_cap,
                                  extra_stop=(TURN_SEPARATOR,), max_tokens_field=req.token_limit_field)
-        prompt = render_chat((m.role, m.text) for m in req.messages)
+        params, constraint = await chat_constraint(req, params)
+        prompt = render_chat(chat_messages(req))
         ids = await prompt_ids(prompt)
         state, state_key = await start_state(req.state)
         n = req.n or 1
-        job = submit([ids], params, state, state_key, n=n, logprobs=req.top_logprob_count)
+        job = submit([ids], params, state, state_key, n=n, logprobs=req.top_logprob_count, constraint=constraint)
         rid, when = p.new_id("chatcmpl"), p.now()
+        calls = req.tool_mode != "none"
+
+        def tool_call(reply: str, reason: str) -> p.ToolCall | None:
+            call = tool_calls.parse_call(reply) if calls and reason == "stop" else None
+            return call and p.ToolCall(id=p.new_id("call"), function=p.CalledFunction(name=call[0], arguments=call[1]))
 
         def logprobs(entries) -> p.ChatLogprobs | None:
             return p.ChatLogprobs(content=chat_content(token_text, entries)) if req.logprobs else None
@@ -557,9 +610,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             got = await collect(request, job)
             if got is None:
                 return Response(status_code=499)
-            choices = [p.ChatChoice(index=i, message=p.AssistantMessage(content=ReplyText()(c.text)),
-                                    logprobs=logprobs(c.logprobs), finish_reason=c.finished.reason)
-                       for i, c in enumerate(got)]
+            choices = []
+            for i, c in enumerate(got):
+                reply = ReplyText()(c.text)
+                call = tool_call(reply, c.finished.reason)
+                message = p.AssistantMessage(content=None, tool_calls=[call]) if call else p.AssistantMessage(content=reply)
+                choices.append(p.ChatChoice(index=i, message=message, logprobs=None if call else logprobs(c.logprobs),
+                                            finish_reason="tool_calls" if call else c.finished.reason))
             return p.ChatCompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices,
                                             usage=usage([c.finished for c in got], n))
 
@@ -567,12 +624,39 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=choices, usage=use))
 
         replies = [ReplyText() for _ in range(n)]
+        # With tools: each choice's reply is text or a call, sent as it grows (tool_calls.CallStream);
+        # log-probabilities of held text go out with it (a call carries none).
+        pieces = [tool_calls.CallStream() for _ in range(n)] if calls else None
+        held_logprobs: list[list] = [[] for _ in range(n)]
+        call_ids = [p.new_id("call") for _ in range(n)]
+
+        def sent(i: int, parts: list[tuple[str, str]]) -> str | None:
+            out = []
+            for kind, value in parts:
+                lp = None
+                if kind == "content":
+                    d = p.Delta(content=value)
+                    lp, held_logprobs[i] = logprobs(held_logprobs[i]), []
+                elif kind == "call":
+                    fn = p.FunctionDelta(name=value, arguments="")
+                    d = p.Delta(tool_calls=[p.ToolCallDelta(id=call_ids[i], type="function", function=fn)])
+                else:
+                    d = p.Delta(tool_calls=[p.ToolCallDelta(function=p.FunctionDelta(arguments=value))])
+                out.append(chunk([p.ChatChunkChoice(index=i, delta=d, logprobs=lp)]))
+            return "".join(out) or None
 
         def on_event(event) -> str | None:
             i = event.index
             if isinstance(event, Finished):
-                return chunk([p.ChatChunkChoice(index=i, delta=p.Delta(), finish_reason=event.reason)])
+                reason, before = event.reason, ""
+                if pieces is not None:
+                    called = tool_call(pieces[i].held, reason) is not None
+                    before, reason = sent(i, pieces[i].finish()) or "", "tool_calls" if called else reason
+                return before + chunk([p.ChatChunkChoice(index=i, delta=p.Delta(), finish_reason=reason)])
             text = replies[i](event.text)
+            if pieces is not None:
+                held_logprobs[i] += event.logprobs or []
+                return sent(i, pieces[i].push(text))
             if not (text or event.logprobs):
                 return None
             return chunk([p.ChatChunkChoice(index=i, delta=p.Delta(content=text), logprobs=logprobs(event.logprobs))])

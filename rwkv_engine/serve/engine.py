@@ -79,6 +79,7 @@ from ..models.model import prefill_end
 from ..quant.linear import GEMV_MAX_ROWS
 from ..sampling import Sampler, SamplingParams
 from ..state import State
+from ..structured import Constraint, grammar_for
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .metrics import Metrics
 
@@ -110,6 +111,8 @@ class Request:
     n: int = 1                   # choices sampled from the one prefill
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
     echo: bool = False           # send a Prompt event (with logprobs: the prompt's log-probabilities)
+    # A fresh grammar Constraint for each choice (default: from params.json_schema / json_object).
+    constraint: Callable[[], Constraint] | None = None
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,11 @@ class Engine:
             raise InputError(f"a start state must hold one sequence, got {request.start_state.batch_size}")
         self._check_choices(request)
         params = [choice_params(request.params, i) for i in range(request.n)]
-        samplers = [Sampler(p, vocab) for p in params]
+        constraint = request.constraint
+        if constraint is None:
+            grammar = grammar_for(request.params, self.tokenizer, vocab)
+            constraint = grammar and grammar.constraint
+        samplers = [Sampler(p, vocab, constraint=constraint and constraint()) for p in params]
         streams = [TextStream(self.tokenizer, p) for p in params]
         with self._cond:
             if not self.alive:

@@ -41,14 +41,72 @@ class TextPart(_Strict):
     text: str
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """text, json_object (any JSON object) or json_schema (JSON valid against the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if (self.json_schema is not None) != (self.type == "json_schema"):
+            raise ValueError("json_schema is required with type json_schema, and only there")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: list[TextPart] = Field(default_factory=list)
     name: str | None = None  # accepted, not rendered
+    tool_calls: list[ToolCall] | None = None  # assistant messages: calls it made
+    tool_call_id: str | None = None  # tool messages: the call answered
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers), and only it")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -68,8 +126,7 @@ class ChatMessage(_Strict):
 
 # Values of OpenAI fields this server does not implement that mean "not used".
 _NEUTRAL: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None, ""),
-    "tools": (None, []), "tool_choice": (None, "none"), "store": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "store": (None, False),
 }
 MAX_CHOICES = 128  # OpenAI's limit on n (the engine's batch size may allow fewer)
 
@@ -172,14 +229,40 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: str | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a reply makes at most one call
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
 
-    @field_validator("tools", "tool_choice", "store")
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, v, info):
+        tools = info.data.get("tools") or []
+        if v is not None and v != "none" and not tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(v, NamedToolChoice) and v.function.name not in [t.function.name for t in tools]:
+            raise ValueError(f"tool_choice names the function {v.function.name!r}, which is not among the tools")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, v):
+        names = [t.function.name for t in v or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tool function names must be distinct")
+        return v
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or the name of the function to call."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+
+    @field_validator("store")
     @classmethod
     def _neutral(cls, v: Any, info) -> Any:
         if v not in _NEUTRAL[info.field_name]:
@@ -306,14 +389,22 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer
+    def _calls_when_made(self) -> dict[str, Any]:
+        out = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -325,20 +416,48 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call: the first has id, type and name (arguments ""), the next
+    ones the following pieces of the arguments."""
+
+    index: int = 0
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
     @model_serializer
     def _set_fields_only(self) -> dict[str, Any]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type=self.type)
+        out["function"] = {k: v for k, v in (("name", self.function.name), ("arguments", self.function.arguments))
+                           if v is not None}
+        return out
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, Any]:
+        out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = ("bindings.cpp", "kernels.cpp", "step.cpp")
-_HEADERS = ("kernels.h", "numeric.h", "pool.h", "step.h")
+_HEADERS = ("kernels.h", "numeric.h", "pool.h", "simd.h", "step.h")
 # Explicit ISA flags rather than -march=native: the cached library then runs on every AVX2
 # machine, even when the cache directory is shared between different CPUs.
 # -ffp-contract=off: no silent a*b+c -> fma, so quantize_q4 repeats the reference's roundings.

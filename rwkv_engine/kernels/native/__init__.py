@@ -66,6 +66,7 @@ _HERE = Path(__file__).parent
 _BINDING_SOURCES = ("bindings.cpp",)  # the torch extension, built with the baseline level's flags
 _KERNEL_SOURCES = ("kernels.cpp", "step.cpp", "api.cpp")  # one shared library per level
 _HEADERS = ("api.h", "kernels.h", "numeric.h", "pool.h", "simd.h", "step.h")
+_BINDING_HEADERS = ("api.h", "kernels.h", "step.h")  # what bindings.cpp includes
 # -ffp-contract=off: no silent a*b+c -> fma, so quantize_q4 repeats the reference's roundings
 # and every level rounds where the source says.
 _CFLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")
@@ -178,12 +179,12 @@ def _cache_dir() -> Path:
     return Path(cpp_extension._get_build_directory("rwkv_engine_native", False)).parent
 
 
-def _copy_sources(names, dest: Path) -> None:
+def _copy_sources(names, dest: Path, src: Path = _HERE) -> None:
     """The sources and headers into dest, so a build never names a checkout's own paths (two
     checkouts of the same sources then share one build instead of rebuilding each other's)."""
     dest.mkdir(parents=True, exist_ok=True)
     for n in names:
-        data = (_HERE / n).read_bytes()
+        data = (src / n).read_bytes()
         if not (dest / n).exists() or (dest / n).read_bytes() != data:
             tmp = dest / f".{n}.{os.getpid()}"
             tmp.write_bytes(data)
@@ -194,23 +195,24 @@ def _compiler_version(cxx: str) -> bytes:
     return subprocess.run([cxx, "--version"], capture_output=True, check=True).stdout
 
 
-def build_kernels(lv: Level | str, cxx: str | None = None, out_dir: Path | None = None) -> Path:
+def build_kernels(lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE) -> Path:
     """The kernel library of level `lv` (built with `cxx` unless cached): the path of its .so.
 
     Any level of any architecture can be built where a compiler for it is given (the tests build
     the ARM64 level with aarch64-linux-gnu-g++); a failed build raises RuntimeError with the
-    compiler's message."""
+    compiler's message. `src`: another copy of this directory (benchmarks/bench_kernels.py
+    --baseline builds a git revision's kernels)."""
     lv = level(lv) if isinstance(lv, str) else lv
     cxx = cxx or _compiler()
     srcs = _KERNEL_SOURCES + _HEADERS
     flags = _CFLAGS + lv.flags + ("-fPIC", "-shared", "-fvisibility=hidden", "-fno-gnu-unique")
-    key = _digest([(_HERE / s).read_bytes() for s in srcs] + [flags, _LDFLAGS, _compiler_version(cxx)])
+    key = _digest([(src / s).read_bytes() for s in srcs] + [flags, _LDFLAGS, _compiler_version(cxx)])
     out_dir = out_dir or _cache_dir() / "rwkv_engine_kernels"
     lib = out_dir / f"{lv.name}_{key}.so"
     if lib.exists():
         return lib
     src_dir = out_dir / f"src_{key}"
-    _copy_sources(srcs, src_dir)
+    _copy_sources(srcs, src_dir, src)
     fd, tmp = tempfile.mkstemp(prefix=f".{lv.name}_", suffix=".so", dir=out_dir)
     os.close(fd)
     cmd = [cxx, *flags, *[str(src_dir / s) for s in _KERNEL_SOURCES], "-o", tmp, *_LDFLAGS]
@@ -218,6 +220,7 @@ def build_kernels(lv: Level | str, cxx: str | None = None, out_dir: Path | None 
     if r.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"building the {lv.name} kernels failed:\n{' '.join(cmd)}\n{r.stderr.strip()[-3000:]}")
+    os.chmod(tmp, 0o755)
     os.replace(tmp, lib)  # atomic: a concurrent process sees the whole library or none
     return lib
 
@@ -225,7 +228,7 @@ def build_kernels(lv: Level | str, cxx: str | None = None, out_dir: Path | None 
 def _load_bindings(base: Level, verbose: bool):
     from torch.utils import cpp_extension
 
-    srcs = _BINDING_SOURCES + _HEADERS
+    srcs = _BINDING_SOURCES + _BINDING_HEADERS
     flags = _CFLAGS + base.flags
     name = "rwkv_engine_native_" + _digest([(_HERE / s).read_bytes() for s in srcs] + [flags, torch.__version__])
     build_dir = Path(cpp_extension._get_build_directory(name, verbose))

@@ -100,8 +100,9 @@ void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
 // same L1 sets, and the rows of an x tile would evict each other.
 constexpr int64_t padded_stride(int64_t K, int64_t line) { return (K + line - 1) / line * line + line; }
 
-// x [B, K] -> fp32 [B, padded_stride(K, 16)].
-std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K) {
+// x [B, K] -> fp32 [B, padded_stride(K, 16)]; with `bf16`, each full 16-column step in the order
+// of simd::bf16_step (a tail shorter than a step keeps its order).
+std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, bool bf16) {
   const int64_t Kx = padded_stride(K, 16);
   std::vector<float> xp(static_cast<size_t>(B * Kx));
   std::vector<float> buf(xt == DType::kF32 ? 0 : static_cast<size_t>(K));
@@ -111,7 +112,11 @@ std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K) {
       to_float(x, xt, b * K, K, buf.data());
       s = buf.data();
     }
-    std::copy(s, s + K, xp.data() + b * Kx);
+    float* d = xp.data() + b * Kx;
+    std::copy(s, s + K, d);
+    if (bf16)
+      for (int64_t k = 0; k + 16 <= K; k += 16)
+        for (int p = 0; p < 16; ++p) d[k + p] = s[k + simd::bf16_column(p)];
   }
   return xp;
 }
@@ -197,19 +202,19 @@ void run_tiled(const Kern& kern, int64_t r0, int64_t r1, int64_t N, const Out& y
 
 struct DenseF32 {
   using T = float;
-  static inline F load(const float* w) { return simd::load(w); }
+  static inline F load(const float* w, int h) { return simd::load(w + kW * h); }
   static inline float scalar(const float* w, int64_t k) { return w[k]; }
 };
 
 struct DenseBF16 {
   using T = uint16_t;
-  static inline F load(const uint16_t* w) { return simd::load_bf16(w); }
+  static inline F load(const uint16_t* w, int h) { return simd::bf16_step(w, h); }
   static inline float scalar(const uint16_t* w, int64_t k) { return bf16_to_float(w[k]); }
 };
 
 struct DenseF16 {
   using T = uint16_t;
-  static inline F load(const uint16_t* w) { return simd::load_f16(w); }
+  static inline F load(const uint16_t* w, int h) { return simd::load_f16(w + kW * h); }
   static inline float scalar(const uint16_t* w, int64_t k) { return half_to_float(w[k]); }
 };
 
@@ -247,7 +252,7 @@ struct DenseKernel {
       for (int h = 0; h < kVecs; ++h) {
         F w[R];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) w[r] = D::load(rows[r] + k + kW * h);
+        for (int r = 0; r < R; ++r) w[r] = D::load(rows[r] + k, h);
 #pragma GCC unroll 4
         for (int b = 0; b < Bt; ++b) {
           F xv = simd::load(x + b * Kx + k + kW * h);
@@ -555,7 +560,7 @@ Prepared prepare(const GemvCall& c, int64_t B) {
   Prepared p{&c, {}, {}, {}};
   switch (l.kind) {
     case Linear::Kind::kDense:
-      p.xp = prepare_x(c.x, c.xt, B, l.K);
+      p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16);
       break;
     case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
     default: {

@@ -195,27 +195,48 @@ def _compiler_version(cxx: str) -> bytes:
     return subprocess.run([cxx, "--version"], capture_output=True, check=True).stdout
 
 
-def build_kernels(lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE) -> Path:
-    """The kernel library of level `lv` (built with `cxx` unless cached): the path of its .so.
+def library_path(
+    lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE, selftest: bool = False
+) -> Path:
+    """Where build_kernels keeps the build of these arguments (its name holds the digest of the
+    sources, flags and compiler)."""
+    return _build_plan(lv, cxx, out_dir, src, selftest)[0]
+
+
+def _build_plan(lv, cxx, out_dir, src, selftest):
+    lv = level(lv) if isinstance(lv, str) else lv
+    cxx = cxx or _compiler()
+    if selftest:
+        sources = ("selftest.cpp",) + _KERNEL_SOURCES[:-1]  # without api.cpp
+        flags = _CFLAGS + lv.flags
+    else:
+        sources = _KERNEL_SOURCES
+        flags = _CFLAGS + lv.flags + ("-fPIC", "-shared", "-fvisibility=hidden", "-fno-gnu-unique")
+    key = _digest([(src / s).read_bytes() for s in sources + _HEADERS] + [flags, _LDFLAGS, _compiler_version(cxx)])
+    out_dir = out_dir or _cache_dir() / "rwkv_engine_kernels"
+    lib = out_dir / f"{lv.name}_{key}{'_selftest' if selftest else '.so'}"
+    return lib, lv, cxx, sources, flags, key, out_dir
+
+
+def build_kernels(
+    lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE, selftest: bool = False
+) -> Path:
+    """The kernel library of level `lv` (built with `cxx` unless cached): the path of its .so;
+    with `selftest`, the standalone test program of selftest.cpp instead.
 
     Any level of any architecture can be built where a compiler for it is given (the tests build
     the ARM64 level with aarch64-linux-gnu-g++); a failed build raises RuntimeError with the
     compiler's message. `src`: another copy of this directory (benchmarks/bench_kernels.py
     --baseline builds a git revision's kernels)."""
-    lv = level(lv) if isinstance(lv, str) else lv
-    cxx = cxx or _compiler()
-    srcs = _KERNEL_SOURCES + _HEADERS
-    flags = _CFLAGS + lv.flags + ("-fPIC", "-shared", "-fvisibility=hidden", "-fno-gnu-unique")
-    key = _digest([(src / s).read_bytes() for s in srcs] + [flags, _LDFLAGS, _compiler_version(cxx)])
-    out_dir = out_dir or _cache_dir() / "rwkv_engine_kernels"
-    lib = out_dir / f"{lv.name}_{key}.so"
+    lib, lv, cxx, sources, flags, key, out_dir = _build_plan(lv, cxx, out_dir, src, selftest)
     if lib.exists():
         return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
     src_dir = out_dir / f"src_{key}"
-    _copy_sources(srcs, src_dir, src)
-    fd, tmp = tempfile.mkstemp(prefix=f".{lv.name}_", suffix=".so", dir=out_dir)
+    _copy_sources(sources + _HEADERS, src_dir, src)
+    fd, tmp = tempfile.mkstemp(prefix=f".{lv.name}_", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, *flags, *[str(src_dir / s) for s in _KERNEL_SOURCES], "-o", tmp, *_LDFLAGS]
+    cmd = [cxx, *flags, *[str(src_dir / s) for s in sources], "-o", tmp, *_LDFLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)

@@ -51,8 +51,7 @@ def test_every_level_compiles(name):
     if shutil.which(cxx) is None:
         _note(name, f"compile skipped: no {cxx}")
         pytest.skip(f"{name}: no {cxx} on PATH (Debian: g++-{lv.arch.replace('_', '-')}-linux-gnu)")
-    assert native.build_kernels(lv, cxx=cxx).exists()
-    assert native.build_kernels(lv, cxx=cxx, selftest=True).exists()
+    assert native.build_kernels(lv, cxx=cxx).exists()  # (the ARM64 driver: test_arm64_kernels_under_qemu)
     _note(name, "compiled")
 
 

@@ -10,6 +10,8 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
 
     avx2     x86-64 with AVX2, FMA and F16C (Haswell, Zen 1 and later): the x86 baseline
     avx512   x86-64 with AVX-512 F/BW/VL/DQ (Skylake-SP, Ice Lake, Zen 4 and later)
+    avx512_vnni  avx512 + VNNI (vpdpwssd: the int8 / int4 kernels' int16 dot products in one
+             instruction; Cascade Lake, Ice Lake, Zen 4 and later)
     neon     ARM64 (Advanced SIMD is part of ARMv8-A: Apple Silicon, Graviton, phones)
 
 `RWKV_ENGINE_ISA=<level>` (read once, at the first load()) forces a lower level, for A/B runs
@@ -85,10 +87,13 @@ class Level:
 
 
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 LEVELS = (  # per architecture, lowest first
     Level("avx2", "x86_64", _AVX2, frozenset({"avx2", "fma", "f16c"})),
-    Level("avx512", "x86_64", _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+    Level("avx512", "x86_64", _AVX2 + _AVX512,
           frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    Level("avx512_vnni", "x86_64", _AVX2 + _AVX512 + ("-mavx512vnni",),
+          frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})),
     Level("neon", "aarch64", ("-march=armv8-a",), frozenset()),
 )
 

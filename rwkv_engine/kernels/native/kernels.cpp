@@ -409,19 +409,20 @@ struct IntKernel {
 #pragma GCC unroll 8
         for (int b = 0; b < Bt; ++b) {
           const int16_t* xb = xq[b] + c * 64;
+          const F d = simd::set1(dx[b][c]);
           simd::I32 lo = simd::madd(w[0], simd::load_i16(xb));
 #pragma GCC unroll 4
-          for (int h = 1; h < kPieces / 2; ++h) lo = simd::add_i(lo, simd::madd(w[h], simd::load_i16(xb + h * simd::kW16)));
-          simd::I32 hi = simd::madd(w[kPieces / 2], simd::load_i16(xb + kPieces / 2 * simd::kW16));
+          for (int h = 1; h < kPieces / 2; ++h) lo = simd::madd_add(lo, w[h], simd::load_i16(xb + h * simd::kW16));
+          if (fm.split) {  // the halves' sums apart
+            simd::I32 hi = simd::madd(w[kPieces / 2], simd::load_i16(xb + kPieces / 2 * simd::kW16));
 #pragma GCC unroll 4
-          for (int h = kPieces / 2 + 1; h < kPieces; ++h)
-            hi = simd::add_i(hi, simd::madd(w[h], simd::load_i16(xb + h * simd::kW16)));
-          const F d = simd::set1(dx[b][c]);
-          if (fm.split) {
+            for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = simd::madd_add(hi, w[h], simd::load_i16(xb + h * simd::kW16));
             fa[r][b] = simd::fma(simd::mul(simd::to_float(lo), d), s0, fa[r][b]);
             fa[r][b] = simd::fma(simd::mul(simd::to_float(hi), d), s1, fa[r][b]);
-          } else {
-            fa[r][b] = simd::fma(simd::mul(simd::to_float(simd::add_i(lo, hi)), d), s0, fa[r][b]);
+          } else {  // one exact int32 sum (the order of integer adds does not matter)
+#pragma GCC unroll 4
+            for (int h = kPieces / 2; h < kPieces; ++h) lo = simd::madd_add(lo, w[h], simd::load_i16(xb + h * simd::kW16));
+            fa[r][b] = simd::fma(simd::mul(simd::to_float(lo), d), s0, fa[r][b]);
           }
         }
       }

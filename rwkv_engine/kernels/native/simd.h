@@ -4,6 +4,7 @@
 //   level    flags (see kernels/native/__init__.py)                 F (fp32 lanes)  I16 lanes
 //   avx2     -mavx2 -mfma -mf16c                                      8               16
 //   avx512   + -mavx512f -mavx512bw -mavx512vl -mavx512dq            16               32
+//   avx512_vnni  + -mavx512vnni (vpdpwssd: madd_add in one instruction) 16             32
 //   neon     aarch64 (Advanced SIMD is part of ARMv8-A)               4                8
 //
 // The level is chosen by the compiler flags (the predefined __AVX512BW__ / __AVX2__ /
@@ -33,7 +34,13 @@
 
 namespace rwkv_native::simd {
 
-#if defined(RWKV_SIMD_AVX512)
+#if defined(RWKV_SIMD_AVX512) && defined(__AVX512VNNI__)
+inline constexpr const char* kLevel = "avx512_vnni";
+inline constexpr int kW = 16;
+using F = __m512;
+using I32 = __m512i;
+using I16 = __m512i;
+#elif defined(RWKV_SIMD_AVX512)
 inline constexpr const char* kLevel = "avx512";
 inline constexpr int kW = 16;
 using F = __m512;
@@ -94,6 +101,14 @@ inline I16 load_i8(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_s
 // Lane l: a[2l] * b[2l] + a[2l+1] * b[2l+1], exact in int32.
 inline I32 madd(I16 a, I16 b) { return _mm512_madd_epi16(a, b); }
 inline I32 add_i(I32 a, I32 b) { return _mm512_add_epi32(a, b); }
+// acc + madd(a, b).
+inline I32 madd_add(I32 acc, I16 a, I16 b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return add_i(acc, madd(a, b));
+#endif
+}
 inline F to_float(I32 v) { return _mm512_cvtepi32_ps(v); }
 // int4 piece h (0 .. 64 / kW16) of a 32-byte chunk of 64 codes: see q4_column. The 32 bytes
 // widened to 16 bits: piece 0 holds the low nibbles (even columns), piece 1 the high ones (odd).
@@ -133,6 +148,7 @@ inline I16 load_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_ca
 inline I16 load_i8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline I32 madd(I16 a, I16 b) { return _mm256_madd_epi16(a, b); }
 inline I32 add_i(I32 a, I32 b) { return _mm256_add_epi32(a, b); }
+inline I32 madd_add(I32 acc, I16 a, I16 b) { return add_i(acc, madd(a, b)); }
 inline F to_float(I32 v) { return _mm256_cvtepi32_ps(v); }
 // Lane j of the 32 bytes as sixteen 16-bit lanes holds the codes of columns 4j .. 4j+3; piece h
 // is nibble h of every lane.
@@ -175,6 +191,7 @@ inline I32 madd(I16 a, I16 b) {
   return vpaddq_s32(vmull_s16(vget_low_s16(a), vget_low_s16(b)), vmull_high_s16(a, b));
 }
 inline I32 add_i(I32 a, I32 b) { return vaddq_s32(a, b); }
+inline I32 madd_add(I32 acc, I16 a, I16 b) { return add_i(acc, madd(a, b)); }
 inline F to_float(I32 v) { return vcvtq_f32_s32(v); }
 // The 32 bytes as sixteen 16-bit lanes j (codes of columns 4j .. 4j+3); piece h is nibble h % 4
 // of lanes 0-3 and 8-11 (h < 4) or of lanes 4-7 and 12-15, so that int32 lanes 0-1 of every

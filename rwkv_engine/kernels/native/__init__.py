@@ -216,7 +216,7 @@ def _build_plan(lv, cxx, out_dir, src, selftest):
         flags = _CFLAGS + lv.flags
     else:
         sources = _KERNEL_SOURCES
-        flags = _CFLAGS + lv.flags + ("-fPIC", "-shared", "-fvisibility=hidden", "-fno-gnu-unique")
+        flags = _CFLAGS + lv.flags + ("-fPIC", "-shared", "-fvisibility=hidden")
     key = _digest([(src / s).read_bytes() for s in sources + _HEADERS] + [flags, _LDFLAGS, _compiler_version(cxx)])
     out_dir = out_dir or _cache_dir() / "rwkv_engine_kernels"
     lib = out_dir / f"{lv.name}_{key}{'_selftest' if selftest else '.so'}"

@@ -34,14 +34,12 @@
 
 namespace rwkv_native::simd {
 
-#if defined(RWKV_SIMD_AVX512) && defined(__AVX512VNNI__)
+#if defined(RWKV_SIMD_AVX512)
+#if defined(__AVX512VNNI__)
 inline constexpr const char* kLevel = "avx512_vnni";
-inline constexpr int kW = 16;
-using F = __m512;
-using I32 = __m512i;
-using I16 = __m512i;
-#elif defined(RWKV_SIMD_AVX512)
+#else
 inline constexpr const char* kLevel = "avx512";
+#endif
 inline constexpr int kW = 16;
 using F = __m512;
 using I32 = __m512i;

@@ -4,6 +4,7 @@
     python benchmarks/bench_kernels.py --quick         # decode only, fewer rounds, no 65536-row head
     python benchmarks/bench_kernels.py --only errors   # quantization error table only
     python benchmarks/bench_kernels.py --only batch --baseline HEAD~3   # batched GEMVs, new vs old
+    python benchmarks/bench_kernels.py --only batch --baseline isa:avx2 # the ISA level in use vs AVX2
 
 Decode (one token, x [1, K]): for each layer shape of the RWKV-5 World 1.5B model and each weight
 format, the torch peer and our kernel run in alternating rounds over enough copies of the
@@ -20,8 +21,9 @@ the quantized modules against torch's dense and packed GEMMs.
 
 Batch (`--only batch`): our GEMV for x [B, K], B = 1, 4, 8, per shape and format, as GMAC/s
 (B * N * K multiply-adds per call) and GB/s of weights read; with `--baseline REV` the kernels of
-git revision REV are built as a second extension and timed in alternating rounds in the same
-process (ratio = baseline time / our time).
+git revision REV (or, with `isa:LEVEL`, of this tree at another ISA level) are built beside ours
+and timed in alternating rounds in the same process (ratio = baseline time / our time). The ISA
+level in use is printed first (RWKV_ENGINE_ISA picks another).
 
 Machines are shared and noisy: read the ratios, not the absolute numbers.
 """
@@ -196,25 +198,45 @@ def bench_decode(ops, formats, shapes, rounds, batch=1):
     return times
 
 
-def load_baseline(rev: str):
-    """The native kernels as of git revision `rev`, built as a separate extension (own name, so it
-    loads beside the current one)."""
-    from torch.utils import cpp_extension
+class AtLevel:
+    """The kernel module with the kernels of one library: each attribute access switches to them
+    first (a baseline and ours may share one bindings module; a switch costs microseconds)."""
 
+    def __init__(self, ops, lib: Path):
+        self.ops, self.lib = ops, str(lib)
+
+    def __getattr__(self, name):
+        self.ops.use_kernels(self.lib)
+        return getattr(self.ops, name)
+
+
+def load_baseline(spec: str, ops):
+    """(baseline, ours) for --baseline: `isa:LEVEL` is this tree's kernels at another ISA level;
+    anything else a git revision, whose kernels are built beside ours (at the level in use when
+    the revision has ISA levels, else as its own extension with the AVX2 flags)."""
+    ours = AtLevel(ops, native.build_kernels(ops.isa()))
+    if spec.startswith("isa:"):
+        return AtLevel(ops, native.build_kernels(spec[4:])), ours
     root = Path(__file__).resolve().parents[1]
     sub = "rwkv_engine/kernels/native"
-    files = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{sub}"], cwd=root, check=True,
+    files = subprocess.run(["git", "ls-tree", "--name-only", f"{spec}:{sub}"], cwd=root, check=True,
                            capture_output=True, text=True).stdout.split()
-    srcs = {f: subprocess.run(["git", "show", f"{rev}:{sub}/{f}"], cwd=root, check=True,
+    srcs = {f: subprocess.run(["git", "show", f"{spec}:{sub}/{f}"], cwd=root, check=True,
                               capture_output=True).stdout for f in files if f.endswith((".cpp", ".h"))}
     h = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(srcs.items()))).hexdigest()[:12]
     d = Path(tempfile.gettempdir()) / f"rwkv_engine_native_base_{h}"
     d.mkdir(exist_ok=True)
     for f, b in srcs.items():
         (d / f).write_bytes(b)
-    return cpp_extension.load(name=f"rwkv_engine_native_base_{h}",
+    if "api.h" in srcs:
+        return AtLevel(ops, native.build_kernels(ops.isa(), src=d)), ours
+    from torch.utils import cpp_extension
+
+    base = cpp_extension.load(name=f"rwkv_engine_native_base_{h}",
                               sources=[str(d / f) for f in srcs if f.endswith(".cpp")],
-                              extra_cflags=list(native._CFLAGS), extra_ldflags=list(native._LDFLAGS))
+                              extra_cflags=list(native._CFLAGS) + list(native.level("avx2").flags),
+                              extra_ldflags=list(native._LDFLAGS))
+    return base, ours
 
 
 BATCH_FORMATS = "fp32,bf16,int8g64,int4g32"
@@ -408,7 +430,8 @@ def main(argv=None):
                     f"{BATCH_FORMATS} for batch)")
     ap.add_argument("--batch", type=int, default=1, help="rows of x in the decode table")
     ap.add_argument("--batches", default="1,4,8", help="rows of x in the batch table")
-    ap.add_argument("--baseline", metavar="REV", help="batch table: also time the kernels of this git revision")
+    ap.add_argument("--baseline", metavar="REV", help="batch table: also time the kernels of this git revision, "
+                    "or of this tree at another ISA level (isa:avx2)")
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--only", default=",".join(s for s in SECTIONS if s != "batch"),
                     help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch)")
@@ -418,7 +441,8 @@ def main(argv=None):
     if ops is None:
         print("native kernels unavailable on this machine (see the log); nothing to compare")
         return 1
-    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"native ISA level {ops.isa()}")
     rounds = 10 if args.quick else args.rounds
     only = set(filter(None, args.only.split(",")))
     if not only <= set(SECTIONS):
@@ -429,8 +453,8 @@ def main(argv=None):
     _warm_up(ops)
     if "batch" in only:
         fmts = args.formats.split(",") if args.formats_given else BATCH_FORMATS.split(",")
-        base = load_baseline(args.baseline) if args.baseline else None
-        bench_batch(ops, base, fmts, shapes, [int(b) for b in args.batches.split(",")], rounds)
+        base, ours = load_baseline(args.baseline, ops) if args.baseline else (None, ops)
+        bench_batch(ours, base, fmts, shapes, [int(b) for b in args.batches.split(",")], rounds)
     if "decode" in only:
         times = bench_decode(ops, formats, shapes, rounds, args.batch)
         if args.batch == 1:

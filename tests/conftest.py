@@ -46,3 +46,15 @@ def make_pth(ckpt_dir):
         return cache[key]
 
     return make
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which native ISA levels were compiled and run, and which were skipped and why."""
+    import sys
+
+    isa = sys.modules.get(f"{__package__}.test_native_isa")
+    if isa is None or not isa.REPORT:
+        return
+    terminalreporter.section("native kernels by ISA level")
+    for name, notes in isa.REPORT.items():
+        terminalreporter.write_line(f"{name}: {'; '.join(dict.fromkeys(notes))}")

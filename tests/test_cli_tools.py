@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import torch
 
 import rwkv_engine
 from rwkv_engine import testing
+from rwkv_engine.kernels import native
 
 
 def _run(*args):
@@ -31,6 +33,15 @@ def test_bench_json(world_model):
                 "memory_read_gb_s", "decode_bound_tok_s"):
         assert r[key] > 0, key
     assert r["quantization"] == "q8" and r["batch"] == 2 and r["version"] == "5.2"
+    assert r["isa"] == native.isa()  # the ISA level of the native kernels (None: PyTorch paths)
+    # the level forced by RWKV_ENGINE_ISA, in the text report too
+    lowest = native.supported_levels()[0][0].name if native.isa() else "none"
+    env = dict(os.environ, RWKV_ENGINE_ISA=lowest)
+    out = subprocess.run([sys.executable, "-m", "rwkv_engine", "bench", str(world_model), "--prompt-len", "8",
+                          "--decode-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("native kernels"))
+    assert line.split()[2] == (lowest if lowest != "none" else "off"), line
 
 
 def test_bench_rejects_bad_values(world_model):

@@ -5,7 +5,8 @@ decode then feeds one token per row per step from that state and reports the med
 token ids are fixed pseudo-random ids, so runs are comparable. Decode is memory-bound: every
 step reads every weight but the embedding once, so bytes per step x steps per second is the
 memory bandwidth the run achieved. Beside it, bench measures what this machine's memory delivers
-to a plain streaming read on the same threads (a 256 MB fp32 sum, best of 5) and prints the
+to a plain streaming read on the same threads (an fp32 sum of at least 256 MB and 16 times the
+last-level cache, median of 7 passes) and prints the
 decode speed that bandwidth allows at batch 1: the ceiling no engine passes on this machine.
 """
 
@@ -16,6 +17,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from ..errors import InputError
 from . import common
@@ -87,18 +89,33 @@ def measure(model, prompt_len: int, decode_tokens: int, batch: int, repeats: int
     }
 
 
-def read_bandwidth_gb_s(megabytes: int = 256, repeats: int = 5) -> float:
-    """GB/s of a streaming read of a buffer far larger than the caches (torch's sum, all threads)."""
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (Linux sysfs; 32 MB where unknown)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError):
+            pass
+    return max(sizes, default=32 * 2**20)
+
+
+def read_bandwidth_gb_s(repeats: int = 7) -> float:
+    """GB/s of a streaming read (torch's sum, all threads) of a buffer at least 16 times the last
+    level cache and 256 MB, so that no pass is served from the cache: the median of `repeats`
+    passes (a shared machine's passes vary; the median is stable where the best is not)."""
     import torch
 
-    buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    nbytes = max(256 * 2**20, 16 * last_level_cache_bytes())
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t = time.perf_counter()
         buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best / 1e9
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
 
 
 def peak_rss_mb() -> float:
@@ -126,6 +143,9 @@ def run(args) -> int:
     load_s = time.perf_counter() - t0
     r = measure(model, args.prompt_len, args.decode_tokens, args.batch, args.repeats)
     rss = peak_rss_mb()  # before the bandwidth probe's buffer
+    from ..kernels import native
+
+    isa = native.isa()
     read_bw = read_bandwidth_gb_s()
     c = model.config
     result = {
@@ -137,6 +157,7 @@ def run(args) -> int:
         "quantization": getattr(getattr(model, "quantization", None), "name", None),
         "device": str(model.device),
         "threads": torch.get_num_threads(),
+        "isa": isa,  # the native kernels' ISA level; None: the PyTorch paths
         "batch": args.batch,
         "prompt_len": args.prompt_len,
         "load_s": round(load_s, 3),
@@ -154,6 +175,7 @@ def run(args) -> int:
         return 0
     print(f"model           {result['model']} (RWKV-{c.version}, {c.n_layer} x {c.n_embd}, "
           f"{result['dtype']}, quantization {result['quantization']}, {result['device']}, {result['threads']} threads)")
+    print(f"native kernels  {isa or 'off (PyTorch paths)'}" + (f" (ISA level; {native.ENV} picks another)" if isa else ""))
     print(f"load            {result['load_s']:.2f} s")
     print(f"prefill         {result['prefill_tok_s']:.1f} tok/s ({args.batch} x {args.prompt_len} tokens)")
     print(f"decode          {result['decode_tok_s']:.2f} tok/s (batch {args.batch}, median step {result['decode_step_ms']:.1f} ms)")

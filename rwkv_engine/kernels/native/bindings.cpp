@@ -1,21 +1,47 @@
-// Python bindings of the native kernels: check the tensors, allocate the output, call kernels.cpp.
+// Python bindings of the native kernels: check the tensors, allocate the output, call the kernels
+// of the ISA level in use (a shared library built per level, loaded with use_kernels; api.h).
 // Only light torch headers (the full torch/extension.h takes over a minute to compile).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <dlfcn.h>
+
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "kernels.h"
-#include "step.h"
+#include "api.h"
 
 namespace {
 
 using rwkv_native::DType;
+
+// The kernels in use: the table of the library that use_kernels loaded last.
+const rwkv_native::Api* g_api = nullptr;
+
+const rwkv_native::Api& api() {
+  TORCH_CHECK(g_api != nullptr, "no native kernel library loaded (use_kernels)");
+  return *g_api;
+}
+
+// Loads a kernel library (never unloaded: a DecodePlan or a helper thread may still use it) and
+// makes its kernels the ones every call uses; returns its ISA level.
+std::string use_kernels(const std::string& path) {
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(h != nullptr, "cannot load ", path, ": ", dlerror());
+  auto get = reinterpret_cast<const rwkv_native::Api* (*)()>(dlsym(h, "rwkv_native_api"));
+  TORCH_CHECK(get != nullptr, path, " is not a kernel library (no rwkv_native_api)");
+  const rwkv_native::Api* a = get();
+  TORCH_CHECK(a->version == rwkv_native::kApiVersion && a->size == static_cast<int>(sizeof(rwkv_native::Api)),
+              path, " was built for another version of the bindings");
+  g_api = a;
+  return a->level;
+}
+
+std::string isa() { return api().level; }
 
 DType dtype_of(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
@@ -60,7 +86,7 @@ at::Tensor gemv_dense(const at::Tensor& x, const at::Tensor& w) {
   check_x(x, K);
   const DType wt = dtype_of(w, "w"), xt = dtype_of(x, "x");
   at::Tensor y = at::empty({B, N}, x.options());
-  rwkv_native::gemv_dense(w.data_ptr(), wt, N, K, x.data_ptr(), xt, B, y.data_ptr());
+  api().gemv_dense(w.data_ptr(), wt, N, K, x.data_ptr(), xt, B, y.data_ptr());
   return y;
 }
 
@@ -78,7 +104,7 @@ at::Tensor gemv_q8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   check_x(x, K);
   const DType xt = dtype_of(x, "x");
   at::Tensor y = at::empty({B, N}, x.options());
-  rwkv_native::gemv_q8(q.data_ptr<int8_t>(), u16(scales), col_scales_ptr(col_scales, K), N, K, G,
+  api().gemv_q8(q.data_ptr<int8_t>(), u16(scales), col_scales_ptr(col_scales, K), N, K, G,
                        x.data_ptr(), xt, B, y.data_ptr());
   return y;
 }
@@ -104,7 +130,7 @@ at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   check_x(x, K);
   const DType xt = dtype_of(x, "x");
   at::Tensor y = at::empty({B, N}, x.options());
-  rwkv_native::gemv_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), col_scales_ptr(col_scales, K), N, K, G,
+  api().gemv_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), col_scales_ptr(col_scales, K), N, K, G,
                        x.data_ptr(), xt, B, y.data_ptr());
   return y;
 }
@@ -135,7 +161,7 @@ at::Tensor dequant_q8(const at::Tensor& q, const at::Tensor& scales, int64_t r0,
   TORCH_CHECK(G >= 1 && K % G == 0, "the number of groups must divide K");
   check_rows(r0, r1, q.size(0));
   at::Tensor out = tile_out(q, r1 - r0, K, dtype, out_opt);
-  rwkv_native::dequant_q8(q.data_ptr<int8_t>(), u16(scales), K, G, r0, r1, out.data_ptr(),
+  api().dequant_q8(q.data_ptr<int8_t>(), u16(scales), K, G, r0, r1, out.data_ptr(),
                           dtype_of(dtype));
   return out;
 }
@@ -146,7 +172,7 @@ at::Tensor dequant_q4(const at::Tensor& q, const at::Tensor& scales, const at::T
   const int64_t K = 2 * q.size(1), G = scales.size(1);
   check_rows(r0, r1, q.size(0));
   at::Tensor out = tile_out(q, r1 - r0, K, dtype, out_opt);
-  rwkv_native::dequant_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), K, G, r0, r1, out.data_ptr(),
+  api().dequant_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), K, G, r0, r1, out.data_ptr(),
                           dtype_of(dtype));
   return out;
 }
@@ -165,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q4(const at::Tensor& w, 
   at::Tensor q = at::empty({N, K / 2}, w.options().dtype(at::kByte));
   at::Tensor s = at::empty({N, K / group_size}, w.options().dtype(at::kHalf));
   at::Tensor z = at::empty({N, K / group_size}, w.options().dtype(at::kHalf));
-  rwkv_native::quantize_q4(w.data_ptr(), wt, col_scales_ptr(col_scales, K), N, K, group_size, sh.data(), static_cast<int>(sh.size()),
+  api().quantize_q4(w.data_ptr(), wt, col_scales_ptr(col_scales, K), N, K, group_size, sh.data(), static_cast<int>(sh.size()),
                            q.data_ptr<uint8_t>(), static_cast<uint16_t*>(s.data_ptr()),
                            static_cast<uint16_t*>(z.data_ptr()));
   return {q, s, z};
@@ -225,7 +251,7 @@ class DecodePlan {
     float* lp = logits.data_ptr<float>();
     {
       py::gil_scoped_release nogil;
-      rwkv_native::decode_step(p_, B, xp, st, lp);
+      api().decode_step(p_, B, xp, st, lp);
     }
     return logits;
   }
@@ -367,6 +393,9 @@ class DecodePlan {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rwkv_engine native CPU kernels (AVX2/FMA/F16C GEMV and dequantization)";
+  m.def("use_kernels", &use_kernels, py::arg("path"),
+        "load the kernel library at `path` (built for one ISA level) and use it from now on; returns its level");
+  m.def("isa", &isa, "the ISA level of the kernels in use");
   m.def("gemv_dense", &gemv_dense, "y[B,N] = x[B,K] @ w[N,K]^T, w fp32/bf16/fp16; y in x's dtype");
   m.def("gemv_q8", &gemv_q8,
         "y = x @ (qweight * scales * col_scales)^T; qweight int8 [N,K], scales fp32 [N,G], col_scales fp16 [K] or None",

@@ -1,4 +1,5 @@
-// CPU kernels for weight-only quantized and 16-bit linear layers (x86-64, AVX2 + FMA + F16C).
+// CPU kernels for weight-only quantized and 16-bit linear layers, written once on the SIMD layer
+// of simd.h and compiled once per ISA level (AVX2, AVX-512, NEON).
 //
 // GEMV: y[b, n] = sum_k x[b, k] * W[n, k] for a short batch x [B, K] (8 rows of x per pass over
 // W) and a weight W [N, K] stored as fp32 / bf16 / fp16, int8 with fp32 scales, or packed int4
@@ -9,11 +10,11 @@
 // Decode reads every weight once per token: one row of x is memory-bound, and the aim is to keep
 // the unpacking cheaper than the memory stream; a batch of rows of x uses each weight B times,
 // and the aim is to keep the multiply pipes busy (see the tiled driver below).
-//   * Dense weights: x is converted to fp32 once per call (for bf16, permuted to match the even /
-//     odd split that a shift and a mask give), then FMAs.
+//   * Dense weights: x is converted to fp32 once per call, then FMAs.
 //   * int8 / int4: x is rounded to int16 per 64 columns and the products are summed exactly in
-//     int32 with vpmaddwd (16 per instruction); for int4, x is permuted so that `>> 4t & 15`
-//     puts the codes in the right lanes (no shuffles in the inner loop).
+//     int32 with simd::madd (vpmaddwd: 16 per instruction on AVX2, 32 on AVX-512); for int4, x
+//     is permuted (simd::q4_column) so that a shift and a mask put the codes in the right lanes
+//     (no shuffles in the inner loop).
 //   * Blocks of R weight rows x Bt rows of x share their loads; per-chunk / per-group partial
 //     sums are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
 //   * The next block of rows is prefetched while the current one is read (short quantized rows,
@@ -24,8 +25,8 @@
 #include "kernels.h"
 #include "numeric.h"
 #include "pool.h"
+#include "simd.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -36,17 +37,11 @@
 namespace rwkv_native {
 namespace {
 
+using simd::F;
+using simd::kW;
+
 constexpr int kMaxB = 8;                   // rows of x per pass over the weights
 constexpr int64_t kMinParallel = 1 << 16;  // weights below which one thread does the whole call
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v);
-  __m128 hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
 
 inline float load_elem(const void* p, DType t, int64_t i) {
   switch (t) {
@@ -64,19 +59,12 @@ inline void store_elem(void* p, DType t, int64_t i, float v) {
   }
 }
 
-// Pins v to a register at this point of the instruction stream. Without it GCC folds a shared x
-// load into every FMA that uses it (R loads instead of one: the dense kernel became load-bound).
-template <typename V>
-inline void keep(V& v) {
-  __asm__("" : "+x"(v));
-}
-
 inline size_t elem_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // `bytes` bytes at `consumed` bytes into next_block, into L1.
 inline void prefetch_next(const void* next_block, int64_t consumed, int64_t bytes) {
   const char* p = static_cast<const char*>(next_block) + consumed;
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+  for (int64_t i = 0; i < bytes; i += 64) simd::prefetch(p + i);
 }
 
 // The output y [B, N] in x's dtype, written one value at a time (B*N stores per call, so the
@@ -100,27 +88,21 @@ void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
   }
   const uint16_t* s = static_cast<const uint16_t*>(x) + off;
   if (xt == DType::kBF16) {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-      _mm256_storeu_ps(d + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-    }
+    for (; i + kW <= n; i += kW) simd::store(d + i, simd::load_bf16(s + i));
   } else {
-    for (; i + 8 <= n; i += 8)
-      _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
+    for (; i + kW <= n; i += kW) simd::store(d + i, simd::load_f16(s + i));
   }
   for (; i < n; ++i) d[i] = load_elem(x, xt, off + i);
 }
-
-enum class Perm { kNone, kBF16, kQ4 };
 
 // Row stride of a prepared x [B, K] with `line` elements per 64-byte cache line: K rounded up
 // to whole lines, plus one: rows a multiple of 4 KB apart (K = 2048, 7168) would fall into the
 // same L1 sets, and the rows of an x tile would evict each other.
 constexpr int64_t padded_stride(int64_t K, int64_t line) { return (K + line - 1) / line * line + line; }
 
-// x [B, K] -> fp32 [B, padded_stride(K, 16)]. Full chunks are permuted; a tail shorter than a
-// chunk keeps its order.
-std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, Perm perm) {
+// x [B, K] -> fp32 [B, padded_stride(K, 16)]; with `bf16`, each full 16-column step in the order
+// of simd::bf16_step (a tail shorter than a step keeps its order).
+std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, bool bf16) {
   const int64_t Kx = padded_stride(K, 16);
   std::vector<float> xp(static_cast<size_t>(B * Kx));
   std::vector<float> buf(xt == DType::kF32 ? 0 : static_cast<size_t>(K));
@@ -131,24 +113,10 @@ std::vector<float> prepare_x(const void* x, DType xt, int64_t B, int64_t K, Perm
       s = buf.data();
     }
     float* d = xp.data() + b * Kx;
-    int64_t k = 0;
-    if (perm == Perm::kBF16) {
-      // 16 bf16 weights = eight 32-bit lanes; lane j holds columns 2j (low half) and 2j+1 (high):
-      // the even columns, then the odd. shufps picks them within 128-bit halves (columns 0 2 8 10
-      // | 4 6 12 14), then the 64-bit quarters are put in order.
-      for (; k + 16 <= K; k += 16) {
-        const __m256 lo = _mm256_loadu_ps(s + k), hi = _mm256_loadu_ps(s + k + 8);
-        const __m256 even = _mm256_shuffle_ps(lo, hi, 0x88), odd = _mm256_shuffle_ps(lo, hi, 0xDD);
-        _mm256_storeu_ps(d + k, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
-        _mm256_storeu_ps(d + k + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
-      }
-    } else if (perm == Perm::kQ4) {
-      // 64 int4 codes = eight 32-bit lanes; lane j holds columns 8j..8j+7, nibble t = column 8j+t.
-      for (; k + 64 <= K; k += 64)
-        for (int t = 0; t < 8; ++t)
-          for (int j = 0; j < 8; ++j) d[k + 8 * t + j] = s[k + 8 * j + t];
-    }
-    for (; k < K; ++k) d[k] = s[k];
+    std::copy(s, s + K, d);
+    if (bf16)
+      for (int64_t k = 0; k + 16 <= K; k += 16)
+        for (int p = 0; p < 16; ++p) d[k + p] = s[k + simd::bf16_column(p)];
   }
   return xp;
 }
@@ -206,15 +174,15 @@ void run_tiled(const Kern& kern, int64_t r0, int64_t r1, int64_t N, const Out& y
   // hardware prefetcher. With B = 1 only for the short rows of the quantized formats (see
   // kPrefetchMaxRow).
   const bool pf = B > 1 || kern.prefetch_alone();
-  alignas(32) __m256 acc[kPanel * B];  // [panel row][b]
+  alignas(64) F acc[kPanel * B];  // [panel row][b]
   for (int64_t p0 = r0; p0 < r1; p0 += kPanel) {
     const int64_t p1 = std::min(r1, p0 + kPanel);
-    for (int64_t i = 0; i < (p1 - p0) * B; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < (p1 - p0) * B; ++i) acc[i] = simd::zero();
     for (int64_t s0 = 0; s0 < steps; s0 += tile) {
       const int64_t s1 = std::min(steps, s0 + tile);
       // All B rows of x against weight rows n..n+Rr, in groups of Bt rows of x.
       auto block = [&]<int Rr>(int64_t n) {
-        __m256* a = acc + (n - p0) * B;
+        F* a = acc + (n - p0) * B;
         for (int b = 0; b + Bt <= B; b += Bt) kern.template tile<Rr, Bt>(n, b, s0, s1, a + b, B, b == 0 && pf);
         if constexpr (B % Bt != 0)
           kern.template tile<Rr, B % Bt>(n, B - B % Bt, s0, s1, a + B - B % Bt, B, false);
@@ -224,38 +192,29 @@ void run_tiled(const Kern& kern, int64_t r0, int64_t r1, int64_t N, const Out& y
       for (; n < p1; ++n) block.template operator()<1>(n);
     }
     for (int64_t n = p0; n < p1; ++n)
-      for (int b = 0; b < B; ++b) y.put(b * N + n, kern.finish(n, b, hsum(acc[(n - p0) * B + b])));
+      for (int b = 0; b < B; ++b) y.put(b * N + n, kern.finish(n, b, simd::hsum(acc[(n - p0) * B + b])));
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dense weights: fp32, bf16, fp16. A step is 16 columns, decoded as two fp32 vectors (h = 0, 1)
-// that line up with xp[k .. k+8) and xp[k+8 .. k+16).
+// Dense weights: fp32, bf16, fp16. A step is 16 columns, decoded as 16 / kW fp32 vectors
+// (h = 0 ..) that line up with xp[k + kW h .. k + kW (h + 1)).
 
 struct DenseF32 {
   using T = float;
-  static constexpr Perm perm = Perm::kNone;
-  static inline __m256 load(const float* w, int h) { return _mm256_loadu_ps(w + 8 * h); }
+  static inline F load(const float* w, int h) { return simd::load(w + kW * h); }
   static inline float scalar(const float* w, int64_t k) { return w[k]; }
 };
 
 struct DenseBF16 {
   using T = uint16_t;
-  static constexpr Perm perm = Perm::kBF16;
-  static inline __m256 load(const uint16_t* w, int h) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(v, 16)                                // even columns
-                                      : _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000u)));  // odd columns
-  }
+  static inline F load(const uint16_t* w, int h) { return simd::bf16_step(w, h); }
   static inline float scalar(const uint16_t* w, int64_t k) { return bf16_to_float(w[k]); }
 };
 
 struct DenseF16 {
   using T = uint16_t;
-  static constexpr Perm perm = Perm::kNone;
-  static inline __m256 load(const uint16_t* w, int h) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 8 * h)));
-  }
+  static inline F load(const uint16_t* w, int h) { return simd::load_f16(w + kW * h); }
   static inline float scalar(const uint16_t* w, int64_t k) { return half_to_float(w[k]); }
 };
 
@@ -263,11 +222,12 @@ struct DenseF16 {
 template <typename D>
 struct DenseKernel {
   static constexpr int64_t kStepBytes = 16 * 4;  // prepared x per step and row of x
-  // Accumulators R x Bt + R weights + one x vector (+ the bf16 mask) within the 16 registers:
-  // measured in L1, 8 rows of x at R x Bt = 2 x 4 or 3 x 3: 13-14 multiply-adds per cycle (peak
-  // 16), 3 x 4 (spills): 10-11. B = 1 is memory-bound: eight rows keep enough loads in flight.
+  // Accumulators R x Bt + R weights + one x vector within the 16 registers of AVX2: measured in
+  // L1, 8 rows of x at R x Bt = 2 x 4 or 3 x 3: 13-14 multiply-adds per cycle (peak 16), 3 x 4
+  // (spills): 10-11. B = 1 is memory-bound: eight rows keep enough loads in flight.
   template <int B> static constexpr int kRows = B == 1 ? 8 : B == 2 ? 4 : B == 3 ? 3 : 2;
   template <int B> static constexpr int kXRows = B <= 4 ? B : 4;
+  static constexpr int kVecs = 16 / kW;  // vectors per step
 
   const typename D::T* W;
   int64_t K;
@@ -278,8 +238,8 @@ struct DenseKernel {
   bool prefetch_alone() const { return false; }  // long rows stream well alone
 
   template <int R, int Bt>
-  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, __m256* acc, int stride, bool pf) const {
-    __m256 a[R][Bt];
+  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, F* acc, int stride, bool pf) const {
+    F a[R][Bt];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < Bt; ++b) a[r][b] = acc[r * stride + b];
     const typename D::T* rows[R];
@@ -287,18 +247,18 @@ struct DenseKernel {
     const float* x = xp + b0 * Kx;
     for (int64_t k = s0 * 16; k < s1 * 16; k += 16) {
       if (pf)
-        for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + R * K + k), _MM_HINT_T0);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m256 w[R];
+        for (int r = 0; r < R; ++r) simd::prefetch(rows[r] + R * K + k);
+#pragma GCC unroll 4
+      for (int h = 0; h < kVecs; ++h) {
+        F w[R];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) w[r] = D::load(rows[r] + k, h);
 #pragma GCC unroll 4
         for (int b = 0; b < Bt; ++b) {
-          __m256 xv = _mm256_loadu_ps(x + b * Kx + k + 8 * h);
-          keep(xv);
+          F xv = simd::load(x + b * Kx + k + kW * h);
+          simd::keep(xv);
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) a[r][b] = _mm256_fmadd_ps(w[r], xv, a[r][b]);
+          for (int r = 0; r < R; ++r) a[r][b] = simd::fma(w[r], xv, a[r][b]);
         }
       }
     }
@@ -355,50 +315,32 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const
       for (int64_t k = 0; k < K; ++k) r.xf[b * K + k] *= c[k];
   }
   r.xh = r.xf;
-  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-  alignas(32) int16_t tmp[64];
+  int16_t tmp[64];
   for (int64_t b = 0; b < B; ++b)
     for (int64_t c = 0; c < C; ++c) {
       const float* src = r.xf.data() + b * K + c * 64;
-      __m256 v[8];
-      __m256 m = _mm256_setzero_ps();
-      for (int i = 0; i < 8; ++i) {
-        v[i] = _mm256_loadu_ps(src + 8 * i);
-        m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float amax = _mm_cvtss_f32(m4);
-      r.dx[b * C + c] = amax / 32767.f;
-      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-      int16_t* d = r.q.data() + b * padded_stride(K, 32) + c * 64;
-      int16_t* out = q4_perm ? tmp : d;
+      float amax = 0.f;
+      for (int i = 0; i < 64; ++i) amax = std::max(amax, std::fabs(src[i]));
+      const float dx = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
+      r.dx[b * C + c] = dx;
       float* xh = r.xh.data() + b * K + c * 64;
-      const __m256 dxv = _mm256_set1_ps(amax / 32767.f);
-      for (int i = 0; i < 8; i += 2) {
-        // round to nearest (MXCSR default); |x * inv| <= 32767 so packs never saturates wrongly
-        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
-        const __m256i bq = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inv));
-        const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, bq), 0xD8);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * i), p);
-        _mm256_storeu_ps(xh + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(a), dxv));
-        _mm256_storeu_ps(xh + 8 * i + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(bq), dxv));
+      // Rounded to nearest even; |x * inv| <= 32767.
+      for (int i = 0; i < 64; ++i) {
+        const float q = std::nearbyint(src[i] * inv);
+        tmp[i] = static_cast<int16_t>(q);
+        xh[i] = q * dx;
       }
-      if (q4_perm) {
-        // int4: 16-bit lane j of a 32-byte chunk holds columns 4j..4j+3 and step t of the kernel
-        // puts column 4j+t in lane j, so position 16t+j takes column 4j+t.
-        for (int t = 0; t < 4; ++t)
-          for (int j = 0; j < 16; ++j) d[16 * t + j] = tmp[4 * j + t];
-      }
+      // int4: position p of the chunk takes the column that simd::q4_piece puts in its lane.
+      int16_t* d = r.q.data() + b * padded_stride(K, 32) + c * 64;
+      for (int i = 0; i < 64; ++i) d[i] = tmp[q4_perm ? simd::q4_column(i) : i];
     }
   return r;
 }
 
 // The int8 / int4 kernel. A step is a 64-column chunk, which the weight format (Q8Format /
-// Q4Format) decodes as four int16 vectors of 16 columns (pieces h = 0..3) that line up with the
-// prepared x. Registers: a row's 4 pieces + the R x Bt accumulators (all rows of x of the pass
-// from B = 5; R = 1 leaves Bt = 8). Per 64 multiply-adds this is about 11 instructions (4
+// Q4Format) decodes as 64 / kW16 int16 vectors (pieces h = 0 ..: four on AVX2, two on AVX-512)
+// that line up with the prepared x. Registers (AVX2): a row's 4 pieces + the R x Bt accumulators
+// (all rows of x of the pass from B = 5; R = 1 leaves Bt = 8). Per 64 multiply-adds this is about 11 instructions (4
 // vpmaddwd with the x load folded in, 3 adds, the scaling, a share of the decoding), and the
 // kernel is bound by them, not by loads: sharing x loads between 2 weight rows (their int32
 // sums in registers, decoded pieces shared by 4 rows of x) took more instructions and measured
@@ -412,30 +354,31 @@ template <int B> constexpr int kIntXRows = B;
 // or any row over kPrefetchMaxRow bytes) stream well on their own and got slower with it.
 constexpr int64_t kPrefetchMaxRow = 4096;
 
-template <typename F>
+template <typename Fmt>
 struct IntKernel {
   static constexpr int64_t kStepBytes = 64 * 2;  // int16 x per chunk and row of x
   static_assert(kXTileBytes / kStepBytes == kMaxTileSteps);
+  static constexpr int kPieces = 64 / simd::kW16;
   template <int B> static constexpr int kRows = kIntRows<B>;
   template <int B> static constexpr int kXRows = kIntXRows<B>;
 
-  F f;  // the weight format
+  Fmt f;  // the weight format
   XQView x;
 
   int64_t steps() const { return f.K / 64; }
-  bool prefetch_alone() const { return F::kRowBytes(f.K) <= kPrefetchMaxRow; }
+  bool prefetch_alone() const { return Fmt::kRowBytes(f.K) <= kPrefetchMaxRow; }
 
   template <int R, int Bt>
-  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, __m256* acc, int stride, bool pf) const {
+  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, F* acc, int stride, bool pf) const {
     // Everything in locals: the accumulator stores may alias any memory as far as GCC knows.
-    const F fm = f;
-    const int64_t C = fm.K / 64, rb = F::kRowBytes(fm.K);
+    const Fmt fm = f;
+    const int64_t C = fm.K / 64, rb = Fmt::kRowBytes(fm.K);
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = fm.row(n + r);
     const int16_t* xq[Bt];
     const float* dx[Bt];
     for (int b = 0; b < Bt; ++b) xq[b] = x.q + (b0 + b) * x.qs, dx[b] = x.dx + (b0 + b) * C;
-    __m256 fa[R][Bt];
+    F fa[R][Bt];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < Bt; ++b) fa[r][b] = acc[r * stride + b];
     // The rows' fp16 scales for the tile in fp32, two per chunk (its halves' groups), converted
@@ -447,35 +390,39 @@ struct IntKernel {
     for (int64_t c = s0; c < s1; ++c) {
       if (pf) {
         if (whole)  // the next block's R rows are contiguous: read them at the same pace
-          prefetch_next(next, c * R * F::kChunkBytes, R * F::kChunkBytes);
-        else if (c * F::kChunkBytes % 64 == 0)  // the next cache line of each row
-          for (int r = 0; r < R; ++r) _mm_prefetch(next + r * rb + c * F::kChunkBytes, _MM_HINT_T0);
+          prefetch_next(next, c * R * Fmt::kChunkBytes, R * Fmt::kChunkBytes);
+        else if (c * Fmt::kChunkBytes % 64 == 0)  // the next cache line of each row
+          for (int r = 0; r < R; ++r) simd::prefetch(next + r * rb + c * Fmt::kChunkBytes);
       }
-      // A row's four pieces stay in registers while each row of x takes its exact int32 sums
-      // (x folds into the vpmaddwd), then acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the
-      // sum of the chunk, or of each half when the format has two groups per chunk whose lanes
-      // do not separate (int8 group 32).
+      // A row's pieces stay in registers while each row of x takes its exact int32 sums (x folds
+      // into the vpmaddwd), then acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the sum of the
+      // chunk, or of each half (the first and the last pieces) when the format has two groups per
+      // chunk whose lanes do not separate (int8 group 32).
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        __m256i w[4];
-#pragma GCC unroll 4
-        for (int h = 0; h < 4; ++h) w[h] = fm.piece(rows[r] + c * F::kChunkBytes, h);
+        simd::I16 w[kPieces];
+#pragma GCC unroll 8
+        for (int h = 0; h < kPieces; ++h) w[h] = fm.piece(rows[r] + c * Fmt::kChunkBytes, h);
         const float* two = sc[r] + 2 * (c - s0);
-        const __m256 s0 = F::scale(two, 0);
-        const __m256 s1 = fm.split ? F::scale(two, 1) : s0;
+        const F s0 = Fmt::scale(two, 0);
+        const F s1 = fm.split ? Fmt::scale(two, 1) : s0;
 #pragma GCC unroll 8
         for (int b = 0; b < Bt; ++b) {
-          const __m256i* xb = reinterpret_cast<const __m256i*>(xq[b] + c * 64);
-          const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(xb)),
-                                              _mm256_madd_epi16(w[1], _mm256_loadu_si256(xb + 1)));
-          const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_loadu_si256(xb + 2)),
-                                              _mm256_madd_epi16(w[3], _mm256_loadu_si256(xb + 3)));
-          const __m256 d = _mm256_broadcast_ss(dx[b] + c);
-          if (fm.split) {
-            fa[r][b] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(lo), d), s0, fa[r][b]);
-            fa[r][b] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(hi), d), s1, fa[r][b]);
-          } else {
-            fa[r][b] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), d), s0, fa[r][b]);
+          const int16_t* xb = xq[b] + c * 64;
+          const F d = simd::set1(dx[b][c]);
+          simd::I32 lo = simd::madd(w[0], simd::load_i16(xb));
+#pragma GCC unroll 4
+          for (int h = 1; h < kPieces / 2; ++h) lo = simd::madd_add(lo, w[h], simd::load_i16(xb + h * simd::kW16));
+          if (fm.split) {  // the halves' sums apart
+            simd::I32 hi = simd::madd(w[kPieces / 2], simd::load_i16(xb + kPieces / 2 * simd::kW16));
+#pragma GCC unroll 4
+            for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = simd::madd_add(hi, w[h], simd::load_i16(xb + h * simd::kW16));
+            fa[r][b] = simd::fma(simd::mul(simd::to_float(lo), d), s0, fa[r][b]);
+            fa[r][b] = simd::fma(simd::mul(simd::to_float(hi), d), s1, fa[r][b]);
+          } else {  // one exact int32 sum (the order of integer adds does not matter)
+#pragma GCC unroll 4
+            for (int h = kPieces / 2; h < kPieces; ++h) lo = simd::madd_add(lo, w[h], simd::load_i16(xb + h * simd::kW16));
+            fa[r][b] = simd::fma(simd::mul(simd::to_float(lo), d), s0, fa[r][b]);
           }
         }
       }
@@ -507,8 +454,8 @@ struct Q8Format {
   }
 
   const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(Q + n * K); }
-  static inline __m256i piece(const uint8_t* chunk, int h) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
+  static inline simd::I16 piece(const uint8_t* chunk, int h) {
+    return simd::load_i8(reinterpret_cast<const int8_t*>(chunk) + simd::kW16 * h);
   }
   // Row n's scales of chunks [c0, c1): dst[2 (c - c0) + part], part = the chunk's half.
   void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
@@ -520,7 +467,7 @@ struct Q8Format {
     }
   }
   // The scale of half `part` of a chunk (split), else of the chunk, from its two scales.
-  static inline __m256 scale(const float* two, int part) { return _mm256_broadcast_ss(two + part); }
+  static inline F scale(const float* two, int part) { return simd::set1(two[part]); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -549,23 +496,15 @@ struct Q4Format {
   int gshift = K / G == 128;  // group of chunk c (group size 64 / 128): c >> gshift
 
   const uint8_t* row(int64_t n) const { return Q + n * (K / 2); }
-  // x is permuted so that `>> 4h & 15` gives the codes in the lanes of x piece h.
-  static inline __m256i piece(const uint8_t* chunk, int h) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-    const __m256i mask = _mm256_set1_epi16(0x0F);
-    return h == 0 ? _mm256_and_si256(v, mask)
-           : h < 3 ? _mm256_and_si256(_mm256_srli_epi16(v, 4 * h), mask)
-                   : _mm256_srli_epi16(v, 12);
-  }
+  // x is permuted (simd::q4_column) to match the lanes of each piece.
+  static inline simd::I16 piece(const uint8_t* chunk, int h) { return simd::q4_piece(chunk, h); }
   void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
     const uint16_t* s = S + n * G;
     if (K / G == 32) return to_float(s + 2 * c0, DType::kF16, 0, 2 * (c1 - c0), dst);
     for (int64_t c = c0; c < c1; ++c) dst[2 * (c - c0)] = dst[2 * (c - c0) + 1] = half_to_float(s[c >> gshift]);
   }
-  // Group 32: the two groups of a chunk scale lanes 0-3 and 4-7 (see above); else both the same.
-  static inline __m256 scale(const float* two, int) {
-    return _mm256_set_m128(_mm_broadcast_ss(two + 1), _mm_broadcast_ss(two));
-  }
+  // Group 32: the two groups of a chunk scale their own lanes (simd::q4_groups); else both the same.
+  static inline F scale(const float* two, int) { return simd::q4_groups(two[0], two[1]); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -583,11 +522,9 @@ struct Q4Format {
     }
     const float* xs = xsum + b * G;  // bias term: sum_g bias_g * xsum[b, g]
     int64_t g = 0;
-    __m256 bacc = _mm256_setzero_ps();
-    for (; g + 8 <= G; g += 8)
-      bacc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zrow + g))),
-                             _mm256_loadu_ps(xs + g), bacc);
-    v += hsum(bacc);
+    F bacc = simd::zero();
+    for (; g + kW <= G; g += kW) bacc = simd::fma(simd::load_f16(zrow + g), simd::load(xs + g), bacc);
+    v += simd::hsum(bacc);
     for (; g < G; ++g) v += half_to_float(zrow[g]) * xs[g];
     return v;
   }
@@ -624,7 +561,7 @@ Prepared prepare(const GemvCall& c, int64_t B) {
   Prepared p{&c, {}, {}, {}};
   switch (l.kind) {
     case Linear::Kind::kDense:
-      p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16 ? Perm::kBF16 : Perm::kNone);
+      p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16);
       break;
     case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
     default: {
@@ -636,9 +573,9 @@ Prepared prepare(const GemvCall& c, int64_t B) {
       for (int64_t b = 0; b < B; ++b)
         for (int64_t g = 0; g < G; ++g) {
           const float* s = p.xq.xh.data() + b * l.K + g * gs;
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t k = 0; k < gs; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(s + k));
-          p.xsum[b * G + g] = hsum(acc);
+          F acc = simd::zero();
+          for (int64_t k = 0; k < gs; k += kW) acc = simd::add(acc, simd::load(s + k));
+          p.xsum[b * G + g] = simd::hsum(acc);
         }
     }
   }
@@ -758,22 +695,10 @@ void store_row(const float* src, int64_t n, void* out, DType ot, int64_t off) {
     return;
   }
   uint16_t* d = static_cast<uint16_t*>(out) + off;
-  int64_t k = 0;
-  if (ot == DType::kBF16) {
-    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
-    for (; k + 8 <= n; k += 8) {
-      __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + k));
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-      u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(half, lsb)), 16);
-      const __m128i p = _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k), p);
-    }
-  } else {
-    for (; k + 8 <= n; k += 8)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k),
-                       _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT));
-  }
-  for (; k < n; ++k) store_elem(out, ot, off + k, src[k]);
+  if (ot == DType::kBF16)
+    for (int64_t k = 0; k < n; ++k) d[k] = float_to_bf16(src[k]);
+  else
+    for (int64_t k = 0; k < n; ++k) d[k] = float_to_half(src[k]);
 }
 
 }  // namespace
@@ -786,15 +711,9 @@ void dequant_q8(const int8_t* q, const uint16_t* s, int64_t K, int64_t G, int64_
       const int64_t n = r0 + i;
       for (int64_t g = 0; g < G; ++g) {
         const float sc = half_to_float(s[n * G + g]);
-        const __m256 scv = _mm256_set1_ps(sc);
         const int8_t* qr = q + n * K + g * gs;
         float* o = row.data() + g * gs;
-        int64_t k = 0;
-        for (; k + 8 <= gs; k += 8) {
-          const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + k)));
-          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scv));
-        }
-        for (; k < gs; ++k) o[k] = static_cast<float>(qr[k]) * sc;
+        for (int64_t k = 0; k < gs; ++k) o[k] = static_cast<float>(qr[k]) * sc;
       }
       store_row(row.data(), K, out, ot, i * K);
     }
@@ -803,25 +722,19 @@ void dequant_q8(const int8_t* q, const uint16_t* s, int64_t K, int64_t G, int64_
 
 void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,
                 void* out, DType ot) {
-  const int64_t gs = K / G;  // 32, 64 or 128: whole 8-byte steps
-  const __m128i mask = _mm_set1_epi8(0x0F);
+  const int64_t gs = K / G;  // 32, 64 or 128
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;
       for (int64_t g = 0; g < G; ++g) {
-        const __m256 sc = _mm256_set1_ps(half_to_float(s[n * G + g]));
-        const __m256 zz = _mm256_set1_ps(half_to_float(z[n * G + g]));
+        // code * scale is exact in fp32 (4 bits times 11), so the sum rounds once, as torch's
+        const float sc = half_to_float(s[n * G + g]), zz = half_to_float(z[n * G + g]);
         const uint8_t* qr = q + n * (K / 2) + g * gs / 2;
         float* o = row.data() + g * gs;
-        for (int64_t j = 0; j < gs / 2; j += 8) {
-          // 8 bytes = 16 codes; interleaving low and high nibbles gives column order
-          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qr + j));
-          const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(v, mask), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
-          const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-          const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
-          _mm256_storeu_ps(o + 2 * j, _mm256_fmadd_ps(lo, sc, zz));
-          _mm256_storeu_ps(o + 2 * j + 8, _mm256_fmadd_ps(hi, sc, zz));
+        for (int64_t j = 0; j < gs / 2; ++j) {
+          o[2 * j] = static_cast<float>(qr[j] & 15) * sc + zz;
+          o[2 * j + 1] = static_cast<float>(qr[j] >> 4) * sc + zz;
         }
       }
       store_row(row.data(), K, out, ot, i * K);
@@ -834,6 +747,11 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
 // fp32 steps in the same order, so the bytes equal the reference's (the error sums are fp64 in
 // both; only their summation order differs, which could flip an exact tie at 1e-16).
 
+namespace {
+// t rounded to the nearest int4 code (ties to even), clamped to [0, 15].
+inline float code_of(float t) { return std::min(std::max(std::nearbyint(t), 0.f), 15.f); }
+}  // namespace
+
 void quantize_q4(const void* w, DType wt, const uint16_t* cs, int64_t N, int64_t K, int64_t gs, const float* shrinks,
                  int nshrink, uint8_t* q, uint16_t* s, uint16_t* z) {
   std::vector<float> c;
@@ -844,7 +762,7 @@ void quantize_q4(const void* w, DType wt, const uint16_t* cs, int64_t N, int64_t
   const int64_t G = K / gs;
   for_rows(N, K * 8 * nshrink, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
-    alignas(32) float codes[128];
+    float codes[128];
     for (int64_t n = a; n < b; ++n) {
       to_float(w, wt, n * K, K, row.data());
       if (cs != nullptr)
@@ -868,32 +786,22 @@ void quantize_q4(const void* w, DType wt, const uint16_t* cs, int64_t N, int64_t
             break;
           }
           const float sf = half_to_float(s16), zf = half_to_float(z16);
-          const __m256 inv = _mm256_set1_ps(sf != 0.f ? 1.f / sf : 0.f), zv = _mm256_set1_ps(zf);
-          __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
-          for (int64_t k = 0; k < gs; k += 8) {
-            const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + k), zv), inv);
-            __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
-            const __m256 d = _mm256_sub_ps(r, t);
-            const __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(d)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(d, 1));
-            acc0 = _mm256_fmadd_pd(d0, d0, acc0);  // d*d is exact in fp64
-            acc1 = _mm256_fmadd_pd(d1, d1, acc1);
+          const float inv = sf != 0.f ? 1.f / sf : 0.f;
+          double acc[8] = {};  // d*d is exact in fp64; summed in the lanes of the AVX2 version
+          for (int64_t k = 0; k < gs; ++k) {
+            const float t = (x[k] - zf) * inv;
+            const float d = code_of(t) - t;
+            acc[k % 8] += static_cast<double>(d) * d;
           }
-          alignas(32) double parts[4];
-          _mm256_store_pd(parts, _mm256_add_pd(acc0, acc1));
-          const double err = ((parts[0] + parts[1]) + (parts[2] + parts[3])) * (static_cast<double>(sf) * sf);
+          const double err = (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) *
+                             (static_cast<double>(sf) * sf);
           if (i == 0 || err < best) best = err, bs = s16, bz = z16;
         }
         s[n * G + g] = bs;
         z[n * G + g] = bz;
         const float sf = half_to_float(bs), zf = half_to_float(bz);
-        const __m256 inv = _mm256_set1_ps(sf != 0.f ? 1.f / sf : 0.f), zv = _mm256_set1_ps(zf);
-        for (int64_t k = 0; k < gs; k += 8) {
-          const __m256 t = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + k), zv), inv);
-          __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          r = _mm256_min_ps(_mm256_max_ps(r, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
-          _mm256_storeu_ps(codes + k, r);
-        }
+        const float inv = sf != 0.f ? 1.f / sf : 0.f;
+        for (int64_t k = 0; k < gs; ++k) codes[k] = code_of((x[k] - zf) * inv);
         uint8_t* qr = q + n * (K / 2) + g * gs / 2;
         for (int64_t j = 0; j < gs / 2; ++j)
           qr[j] = static_cast<uint8_t>(static_cast<int>(codes[2 * j]) | (static_cast<int>(codes[2 * j + 1]) << 4));

@@ -1,8 +1,10 @@
-// Conversions between fp32 and the 16-bit float formats (x86-64 F16C), shared by the kernels.
-// torch's rounding: round to nearest even; a NaN stays a NaN.
+// Conversions between fp32 and the 16-bit float formats, shared by the kernels (x86-64: F16C;
+// ARM64: the __fp16 type). torch's rounding: round to nearest even; a NaN stays a NaN.
 #pragma once
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -10,8 +12,22 @@
 
 namespace rwkv_native {
 
+#if defined(__x86_64__)
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 inline uint16_t float_to_half(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+#else
+inline float half_to_float(uint16_t h) {
+  __fp16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+}
+inline uint16_t float_to_half(float f) {
+  const __fp16 v = static_cast<__fp16>(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+#endif
 inline float bf16_to_float(uint16_t h) {
   const uint32_t u = static_cast<uint32_t>(h) << 16;
   float f;
@@ -25,17 +41,5 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
   u += 0x7FFF + ((u >> 16) & 1);
   return static_cast<uint16_t>(u >> 16);
 }
-
-// Eight fp32 values rounded to bf16 / fp16 and widened back: per lane the bits of
-// bf16_to_float(float_to_bf16(v)) / half_to_float(float_to_half(v)).
-inline __m256 round_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
-                                     _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan);
-}
-inline __m256 round_f16(__m256 v) { return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT)); }
 
 }  // namespace rwkv_native

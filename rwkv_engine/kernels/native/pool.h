@@ -14,7 +14,6 @@
 // as long as the process. A call from inside a helper runs serially.
 #pragma once
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <atomic>
@@ -25,6 +24,8 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "simd.h"
 
 namespace rwkv_native {
 
@@ -56,7 +57,7 @@ class Pool {
     cv_.notify_all();
     work(*job);
     // Items other threads claimed: wait for them only (rarely more than one item's time).
-    while (job->done.load(std::memory_order_acquire) < n) _mm_pause();
+    while (job->done.load(std::memory_order_acquire) < n) simd::pause();
     std::lock_guard<std::mutex> lock(mu_);
     if (job_ == job) job_.reset();
   }
@@ -87,7 +88,7 @@ class Pool {
       // Spin briefly for the next call, then sleep until one comes.
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
       for (int spin = 0; generation_.load(std::memory_order_acquire) == seen; ++spin) {
-        _mm_pause();
+        simd::pause();
         if ((spin & 63) == 63 && std::chrono::steady_clock::now() > until) {
           std::unique_lock<std::mutex> lock(mu_);
           cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });

@@ -8,8 +8,6 @@
 
 #include "step.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,9 +17,12 @@
 
 #include "numeric.h"
 #include "pool.h"
+#include "simd.h"
 
 namespace rwkv_native {
 namespace {
+
+using simd::kW;
 
 constexpr float kLayerNormEps = 1e-5f;
 constexpr float kGroupNormEps = 64e-5f;
@@ -36,61 +37,40 @@ inline float round_to(DType t, float v) {
   }
 }
 
-// round_to for eight lanes (the same bits).
-inline __m256 round_to(DType t, __m256 v) {
-  switch (t) {
-    case DType::kBF16: return round_bf16(v);
-    case DType::kF16: return round_f16(v);
-    default: return v;
-  }
-}
-
 void round_all(DType t, float* v, int64_t n) {
-  if (t == DType::kF32) return;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, round_to(t, _mm256_loadu_ps(v + i)));
-  for (; i < n; ++i) v[i] = round_to(t, v[i]);
+  if (t == DType::kBF16)
+    for (int64_t i = 0; i < n; ++i) v[i] = round_to(DType::kBF16, v[i]);
+  else if (t == DType::kF16)
+    for (int64_t i = 0; i < n; ++i) v[i] = round_to(DType::kF16, v[i]);
 }
 
 inline float sigmoid(float v) { return 1.0f / (1.0f + std::exp(-v)); }
 
-inline double hsum(__m256d v) {
-  const __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
-}
-
 // out = (x - mean) / sqrt(var + eps) * w + b over n values, as torch (biased variance); out may be x.
-// The sums are fp64, eight values at a time in two lanes of four (n is a multiple of 8 in every
-// model; a rest is summed one by one).
+// The sums are fp64 in eight lanes, added pairwise at the end (n is a multiple of 8 in every
+// model; a rest is summed one by one): the same bits on every ISA level.
+double sum8(const double* s) { return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7])); }
+
 void normalize(const float* x, const float* w, const float* b, int64_t n, float eps, float* out) {
   const int64_t n8 = n / 8 * 8;
-  __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-  for (int64_t i = 0; i < n8; i += 8) {
-    s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm_loadu_ps(x + i)));
-    s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)));
-  }
-  double mean = hsum(_mm256_add_pd(s0, s1));
+  double s[8] = {};
+  for (int64_t i = 0; i < n8; i += 8)
+    for (int l = 0; l < 8; ++l) s[l] += x[i + l];
+  double mean = sum8(s);
   for (int64_t i = n8; i < n; ++i) mean += x[i];
   mean /= n;
-  const __m256d mv = _mm256_set1_pd(mean);
-  s0 = s1 = _mm256_setzero_pd();
-  for (int64_t i = 0; i < n8; i += 8) {
-    const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i)), mv);
-    const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + i + 4)), mv);
-    s0 = _mm256_add_pd(s0, _mm256_mul_pd(d0, d0));
-    s1 = _mm256_add_pd(s1, _mm256_mul_pd(d1, d1));
-  }
-  double var = hsum(_mm256_add_pd(s0, s1));
+  double q[8] = {};
+  for (int64_t i = 0; i < n8; i += 8)
+    for (int l = 0; l < 8; ++l) {
+      const double d = x[i + l] - mean;
+      q[l] += d * d;
+    }
+  double var = sum8(q);
   for (int64_t i = n8; i < n; ++i) var += (x[i] - mean) * (x[i] - mean);
   var /= n;
   const float m = static_cast<float>(mean);
   const float inv = static_cast<float>(1.0 / std::sqrt(var + eps));
-  const __m256 m8 = _mm256_set1_ps(m), inv8 = _mm256_set1_ps(inv);
-  for (int64_t i = 0; i < n8; i += 8) {
-    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8), inv8), _mm256_loadu_ps(w + i));
-    _mm256_storeu_ps(out + i, _mm256_add_ps(v, _mm256_loadu_ps(b + i)));
-  }
-  for (int64_t i = n8; i < n; ++i) out[i] = (x[i] - m) * inv * w[i] + b[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] - m) * inv * w[i] + b[i];
 }
 
 void layer_norm(const float* x, const float* w, const float* b, int64_t n, float* out) {
@@ -99,13 +79,8 @@ void layer_norm(const float* x, const float* w, const float* b, int64_t n, float
 
 // out = prev + (x - prev) * m, rounded to dt (mix(...).to(dt)).
 void mix_to(const float* x, const float* prev, const float* m, int64_t n, DType dt, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 p = _mm256_loadu_ps(prev + i);
-    const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), p), _mm256_loadu_ps(m + i));
-    _mm256_storeu_ps(out + i, round_to(dt, _mm256_add_ps(p, d)));
-  }
-  for (; i < n; ++i) out[i] = round_to(dt, prev[i] + (x[i] - prev[i]) * m[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = prev[i] + (x[i] - prev[i]) * m[i];
+  round_all(dt, out, n);
 }
 
 // y [n] = x [k] @ W [k, n] (a small fp32 LoRA matrix, row-major).
@@ -145,7 +120,7 @@ template <class Fn>
 void for_heads(int64_t B, int64_t H, const Fn& fn) {
   parallel_for(B * H, [&](int64_t i) {
     fn(i / H, i % H);
-    _mm_sfence();
+    simd::store_fence();
   });
 }
 
@@ -153,51 +128,51 @@ void for_heads(int64_t B, int64_t H, const Fn& fn) {
 // the 1.5B shape) goes far past the caches before it is read again, so where it is aligned it is
 // streamed to memory instead of each line being read first to be written.
 template <bool kStream>
-inline void store_state(float* p, __m256 v) {
-  if constexpr (kStream) _mm256_stream_ps(p, v);
-  else _mm256_storeu_ps(p, v);
+inline void store_state(float* p, simd::F v) {
+  if constexpr (kStream) simd::stream(p, v);
+  else simd::store(p, v);
 }
 
-inline bool aligned32(const float* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; }
+inline bool aligned(const float* p) { return reinterpret_cast<uintptr_t>(p) % simd::kBytes == 0; }
 
 // RWKV-5/6 WKV, one token (kernels/wkv5.py, wkv5_naive): for key i and value j,
 //   y[j] = sum_i r[i] (u[i] k[i] v[j] + S[i, j]);   S[i, j] <- w[i] S[i, j] + k[i] v[j],  w = exp(log_w).
-// Vectorized over j for heads of 16, 32, 64 or 128 channels (NB = N / 8 registers of y), the
+// Vectorized over j for heads of 16, 32, 64 or 128 channels (NB = N / kW registers of y), the
 // bonus term summed once: y[j] = v[j] * sum_i r[i] u[i] k[i] + sum_i r[i] S[i, j].
 template <int NB, bool kStream>
 void wkv5_head_simd(const float* r, const float* k, const float* v, const float* log_w, const float* u,
                     const float* S, float* So, float* y) {
-  constexpr int N = 8 * NB;
-  __m256 acc[NB];
-  for (int jb = 0; jb < NB; ++jb) acc[jb] = _mm256_setzero_ps();
+  constexpr int N = simd::kW * NB;
+  simd::F acc[NB];
+  for (int jb = 0; jb < NB; ++jb) acc[jb] = simd::zero();
   float ruk = 0.0f;
   for (int i = 0; i < N; ++i) {
     ruk += r[i] * u[i] * k[i];
-    const __m256 br = _mm256_set1_ps(r[i]), bw = _mm256_set1_ps(std::exp(log_w[i])), bk = _mm256_set1_ps(k[i]);
+    const simd::F br = simd::set1(r[i]), bw = simd::set1(std::exp(log_w[i])), bk = simd::set1(k[i]);
     const float* Si = S + i * N;
     float* Soi = So + i * N;
 #pragma GCC unroll 16
     for (int jb = 0; jb < NB; ++jb) {
-      const __m256 s = _mm256_loadu_ps(Si + 8 * jb);
-      acc[jb] = _mm256_fmadd_ps(br, s, acc[jb]);
-      store_state<kStream>(Soi + 8 * jb, _mm256_fmadd_ps(bw, s, _mm256_mul_ps(bk, _mm256_loadu_ps(v + 8 * jb))));
+      const simd::F s = simd::load(Si + kW * jb);
+      acc[jb] = simd::fma(br, s, acc[jb]);
+      store_state<kStream>(Soi + kW * jb, simd::fma(bw, s, simd::mul(bk, simd::load(v + kW * jb))));
     }
   }
-  const __m256 bruk = _mm256_set1_ps(ruk);
-  for (int jb = 0; jb < NB; ++jb) _mm256_storeu_ps(y + 8 * jb, _mm256_fmadd_ps(bruk, _mm256_loadu_ps(v + 8 * jb), acc[jb]));
+  const simd::F bruk = simd::set1(ruk);
+  for (int jb = 0; jb < NB; ++jb) simd::store(y + kW * jb, simd::fma(bruk, simd::load(v + kW * jb), acc[jb]));
 }
 
 void wkv5_head(const float* r, const float* k, const float* v, const float* log_w, const float* u, const float* S,
                float* So, float* y, int64_t N) {
   auto simd = [&]<int NB>() {
-    if (aligned32(So)) wkv5_head_simd<NB, true>(r, k, v, log_w, u, S, So, y);
+    if (aligned(So)) wkv5_head_simd<NB, true>(r, k, v, log_w, u, S, So, y);
     else wkv5_head_simd<NB, false>(r, k, v, log_w, u, S, So, y);
   };
   switch (N) {
-    case 16: return simd.template operator()<2>();
-    case 32: return simd.template operator()<4>();
-    case 64: return simd.template operator()<8>();
-    case 128: return simd.template operator()<16>();
+    case 16: return simd.template operator()<16 / kW>();
+    case 32: return simd.template operator()<32 / kW>();
+    case 64: return simd.template operator()<64 / kW>();
+    case 128: return simd.template operator()<128 / kW>();
     default: break;
   }
   std::vector<float> acc(N, 0.0f);
@@ -220,46 +195,46 @@ void wkv5_head(const float* r, const float* k, const float* v, const float* log_
 template <int NB, bool kStream>
 void wkv7_head_simd(const float* r, const float* k, const float* v, const float* w, const float* a, const float* b,
                     const float* S, float* So, float* y) {
-  constexpr int N = 8 * NB;
-  __m256 acc[NB];
-  for (int jb = 0; jb < NB; ++jb) acc[jb] = _mm256_setzero_ps();
+  constexpr int N = simd::kW * NB;
+  simd::F acc[NB];
+  for (int jb = 0; jb < NB; ++jb) acc[jb] = simd::zero();
   for (int i = 0; i < N; ++i) {
-    const __m256 ba = _mm256_set1_ps(a[i]);
+    const simd::F ba = simd::set1(a[i]);
 #pragma GCC unroll 16
-    for (int jb = 0; jb < NB; ++jb) acc[jb] = _mm256_fmadd_ps(ba, _mm256_loadu_ps(S + i * N + 8 * jb), acc[jb]);
+    for (int jb = 0; jb < NB; ++jb) acc[jb] = simd::fma(ba, simd::load(S + i * N + kW * jb), acc[jb]);
   }
-  alignas(32) float read[N];
+  alignas(64) float read[N];
   for (int jb = 0; jb < NB; ++jb) {
-    _mm256_store_ps(read + 8 * jb, acc[jb]);
-    acc[jb] = _mm256_setzero_ps();
+    simd::store(read + kW * jb, acc[jb]);
+    acc[jb] = simd::zero();
   }
   for (int i = 0; i < N; ++i) {
-    const __m256 bw = _mm256_set1_ps(w[i]), bb = _mm256_set1_ps(b[i]), bk = _mm256_set1_ps(k[i]), br = _mm256_set1_ps(r[i]);
+    const simd::F bw = simd::set1(w[i]), bb = simd::set1(b[i]), bk = simd::set1(k[i]), br = simd::set1(r[i]);
     const float* Si = S + i * N;
     float* Soi = So + i * N;
 #pragma GCC unroll 16
     for (int jb = 0; jb < NB; ++jb) {
-      __m256 s = _mm256_mul_ps(bk, _mm256_loadu_ps(v + 8 * jb));
-      s = _mm256_fmadd_ps(bb, _mm256_load_ps(read + 8 * jb), s);
-      s = _mm256_fmadd_ps(bw, _mm256_loadu_ps(Si + 8 * jb), s);
-      store_state<kStream>(Soi + 8 * jb, s);
-      acc[jb] = _mm256_fmadd_ps(br, s, acc[jb]);
+      simd::F s = simd::mul(bk, simd::load(v + kW * jb));
+      s = simd::fma(bb, simd::load(read + kW * jb), s);
+      s = simd::fma(bw, simd::load(Si + kW * jb), s);
+      store_state<kStream>(Soi + kW * jb, s);
+      acc[jb] = simd::fma(br, s, acc[jb]);
     }
   }
-  for (int jb = 0; jb < NB; ++jb) _mm256_storeu_ps(y + 8 * jb, acc[jb]);
+  for (int jb = 0; jb < NB; ++jb) simd::store(y + kW * jb, acc[jb]);
 }
 
 void wkv7_head(const float* r, const float* k, const float* v, const float* w, const float* a, const float* b,
                const float* S, float* So, float* y, int64_t N) {
   auto simd = [&]<int NB>() {
-    if (aligned32(So)) wkv7_head_simd<NB, true>(r, k, v, w, a, b, S, So, y);
+    if (aligned(So)) wkv7_head_simd<NB, true>(r, k, v, w, a, b, S, So, y);
     else wkv7_head_simd<NB, false>(r, k, v, w, a, b, S, So, y);
   };
   switch (N) {
-    case 16: return simd.template operator()<2>();
-    case 32: return simd.template operator()<4>();
-    case 64: return simd.template operator()<8>();
-    case 128: return simd.template operator()<16>();
+    case 16: return simd.template operator()<16 / kW>();
+    case 32: return simd.template operator()<32 / kW>();
+    case 64: return simd.template operator()<64 / kW>();
+    case 128: return simd.template operator()<128 / kW>();
     default: break;
   }
   std::vector<float> read(N, 0.0f), acc(N, 0.0f);
@@ -316,16 +291,11 @@ void channel_mix(const ModelParams& p, const BlockParams& q, int64_t B, int64_t 
     std::copy(xx[b], xx[b] + C, at(st.out[prev_field], b, layer, L, C));
   });
   linears_dt({{q.ffn_k, kx.data(), k.data()}, {q.ffn_r, rx.data(), r.data()}}, B, dt);
-  const __m256 zero = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= B * F; i += 8) {  // torch.relu(...).square() in dt
-    const __m256 h = _mm256_max_ps(_mm256_loadu_ps(k.data() + i), zero);
-    _mm256_storeu_ps(k.data() + i, round_to(dt, _mm256_mul_ps(h, h)));
-  }
-  for (; i < B * F; ++i) {
+  for (int64_t i = 0; i < B * F; ++i) {  // torch.relu(...).square() in dt
     const float h = std::max(k.data()[i], 0.0f);
-    k.data()[i] = round_to(dt, h * h);
+    k.data()[i] = h * h;
   }
+  round_all(dt, k.data(), B * F);
   linear_dt(q.ffn_v, k.data(), B, dt, v.data());
   for_batch(B, [&](int64_t b) {
     float *xb = x + b * C, *vb = v[b], *rb = r[b];

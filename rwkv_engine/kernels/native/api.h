@@ -1,0 +1,33 @@
+// The table of entry points that one build of the kernels (one ISA level, see simd.h) exports
+// as a shared library: bindings.cpp loads the library of the level chosen at run time and calls
+// through the table. No torch headers.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels.h"
+#include "step.h"
+
+namespace rwkv_native {
+
+// Bumped whenever Api changes, so that a library and bindings of different versions never meet.
+inline constexpr int kApiVersion = 1;
+
+struct Api {
+  int version;
+  int size;           // sizeof(Api)
+  const char* level;  // simd::kLevel
+  decltype(&rwkv_native::gemv_dense) gemv_dense;
+  decltype(&rwkv_native::gemv_q8) gemv_q8;
+  decltype(&rwkv_native::gemv_q4) gemv_q4;
+  decltype(&rwkv_native::gemv_many) gemv_many;
+  decltype(&rwkv_native::dequant_q8) dequant_q8;
+  decltype(&rwkv_native::dequant_q4) dequant_q4;
+  decltype(&rwkv_native::quantize_q4) quantize_q4;
+  decltype(&rwkv_native::decode_step) decode_step;
+};
+
+}  // namespace rwkv_native
+
+// The library's table (the one symbol it exports).
+extern "C" const rwkv_native::Api* rwkv_native_api();

@@ -1,0 +1,249 @@
+// The SIMD layer of the native kernels: one vector type and a few dozen primitives per ISA
+// level, so that kernels.cpp and step.cpp are written once and compiled once per level.
+//
+//   level    flags (see kernels/native/__init__.py)                 F (fp32 lanes)  I16 lanes
+//   avx2     -mavx2 -mfma -mf16c                                      8               16
+//   avx512   + -mavx512f -mavx512bw -mavx512vl -mavx512dq            16               32
+//   avx512_vnni  + -mavx512vnni (vpdpwssd: madd_add in one instruction) 16             32
+//   neon     aarch64 (Advanced SIMD is part of ARMv8-A)               4                8
+//
+// The level is chosen by the compiler flags (the predefined __AVX512BW__ / __AVX2__ /
+// __aarch64__ macros). Everything here is per lane, except where a primitive says otherwise:
+// hsum, the pairwise integer multiply-add madd, the decoding of a bf16 step (bf16_step with
+// its x layout bf16_column) and of int4 codes (q4_piece with its x layout q4_column and lane
+// groups q4_groups). A primitive exists only where the operation
+// has no portable spelling (fused multiply-add, 16-bit float conversion, int16 dot products);
+// plain loops are left to the compiler.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define RWKV_SIMD_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RWKV_SIMD_AVX2 1
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#define RWKV_SIMD_NEON 1
+#include <arm_neon.h>
+#else
+#error "rwkv_engine native kernels: build with -mavx2 -mfma -mf16c, the AVX-512 flags, or for aarch64"
+#endif
+
+namespace rwkv_native::simd {
+
+#if defined(RWKV_SIMD_AVX512)
+#if defined(__AVX512VNNI__)
+inline constexpr const char* kLevel = "avx512_vnni";
+#else
+inline constexpr const char* kLevel = "avx512";
+#endif
+inline constexpr int kW = 16;
+using F = __m512;
+using I32 = __m512i;
+using I16 = __m512i;
+#elif defined(RWKV_SIMD_AVX2)
+inline constexpr const char* kLevel = "avx2";
+inline constexpr int kW = 8;
+using F = __m256;
+using I32 = __m256i;
+using I16 = __m256i;
+#else
+inline constexpr const char* kLevel = "neon";
+inline constexpr int kW = 4;
+using F = float32x4_t;
+using I32 = int32x4_t;
+using I16 = int16x8_t;
+#endif
+
+inline constexpr int kBytes = kW * 4;  // of a vector
+inline constexpr int kW16 = 2 * kW;    // int16 lanes of an I16
+
+// Pins v to a register at this point of the instruction stream. Without it GCC folds a shared
+// load into every multiply-add that uses it (R loads instead of one).
+template <typename V>
+inline void keep(V& v) {
+#if defined(RWKV_SIMD_NEON)
+  __asm__("" : "+w"(v));
+#else
+  __asm__("" : "+v"(v));
+#endif
+}
+
+#if defined(RWKV_SIMD_AVX512)
+
+inline F zero() { return _mm512_setzero_ps(); }
+inline F set1(float v) { return _mm512_set1_ps(v); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline void stream(float* p, F v) { _mm512_stream_ps(p, v); }  // p aligned to kBytes
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+inline float hsum(F v) {  // as the AVX2 level's, on the two 256-bit halves added first
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+inline F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// kW bf16 values in column order.
+inline F load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline I16 load_i16(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline I16 load_i8(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// Lane l: a[2l] * b[2l] + a[2l+1] * b[2l+1], exact in int32.
+inline I32 madd(I16 a, I16 b) { return _mm512_madd_epi16(a, b); }
+inline I32 add_i(I32 a, I32 b) { return _mm512_add_epi32(a, b); }
+// acc + madd(a, b).
+inline I32 madd_add(I32 acc, I16 a, I16 b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return add_i(acc, madd(a, b));
+#endif
+}
+inline F to_float(I32 v) { return _mm512_cvtepi32_ps(v); }
+// int4 piece h (0 .. 64 / kW16) of a 32-byte chunk of 64 codes: see q4_column. The 32 bytes
+// widened to 16 bits: piece 0 holds the low nibbles (even columns), piece 1 the high ones (odd).
+inline I16 q4_piece(const uint8_t* chunk, int h) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
+  return h == 0 ? _mm512_and_si512(v, _mm512_set1_epi16(0x0F)) : _mm512_srli_epi16(v, 4);
+}
+// The column of the chunk whose code piece h's int16 lane i holds, position = h * kW16 + i.
+constexpr int q4_column(int pos) { return 2 * (pos % 32) + pos / 32; }
+inline F bf16_step(const uint16_t* w, int h) { return load_bf16(w + kW * h); }
+constexpr int bf16_column(int pos) { return pos; }
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void pause() { _mm_pause(); }
+inline void store_fence() { _mm_sfence(); }
+
+#elif defined(RWKV_SIMD_AVX2)
+
+inline F zero() { return _mm256_setzero_ps(); }
+inline F set1(float v) { return _mm256_set1_ps(v); }
+inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+inline void stream(float* p, F v) { _mm256_stream_ps(p, v); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline float hsum(F v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+inline F load_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline F load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline I16 load_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline I16 load_i8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline I32 madd(I16 a, I16 b) { return _mm256_madd_epi16(a, b); }
+inline I32 add_i(I32 a, I32 b) { return _mm256_add_epi32(a, b); }
+inline I32 madd_add(I32 acc, I16 a, I16 b) { return add_i(acc, madd(a, b)); }
+inline F to_float(I32 v) { return _mm256_cvtepi32_ps(v); }
+// Lane j of the 32 bytes as sixteen 16-bit lanes holds the codes of columns 4j .. 4j+3; piece h
+// is nibble h of every lane.
+inline I16 q4_piece(const uint8_t* chunk, int h) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  const __m256i mask = _mm256_set1_epi16(0x0F);
+  return h == 0 ? _mm256_and_si256(v, mask)
+         : h < 3 ? _mm256_and_si256(_mm256_srli_epi16(v, 4 * h), mask)
+                 : _mm256_srli_epi16(v, 12);
+}
+constexpr int q4_column(int pos) { return 4 * (pos % 16) + pos / 16; }
+// A 16-column bf16 step as two vectors without widening: 32-bit lane j holds columns 2j (low
+// half: a shift) and 2j + 1 (high half: a mask), so vector 0 holds the even columns and vector
+// 1 the odd ones (x is permuted to match). Faster than two widening loads (port 5).
+inline F bf16_step(const uint16_t* w, int h) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+constexpr int bf16_column(int pos) { return 2 * (pos % 8) + pos / 8; }
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void pause() { _mm_pause(); }
+inline void store_fence() { _mm_sfence(); }
+
+#else  // NEON
+
+inline F zero() { return vdupq_n_f32(0.f); }
+inline F set1(float v) { return vdupq_n_f32(v); }
+inline F load(const float* p) { return vld1q_f32(p); }
+inline void store(float* p, F v) { vst1q_f32(p, v); }
+inline void stream(float* p, F v) { vst1q_f32(p, v); }
+inline F add(F a, F b) { return vaddq_f32(a, b); }
+inline F mul(F a, F b) { return vmulq_f32(a, b); }
+inline F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+inline float hsum(F v) { return (vgetq_lane_f32(v, 0) + vgetq_lane_f32(v, 2)) + (vgetq_lane_f32(v, 1) + vgetq_lane_f32(v, 3)); }
+inline F load_f16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+inline F load_bf16(const uint16_t* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+inline I16 load_i16(const int16_t* p) { return vld1q_s16(p); }
+inline I16 load_i8(const int8_t* p) { return vmovl_s8(vld1_s8(p)); }
+inline I32 madd(I16 a, I16 b) {
+  return vpaddq_s32(vmull_s16(vget_low_s16(a), vget_low_s16(b)), vmull_high_s16(a, b));
+}
+inline I32 add_i(I32 a, I32 b) { return vaddq_s32(a, b); }
+inline I32 madd_add(I32 acc, I16 a, I16 b) { return add_i(acc, madd(a, b)); }
+inline F to_float(I32 v) { return vcvtq_f32_s32(v); }
+// The 32 bytes as sixteen 16-bit lanes j (codes of columns 4j .. 4j+3); piece h is nibble h % 4
+// of lanes 0-3 and 8-11 (h < 4) or of lanes 4-7 and 12-15, so that int32 lanes 0-1 of every
+// madd cover columns 0-31 and lanes 2-3 columns 32-63, as on x86 (see q4_groups).
+inline I16 q4_piece(const uint8_t* chunk, int h) {
+  const uint16x8_t lo = vld1q_u16(reinterpret_cast<const uint16_t*>(chunk));
+  const uint16x8_t hi = vld1q_u16(reinterpret_cast<const uint16_t*>(chunk) + 8);
+  const uint16x8_t v = h < 4 ? vcombine_u16(vget_low_u16(lo), vget_low_u16(hi)) : vcombine_u16(vget_high_u16(lo), vget_high_u16(hi));
+  const int16x8_t shift = vdupq_n_s16(static_cast<int16_t>(-4 * (h % 4)));
+  return vreinterpretq_s16_u16(vandq_u16(vshlq_u16(v, shift), vdupq_n_u16(0x0F)));
+}
+constexpr int q4_column(int pos) {
+  const int h = pos / 8, i = pos % 8;
+  const int j = (i < 4 ? i : i + 4) + (h < 4 ? 0 : 4);
+  return 4 * j + h % 4;
+}
+inline F bf16_step(const uint16_t* w, int h) { return load_bf16(w + kW * h); }
+constexpr int bf16_column(int pos) { return pos; }
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void pause() { __asm__ __volatile__("yield"); }
+inline void store_fence() { __atomic_thread_fence(__ATOMIC_RELEASE); }
+
+#endif
+
+// int4 with group size 32: the scale vector of a chunk's int32 sums, lane l taking the scale of
+// the group (s0: columns 0-31, s1: 32-63) of the columns summed in it. q4_column is such that on
+// every level int32 lane l of madd(q4_piece(h), x) sums columns of one group, the same for
+// every piece h: lanes 0-3 of each 256-bit half on AVX2, 0-7 on AVX-512, 0-1 on NEON
+// (checked by layouts_consistent below).
+inline F q4_groups(float s0, float s1) {
+#if defined(RWKV_SIMD_AVX512)
+  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+#elif defined(RWKV_SIMD_AVX2)
+  return _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0);
+#else
+  return vcombine_f32(vdup_n_f32(s0), vdup_n_f32(s1));
+#endif
+}
+
+// The layouts above, checked where they are defined: every int32 lane of every int4 piece sums
+// columns of one group (q4_groups), and the x permutations are permutations.
+constexpr bool layouts_consistent() {
+  for (int pos = 0; pos < 64; pos += 2) {
+    const int l = (pos % kW16) / 2;  // the int32 lane
+    const bool g0 = q4_column(pos) < 32, lane_g0 = q4_column(2 * l) < 32;
+    if (g0 != lane_g0 || (q4_column(pos + 1) < 32) != g0) return false;
+  }
+  bool seen_q4[64] = {}, seen_bf16[16] = {};
+  for (int pos = 0; pos < 64; ++pos) seen_q4[q4_column(pos)] = true;
+  for (int pos = 0; pos < 16; ++pos) seen_bf16[bf16_column(pos)] = true;
+  for (bool b : seen_q4) if (!b) return false;
+  for (bool b : seen_bf16) if (!b) return false;
+  return true;
+}
+static_assert(layouts_consistent());
+
+}  // namespace rwkv_native::simd

@@ -628,6 +628,8 @@ def load(
     elif group_size is not None:
         raise InputError("group_size is only meaningful with a quantization scheme")
     path = resolve(path_or_id)
+    if _is_exported_program(path):  # an ExecuTorch .pte: its own runtime, nothing to convert
+        return _load_program(path, dtype, quantization, group_size, policy)
     hf_config = _peek_config(path)
     if converted.is_converted(hf_config):  # already transformed and quantized: map it in
         model = converted.load(path, hf_config, None if dtype is None else parse_dtype(dtype), quantization)
@@ -656,6 +658,22 @@ def load(
     model = _finish(model, path, device)
     apply_scheme(model, scheme, policy)
     return model
+
+
+def _is_exported_program(path: Path) -> bool:
+    from .export.runtime import is_program
+
+    return is_program(path)
+
+
+def _load_program(path: Path, dtype, quantization, group_size, policy):
+    """An exported program (rwkv_engine/export): its weights and quantization are fixed at export."""
+    if any(x is not None for x in (quantization, group_size, policy)) or dtype not in (None, "fp32", torch.float32):
+        raise InputError(f"{path} is an exported ExecuTorch program: its dtype and quantization were fixed "
+                         f"when it was exported (drop --dtype / --quantization)")
+    from .export.runtime import ProgramModel
+
+    return ProgramModel(path)
 
 
 def _finish(model: RWKV, path: Path, device: torch.device) -> RWKV:

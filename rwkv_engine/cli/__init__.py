@@ -30,6 +30,8 @@ COMMANDS = {
     "serve": "serve an OpenAI-compatible HTTP API",
     "eval": "run lm-evaluation-harness tasks on a model",
     "batch": "answer a JSONL file of OpenAI requests (resumable)",
+    "export": "export to an ExecuTorch program (.pte) for phones and edge devices",
+    "verify": "compare two configurations of a model layer by layer",
 }
 
 PROG = "rwkv-engine"

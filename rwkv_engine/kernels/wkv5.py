@@ -10,6 +10,7 @@ w_t[h, i]. Both kernels take the decay in log space, log_w = log(w) <= 0, either
 (constant) or as [B, T, H, N] (per token), so one mechanism serves both versions.
 
 `wkv5_naive` is the specification: the recurrence, one token at a time.
+`wkv5_export` is the same parallel form written for torch.export / ExecuTorch (see its docstring).
 `wkv5_chunked` is the parallel form for prefill: inside a chunk of c tokens the contributions
 are an attention-like matrix, and the state is carried between chunks. Every exponent it
 evaluates is a sum of log-decays over a forward time interval, hence <= 0, so it stays finite
@@ -121,8 +122,66 @@ def wkv5_chunked(
     return y, S
 
 
+def span_sums(lw: Tensor) -> dict[str, Tensor]:
+    """Sums of the log-decays lw [..., c, K] of one chunk over the spans the chunked forms need.
+
+    before [..., c, K] (tau < t), upto [..., c, K] (tau <= t), after [..., c, K] (tau > s),
+    total [..., K] (the chunk), between [..., c, c, K] (s < tau < t, indexed [t, s]; 0 unless s < t).
+    Each is a product with a 0/1 mask, so every sum adds terms of one sign over exactly its span:
+    no cumsum, flip or difference of prefix sums (none of which an export-friendly graph needs).
+    """
+    c = lw.shape[-2]
+    i = torch.arange(c, device=lw.device)
+    t, s = i[:, None], i[None, :]
+    mask = {
+        "before": (s < t), "upto": (s <= t), "after": (s > t),
+    }
+    out = {name: m.to(lw.dtype) @ lw for name, m in mask.items()}  # [c, c] @ [..., c, K]
+    out["total"] = out["upto"][..., -1, :]
+    tau = i[None, None, :]
+    spans = ((s[..., None] < tau) & (tau < t[..., None])).to(lw.dtype).view(c * c, c)  # [t*s, tau]
+    out["between"] = (spans @ lw).unflatten(-2, (c, c))
+    return out
+
+
+def strictly_lower(c: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """(the 0/1 mask of s < t, the identity), both [c, c] in like's dtype and device."""
+    i = torch.arange(c, device=like.device)
+    return (i[None, :] < i[:, None]).to(like.dtype), (i[None, :] == i[:, None]).to(like.dtype)
+
+
+def wkv5_export(
+    r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor, state: Tensor, chunk: int = 32
+) -> tuple[Tensor, Tensor]:
+    """The chunked form of `wkv5_chunked` in operations every ExecuTorch runtime has.
+
+    No in-place writes (the chunked form's `diagonal().copy_()` becomes `diagonal_scatter`, which
+    ExecuTorch has no kernel for), no cumsum or flip: the intra-chunk matrix is built from
+    `span_sums` and masks, the chunks are a Python loop (unrolled by torch.export, so T must be
+    fixed) and the outputs one concatenation. Same results as `wkv5_naive` up to rounding.
+    """
+    B, T, H, N = r.shape
+    lw_all = _decay_per_token(log_w, B, T)
+    S, ys = state, []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        rb, kb, vb, lw = (x[:, start:end].transpose(1, 2) for x in (r, k, v, lw_all))  # [B, H, c, N]
+        c = end - start
+        sums = span_sums(lw)
+        lower, eye = strictly_lower(c, r)
+        decay = torch.exp(sums["between"]) * lower[..., None]  # [B, H, c, c, N]
+        A = (rb[..., :, None, :] * kb[..., None, :, :] * decay).sum(-1)  # [B, H, c, c]
+        A = A + eye * (rb * u[:, None, :] * kb).sum(-1)[..., None]  # the bonus on s = t
+        y = A @ vb + (rb * torch.exp(sums["before"])) @ S
+        S = torch.exp(sums["total"])[..., None] * S + (kb * torch.exp(sums["after"])).transpose(-1, -2) @ vb
+        ys.append(y.transpose(1, 2))
+    return torch.cat(ys, dim=1), S
+
+
 def wkv5(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """The one call site that picks the recurrent or the chunked form by sequence length."""
+    """The one call site that picks the form: by sequence length, and the export form under torch.export."""
+    if torch.compiler.is_exporting() and r.shape[1] > 1:  # one graph for any T, not T unrolled steps
+        return wkv5_export(r, k, v, log_w, u, state)
     if r.shape[1] < 4:
         return wkv5_naive(r, k, v, log_w, u, state)
     return wkv5_chunked(r, k, v, log_w, u, state)

@@ -12,6 +12,7 @@ take any a, b; only the argument order follows RWKV-7's CUDA op (a is the vector
 the state, b the one the read is written back along).
 
 `wkv7_naive` is the specification: the recurrence, one token at a time.
+`wkv7_export` is the chunked form written for torch.export / ExecuTorch (see its docstring).
 `wkv7_chunked` is the parallel form for prefill (the WY / UT-transform representation). Inside a
 chunk of c tokens with entering state S_0, the rows u_t = S_{t-1}^T a_t solve a unit lower
 triangular system,
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .wkv5 import span_sums, strictly_lower
 
 Tensor = torch.Tensor
 
@@ -131,8 +134,55 @@ def wkv7_chunked(
     return y, S
 
 
+def _pairs(left: Tensor, right: Tensor, decay: Tensor) -> Tensor:
+    """M[t, s] = sum_i left[t, i] right[s, i] decay[t, s, i]: [..., c, K] x [..., c, K] x [..., c, c, K] -> [..., c, c]."""
+    return (left[..., :, None, :] * right[..., None, :, :] * decay).sum(-1)
+
+
+def wkv7_export(
+    r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, a: Tensor, b: Tensor, state: Tensor, chunk: int = 32
+) -> tuple[Tensor, Tensor]:
+    """The chunked form of `wkv7_chunked` in operations every ExecuTorch runtime has.
+
+    The same per-chunk affine maps, with three changes: the intra-chunk matrices come from
+    `span_sums` and masks (no `diagonal().copy_()`, which lowers to `diagonal_scatter`, for which
+    ExecuTorch has no kernel); the unit lower triangular system is solved without
+    `solve_triangular` (no kernel either) as (I - A)^-1 = (I + A)(I + A^2)(I + A^4)..., exact
+    because A is strictly lower triangular (A^c = 0), a few matmuls; the state update is applied
+    as exp(total) * S + b_end @ (W @ S) + Q, with no diagonal matrix built. Chunks are a Python
+    loop (unrolled by torch.export, so T must be fixed). Same results as `wkv7_naive` up to rounding.
+    """
+    B, T, H, K = r.shape
+    S, ys = state, []
+    for start in range(0, T, chunk):
+        end = min(start + chunk, T)
+        rb, kb, vb, ab, bb, lw = (x[:, start:end].transpose(1, 2) for x in (r, k, v, a, b, log_w))  # [B, H, c, D]
+        c = end - start
+        sums = span_sums(lw)
+        lower, eye = strictly_lower(c, r)
+        decay = torch.exp(sums["between"]) * lower[..., None]  # [B, H, c, c, K]
+        rw = rb * torch.exp(lw)  # r_t reads S_t: one more decay step than a_t's read of S_{t-1}
+        A_ab, A_ak = _pairs(ab, bb, decay), _pairs(ab, kb, decay)
+        A_rb = _pairs(rw, bb, decay) + eye * (rb * bb).sum(-1)[..., None]
+        A_rk = _pairs(rw, kb, decay) + eye * (rb * kb).sum(-1)[..., None]
+        X = torch.cat([ab * torch.exp(sums["before"]), A_ak @ vb], dim=-1)
+        power = A_ab
+        for _ in range(max(c - 1, 1).bit_length()):  # X = (I - A_ab)^-1 rhs
+            X = X + power @ X
+            power = power @ power
+        W, U_v = X.split([K, v.shape[-1]], dim=-1)
+        b_end = (bb * torch.exp(sums["after"])).transpose(-1, -2)  # [B, H, K, c]
+        k_end = (kb * torch.exp(sums["after"])).transpose(-1, -2)
+        y = (rb * torch.exp(sums["upto"]) + A_rb @ W) @ S + A_rb @ U_v + A_rk @ vb
+        S = torch.exp(sums["total"])[..., None] * S + b_end @ (W @ S) + b_end @ U_v + k_end @ vb
+        ys.append(y.transpose(1, 2))
+    return torch.cat(ys, dim=1), S
+
+
 def wkv7(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, a: Tensor, b: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """The one call site that picks the recurrent or the chunked form by sequence length."""
+    """The one call site that picks the form: by sequence length, and the export form under torch.export."""
+    if torch.compiler.is_exporting() and r.shape[1] > 1:  # one graph for any T, not T unrolled steps
+        return wkv7_export(r, k, v, log_w, a, b, state)
     if r.shape[1] < CHUNKED_MIN_T:
         return wkv7_naive(r, k, v, log_w, a, b, state)
     return wkv7_chunked(r, k, v, log_w, a, b, state)

@@ -27,7 +27,21 @@ def mix(xx: Tensor, sx: Tensor, m: Tensor) -> Tensor:
 def head_group_norm(y: Tensor, n_head: int, weight: Tensor, bias: Tensor) -> Tensor:
     """GroupNorm over each head's channels (eps 64e-5, see FORMATS A.8): y [B, T, A] fp32."""
     B, T, A = y.shape
+    if torch.compiler.is_exporting():
+        return mean_norm(y, n_head, weight, bias, 64e-5)
     return F.group_norm(y.reshape(B * T, A), n_head, weight, bias, eps=64e-5).view(B, T, A)
+
+
+def mean_norm(x: Tensor, groups: int, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """LayerNorm (groups=1) or GroupNorm of the last axis of x [..., D], as means over the last two
+    axes of a 4-D view [rows, groups, 1, D / groups]: the form ExecuTorch's XNNPACK backend runs
+    (it takes neither layer_norm, group_norm nor a mean over one axis; measured 21-34 delegate
+    calls per step with them, 10 with this). The same values as F.layer_norm / F.group_norm."""
+    shape = x.shape
+    x4 = x.reshape(-1, groups, 1, shape[-1] // groups)
+    d = x4 - x4.mean(dim=(-2, -1), keepdim=True)
+    var = (d * d).mean(dim=(-2, -1), keepdim=True)
+    return (d * torch.rsqrt(var + eps)).reshape(shape) * weight + bias
 
 
 class Embedding(nn.Embedding):

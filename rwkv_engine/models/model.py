@@ -10,6 +10,7 @@ matrices by 2**(layer // rescale_every) and the forward halves the residual ever
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -52,6 +53,32 @@ def prefill_end(start: int, total: int, chunk: int, rows: int = 1) -> int:
     """
     end = min(start + chunk, total)
     return total if total - end <= GEMV_MAX_ROWS // max(rows, 1) else end
+
+
+def check_tokens(tokens, vocab_size: int, device) -> tuple[Tensor, bool]:
+    """tokens -> (LongTensor [B, T] on `device`, whether the input was 1-D); InputError if they are not ids < vocab_size."""
+    if isinstance(tokens, Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
+            raise InputError(f"tokens must be integers, got a tensor of {tokens.dtype}")
+        t = tokens.to(dtype=torch.long)
+    else:
+        try:
+            t = torch.as_tensor(list(tokens), dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise InputError(f"tokens must be a list of ints or an integer tensor ({e})") from None
+        if t.dim() != 1:
+            raise InputError("tokens as a list must be flat: a list of ints")
+    if t.dim() not in (1, 2):
+        raise InputError(f"tokens must have shape [T] or [B, T], got {list(t.shape)}")
+    if t.numel() == 0:
+        raise InputError("tokens is empty: give at least one token")
+    V = vocab_size
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= V:
+        bad = lo if lo < 0 else hi
+        raise InputError(f"token id {bad} is outside the vocabulary [0, {V})")
+    one_d = t.dim() == 1
+    return (t[None] if one_d else t).to(device), one_d
 
 
 class Block(nn.Module):
@@ -102,6 +129,7 @@ class RWKV(nn.Module):
         # step (models/native_step.py) where it can run; False: always the PyTorch modules.
         self.native_decode = True
         self._native_step: tuple[int, DecodeStep | None] | None = None  # (generation, step)
+        self.layer_observer: Callable[[int, Tensor, dict[str, Tensor]], None] | None = None  # see run_blocks
 
     @property
     def device(self) -> torch.device:
@@ -142,29 +170,7 @@ class RWKV(nn.Module):
     # --- forward ----------------------------------------------------------------------------
 
     def _check_tokens(self, tokens) -> tuple[Tensor, bool]:
-        """tokens -> (LongTensor [B, T] on the model's device, whether the input was 1-D)."""
-        if isinstance(tokens, Tensor):
-            if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
-                raise InputError(f"tokens must be integers, got a tensor of {tokens.dtype}")
-            t = tokens.to(dtype=torch.long)
-        else:
-            try:
-                t = torch.as_tensor(list(tokens), dtype=torch.long)
-            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-                raise InputError(f"tokens must be a list of ints or an integer tensor ({e})") from None
-            if t.dim() != 1:
-                raise InputError("tokens as a list must be flat: a list of ints")
-        if t.dim() not in (1, 2):
-            raise InputError(f"tokens must have shape [T] or [B, T], got {list(t.shape)}")
-        if t.numel() == 0:
-            raise InputError("tokens is empty: give at least one token")
-        V = self.config.vocab_size
-        lo, hi = int(t.min()), int(t.max())
-        if lo < 0 or hi >= V:
-            bad = lo if lo < 0 else hi
-            raise InputError(f"token id {bad} is outside the vocabulary [0, {V})")
-        one_d = t.dim() == 1
-        return (t[None] if one_d else t).to(self.device), one_d
+        return check_tokens(tokens, self.config.vocab_size, self.device)
 
     def _logits(self, x: Tensor) -> Tensor:
         return self.head(self.ln_out(x).to(self.dtype)).float()
@@ -186,7 +192,8 @@ class RWKV(nn.Module):
         else:
             self._check_state(state, B)
         state = state.to(self.device) if state.device != self.device else state
-        if T == 1 and B <= GEMV_MAX_ROWS and self.native_decode and self.device.type == "cpu":
+        native = self.native_decode and self.layer_observer is None  # the fused step shows no layers
+        if T == 1 and B <= GEMV_MAX_ROWS and native and self.device.type == "cpu":
             step = self._decode_step()
             if step is not None:
                 return self._forward_native(step, ids, state, all_logits, one_d)
@@ -197,25 +204,42 @@ class RWKV(nn.Module):
         new = {k: torch.empty_like(v) for k, v in state.items()}
         layers = [{k: v[:, i] for k, v in state.items()} for i in range(L)]
         chunk = max(16, PREFILL_CHUNK // B)
+
+        def keep(i: int, fields: dict[str, Tensor]) -> None:
+            for k, v in fields.items():
+                new[k][:, i].copy_(v)
+            layers[i] = {k: new[k][:, i] for k in fields}
+
         outs = []
         start = 0
         while start < T:
             end = prefill_end(start, T, chunk, B)
-            x = self.emb(ids[:, start:end]).float()
+            x = self.run_blocks(self.emb(ids[:, start:end]).float(), layers, keep)
             start = end
-            ctx = {}
-            for i, block in enumerate(self.blocks):
-                x, fields = block(x, layers[i], ctx)
-                for k, v in fields.items():
-                    new[k][:, i].copy_(v)
-                layers[i] = {k: new[k][:, i] for k in fields}
-                del fields
-                if self.rescale_every and (i + 1) % self.rescale_every == 0:
-                    x = x / 2
             if all_logits:
                 outs.append(self._logits(x))
         logits = torch.cat(outs, dim=1) if all_logits else self._logits(x[:, -1])
         return (logits[0] if one_d else logits), State(new, state.signature)
+
+    def run_blocks(self, x: Tensor, layers: list[dict[str, Tensor]], emit: Callable[[int, dict[str, Tensor]], None]) -> Tensor:
+        """The embedded tokens x [B, T, C] fp32 through every block -> the last block's output.
+
+        layers[i]: block i's state fields [B, ...]; emit(i, fields) receives its new ones. This is
+        the one block loop: `forward` and the exported program (rwkv_engine/export) both run it.
+        `layer_observer`, when set, is called as observer(i, x, fields) after each block with its
+        output in the units of an unscaled model (the fp16 rescale undone; `rwkv-engine verify`).
+        """
+        ctx: dict[str, Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            x, fields = block(x, layers[i], ctx)
+            if self.layer_observer is not None:
+                scale = 2.0 ** (i // self.rescale_every) if self.rescale_every else 1.0
+                self.layer_observer(i, x * scale, fields)
+            emit(i, fields)
+            del fields
+            if self.rescale_every and (i + 1) % self.rescale_every == 0:
+                x = x / 2
+        return x
 
     def _decode_step(self) -> DecodeStep | None:
         """The fused native step for the model's current tensors (rebuilt when one is replaced)."""

@@ -629,7 +629,7 @@ def load(
         raise InputError("group_size is only meaningful with a quantization scheme")
     path = resolve(path_or_id)
     if _is_exported_program(path):  # an ExecuTorch .pte: its own runtime, nothing to convert
-        return _load_program(path, dtype, quantization, group_size, policy)
+        return _load_program(path, device, dtype, quantization, group_size, policy)
     hf_config = _peek_config(path)
     if converted.is_converted(hf_config):  # already transformed and quantized: map it in
         model = converted.load(path, hf_config, None if dtype is None else parse_dtype(dtype), quantization)
@@ -666,8 +666,10 @@ def _is_exported_program(path: Path) -> bool:
     return is_program(path)
 
 
-def _load_program(path: Path, dtype, quantization, group_size, policy):
+def _load_program(path: Path, device, dtype, quantization, group_size, policy):
     """An exported program (rwkv_engine/export): its weights and quantization are fixed at export."""
+    if str(device) != "cpu":
+        raise InputError(f"{path} is an exported ExecuTorch program: it runs on the CPU (device cpu), not {device}")
     if any(x is not None for x in (quantization, group_size, policy)) or dtype not in (None, "fp32", torch.float32):
         raise InputError(f"{path} is an exported ExecuTorch program: its dtype and quantization were fixed "
                          f"when it was exported (drop --dtype / --quantization)")

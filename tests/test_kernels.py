@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rwkv_engine.kernels import wkv4, wkv4_reference, wkv5, wkv5_chunked, wkv5_naive
+from rwkv_engine.kernels import wkv4, wkv4_reference, wkv5, wkv5_chunked, wkv5_export, wkv5_naive, wkv7
 
 from .conftest import rel_rms
 
@@ -28,7 +28,7 @@ DECAYS = {"mixed": (-9.0, 4.0), "near_one": (-12.0, -8.0), "near_zero": (2.5, 4.
 def test_wkv5_chunked_matches_naive(T, decays, per_token):
     r, k, v, log_w, u, state = _inputs(2, T, 3, 16, DECAYS[decays], seed=T, per_token=per_token)
     y_ref, s_ref = wkv5_naive(*(t.double() for t in (r, k, v, log_w, u, state)))
-    for fn in (wkv5_chunked, wkv5):
+    for fn in (wkv5_chunked, wkv5, wkv5_export):
         y, s = fn(r, k, v, log_w, u, state)
         assert y.shape == (2, T, 3, 16) and s.shape == (2, 3, 16, 16)
         assert torch.isfinite(y).all() and torch.isfinite(s).all()
@@ -103,3 +103,32 @@ def test_wkv4_large_keys_stay_finite():
     y, num, den, mx = wkv4(k, v, w, u, *fresh)
     assert torch.isfinite(y).all() and torch.isfinite(num).all() and torch.isfinite(den).all()
     assert rel_rms(y, wkv4_reference(k, v, w, u, torch.zeros(B, C), torch.zeros(B, C), torch.full((B, C), -1e30))) < 1e-5
+
+
+class _Kernels(torch.nn.Module):
+    def forward(self, r, k, v, log_w, u, a, b, state):
+        return wkv5(r, k, v, log_w, u, state), wkv7(r, k, v, log_w, a, b, state)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_export_forms_are_picked_under_torch_export(T):
+    """Under torch.export the dispatchers give graphs of ops ExecuTorch has: no diagonal_scatter
+    (in-place diagonal writes), no cumsum / flip / triangular solve; the results are the kernels'."""
+    r, k, v, log_w, u, state = _inputs(1, T, 2, 8, DECAYS["mixed"], per_token=True)
+    a, b = -torch.nn.functional.normalize(k, dim=-1), torch.nn.functional.normalize(k, dim=-1) * 0.5
+    args = (r, k, v, log_w, u, a, b, state)
+    ep = torch.export.export(_Kernels(), args)
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not [op for op in ops if any(bad in op for bad in ("scatter", "cumsum", "flip", "linalg", "copy_"))], ops
+    for got, want in zip(ep.module()(*args), _Kernels()(*args)):
+        assert rel_rms(got[0], want[0]) < 1e-5 and rel_rms(got[1], want[1]) < 1e-5
+
+
+def test_mean_norm_is_layer_norm_and_group_norm():
+    from rwkv_engine.models.layers import mean_norm
+
+    x = torch.randn(2, 5, 64) * 3 + 1
+    w, b = torch.randn(64), torch.randn(64)
+    assert rel_rms(mean_norm(x, 1, w, b, 1e-5), torch.nn.functional.layer_norm(x, (64,), w, b, 1e-5)) < 1e-6
+    ref = torch.nn.functional.group_norm(x.reshape(10, 64), 4, w, b, eps=64e-5).view(2, 5, 64)
+    assert rel_rms(mean_norm(x, 4, w, b, 64e-5), ref) < 1e-6

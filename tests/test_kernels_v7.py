@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rwkv_engine.kernels import wkv7, wkv7_chunked, wkv7_naive
+from rwkv_engine.kernels import wkv7, wkv7_chunked, wkv7_export, wkv7_naive
 
 from .conftest import rel_rms
 
@@ -30,7 +30,7 @@ def _inputs(B, T, H, N, decay_range, seed=0, V=None):
 def test_wkv7_chunked_matches_naive(T, decays):
     args = _inputs(2, T, 3, 16, DECAYS[decays], seed=T)
     y_ref, s_ref = wkv7_naive(*(t.double() for t in args))
-    for fn in (wkv7_chunked, wkv7):
+    for fn in (wkv7_chunked, wkv7, wkv7_export):
         y, s = fn(*args)
         assert y.shape == (2, T, 3, 16) and s.shape == (2, 3, 16, 16)
         assert y.dtype == s.dtype == torch.float32

@@ -46,6 +46,8 @@ def _check(args) -> None:
 
 def weight_bytes_per_step(model) -> int:
     """Bytes of parameters and buffers a decode step reads: everything but the embedding table."""
+    if hasattr(model, "weight_bytes_per_step"):  # an exported program (rwkv_engine/export) knows its own
+        return model.weight_bytes_per_step()
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith("emb.") or t.data_ptr() in seen:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import InputError
@@ -59,6 +60,22 @@ class _LayerNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return mean_norm(x, 1, self.weight, self.bias, self.eps)
+
+
+class Int8Embedding(nn.Module):
+    """An embedding stored as int8 rows with one fp32 scale per row (symmetric), looked up with
+    plain ops (embedding, cast, multiply) that every ExecuTorch runtime has. (torchao's quantized
+    embedding lowers to `quantized_decomposed::embedding_byte`, which needs ExecuTorch's
+    quantized-kernel library: not in its Python runtime, nor in a plain app build.)"""
+
+    def __init__(self, weight: Tensor):
+        super().__init__()
+        scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        self.register_buffer("qweight", torch.round(weight / scale).to(torch.int8))
+        self.register_buffer("scale", scale.float())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.qweight).float() * F.embedding(ids, self.scale)
 
 
 class StepProgram(nn.Module):
@@ -98,7 +115,9 @@ class InitialState(nn.Module):
 
 def exportable_copy(model) -> nn.Module:
     """A copy of the model's module tree (sharing its tensors) that torch.export and ExecuTorch take."""
-    if model.dtype != torch.float32 or any(isinstance(m, _QuantLinearBase) for m in model.modules()):
+    scheme = getattr(model, "quantization", None)
+    quantized = scheme is not None and scheme.weights != "dense"
+    if model.dtype != torch.float32 or quantized or any(isinstance(m, _QuantLinearBase) for m in model.modules()):
         raise InputError(
             "export needs the model loaded in fp32 without --quantization (it quantizes itself with "
             "--quantization q8 / q4)"
@@ -128,7 +147,7 @@ def quantize_for_export(m: nn.Module, quantization: str, policy=None) -> dict[st
     q8: every linear int8 (one scale per row) with int8 dynamic activations, block 0 kept fp32
     (the engine keeps it 16-bit). q4: int4 weights (group 32) with int8 dynamic activations,
     blocks 0-1 and the head int8 (quant/schemes.py `default_action`). Matrices under
-    MIN_QUANT_WEIGHTS stay fp32. The embedding is int8, one scale per row, in both.
+    MIN_QUANT_WEIGHTS stay fp32. The embedding is `Int8Embedding` in both.
     `policy` is quant.quantize_model's: {glob on the module name: "q8" | "q4" | "keep"} or a
     callable, asked first. Returns {module name: what it became}.
     """
@@ -136,7 +155,7 @@ def quantize_for_export(m: nn.Module, quantization: str, policy=None) -> dict[st
         return {}
     from torchao.quantization import quantize_
     from torchao.quantization.granularity import PerAxis, PerGroup
-    from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+    from torchao.quantization.quant_api import Int8DynamicActivationIntxWeightConfig
 
     configs = {
         "q8": Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0)),
@@ -154,8 +173,7 @@ def quantize_for_export(m: nn.Module, quantization: str, policy=None) -> dict[st
         names = {n for n, a in report.items() if a == action}
         if names:
             quantize_(m, config, filter_fn=lambda mod, fqn: fqn in names)
-    quantize_(m, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
-              filter_fn=lambda mod, fqn: fqn == "emb")
+    m.emb = Int8Embedding(m.emb.weight)
     report["emb"] = "q8"
     return report
 

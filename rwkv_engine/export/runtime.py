@@ -21,6 +21,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import CheckpointError, InputError, StateError
 from ..models.model import check_tokens
+from ..quant.schemes import SCHEMES
 from ..state import State
 from .program import FORMAT, METADATA_METHOD
 
@@ -65,7 +66,7 @@ class ProgramModel:
         self.config = ModelConfig(**meta["config"])
         self.fields = tuple(s["name"] for s in meta["state"])
         self.prefill_len = meta["methods"]["prefill"]["tokens"][1]
-        self.quantization = meta["quantization"]
+        self.quantization = SCHEMES[{"fp32": "q0f32"}.get(meta["quantization"], meta["quantization"])]
         self.dtype = torch.float32
         self.device = torch.device("cpu")
         self._methods = {name: self._program.load_method(name) for name in ("decode", "prefill", "initial_state")}
@@ -74,10 +75,16 @@ class ProgramModel:
     def __repr__(self) -> str:
         c = self.config
         return (f"ProgramModel(version={c.version}, n_layer={c.n_layer}, n_embd={c.n_embd}, "
-                f"vocab_size={c.vocab_size}, quantization={self.quantization}, path={str(self.path)!r})")
+                f"vocab_size={c.vocab_size}, quantization={self.metadata['quantization']}, path={str(self.path)!r})")
 
     def eval(self):
         return self
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes a decode step reads, about: the program file less its embedding table (`rwkv-engine bench`)."""
+        c = self.config
+        row = c.n_embd * 4 if self.metadata["quantization"] == "fp32" else c.n_embd + 4  # Int8Embedding: int8 + scale
+        return max(self.path.stat().st_size - c.vocab_size * row, 1)
 
     def new_state(self, batch_size: int = 1) -> State:
         if not isinstance(batch_size, int) or batch_size < 1:

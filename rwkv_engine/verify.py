@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-from .testing import rel_rms
+from .testing import greedy_tokens, rel_rms
 
 Tensor = torch.Tensor
 
@@ -80,17 +80,6 @@ def trace_model(model, prompt: list[int], steps: list[int]) -> Trace:
     for tok in steps:
         logits, state = model.forward([tok], state)
         out.step_logits.append(logits.float().clone())
-    return out
-
-
-@torch.no_grad()
-def greedy_continuation(model, prompt: list[int], n: int) -> list[int]:
-    """The model's greedy continuation of `prompt`, n tokens (the decode steps both sides are fed)."""
-    out: list[int] = []
-    logits, state = model.forward(prompt)
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits, state = model.forward(out[-1:], state)
     return out
 
 

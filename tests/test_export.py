@@ -152,3 +152,46 @@ def test_pte_without_executorch_is_one_clear_error(exported, tmp_path):
     bogus.write_bytes(b"\0\0\0\0ET12" + b"\0" * 64)
     with pytest.raises(CheckpointError):
         rwkv_engine.load(bogus)
+
+
+def test_commands_run_on_a_program(exported, capsys):
+    """bench and verify take a .pte like any model (generate / chat / serve go through the same forward)."""
+    from rwkv_engine.cli import main
+
+    model, programs = exported
+    pte = str(programs["fp32"].path)
+    assert main(["bench", pte, "--prompt-len", "10", "--decode-tokens", "3", "--json"]) == 0
+    bench = json.loads(capsys.readouterr().out)
+    assert bench["decode_tok_s"] > 0 and bench["quantization"] == "q0f32"
+    ids = ",".join(map(str, PROMPT))
+    assert main(["verify", str(model.path), "--against", pte, "--prompt-ids", ids, "--steps", "4", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert "hidden" not in r["layers"][0] and r["prompt_logits"] < 1e-5 and r["greedy_agreement"] == 4
+    assert max(v for row in r["layers"] for k, v in row.items() if k != "layer") < 1e-5
+
+
+def test_export_command_errors_are_one_line(make_pth, tmp_path, capsys):
+    from rwkv_engine.cli import main
+
+    assert main(["export", str(make_pth("5.2", n_layer=2)), str(tmp_path / "x.pte"), "-q", "q3"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "missing.pth"), str(tmp_path / "x.pte")]) == 1
+    err = capsys.readouterr().err
+    assert "no such file" in err and "Traceback" not in err
+
+
+def test_export_command_portable_backend(make_pth, tmp_path, capsys):
+    """The CLI end to end, with ExecuTorch's portable kernels only (no XNNPACK delegate)."""
+    from rwkv_engine.cli import main
+
+    path = make_pth("5.2", n_layer=1)
+    out = tmp_path / "portable.pte"
+    assert main(["export", str(path), str(out), "--backend", "portable", "--prefill-len", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert "att_kv [1, 1, 4, 16, 16]" in printed and "prefill(tokens [1, 4]" in printed
+    pte = rwkv_engine.load(out)
+    assert pte.metadata["backend"] == "portable"
+    model = rwkv_engine.load(path)
+    ref, _ = model.forward(PROMPT)
+    got, _ = pte.forward(PROMPT)
+    assert rel_rms(got, ref) < 1e-5

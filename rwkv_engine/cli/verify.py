@@ -35,7 +35,7 @@ def run(args) -> int:
     import rwkv_engine
     from rwkv_engine.errors import InputError
     from rwkv_engine.loading import DTYPES
-    from rwkv_engine.verify import compare, format_report, greedy_continuation, trace_model, trace_rwkv_package
+    from rwkv_engine.verify import compare, format_report, greedy_tokens, trace_model, trace_rwkv_package
 
     if args.steps < 0:
         raise InputError("--steps must be >= 0")
@@ -63,7 +63,7 @@ def run(args) -> int:
             other = rwkv_engine.load(args.model, device=args.device, quantization=ref, progress=False)
         if other.config != cfg:
             raise InputError(f"{ref} is another model ({other.config.state_signature()}), not {cfg.state_signature()}")
-        steps = greedy_continuation(other, prompt, args.steps)
+        steps = greedy_tokens(other, prompt, args.steps)
         reference = trace_model(other, prompt, steps)
         del other
     report = compare(trace_model(subject, prompt, steps), reference)

@@ -670,7 +670,8 @@ def _load_program(path: Path, device, dtype, quantization, group_size, policy):
     """An exported program (rwkv_engine/export): its weights and quantization are fixed at export."""
     if str(device) != "cpu":
         raise InputError(f"{path} is an exported ExecuTorch program: it runs on the CPU (device cpu), not {device}")
-    if any(x is not None for x in (quantization, group_size, policy)) or dtype not in (None, "fp32", torch.float32):
+    fixed = dtype not in (None, "auto", "fp32", torch.float32)
+    if fixed or any(x is not None for x in (quantization, group_size, policy)):
         raise InputError(f"{path} is an exported ExecuTorch program: its dtype and quantization were fixed "
                          f"when it was exported (drop --dtype / --quantization)")
     from .export.runtime import ProgramModel

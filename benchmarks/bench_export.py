@@ -35,7 +35,7 @@ import rwkv_engine
 from rwkv_engine.export import export_program
 path, out, q, T = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 t0 = time.perf_counter()
-model = rwkv_engine.load(path, progress=False)
+model = rwkv_engine.load(path, dtype="fp32", progress=False)
 report = export_program(model, out, quantization=q, prefill_len=T)
 print(json.dumps({"seconds": time.perf_counter() - t0, "export_seconds": report.seconds, "bytes": report.bytes,
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))

@@ -30,7 +30,7 @@ def run(args) -> int:
     import rwkv_engine
     from rwkv_engine.export import export_program
 
-    model = rwkv_engine.load(args.model, progress=sys.stderr.isatty())
+    model = rwkv_engine.load(args.model, dtype="fp32", progress=sys.stderr.isatty())
     tok = None
     if args.tokenizer is not None:
         tok = rwkv_engine.load_tokenizer(model, args.tokenizer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -51,29 +52,89 @@ def _linear_kinds(model) -> dict[str, list]:
     return kinds
 
 
-def save(model, out: str | os.PathLike, tokenizer_source: Path | None = None) -> Path:
-    """Write `model` as an rwkv-engine directory at `out`, which must not exist."""
-    from safetensors.torch import save_file
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
+              torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64"}
 
+
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time, in any order, from the names, shapes and
+    dtypes known up front (the header comes first in the format). Nothing is buffered: each
+    tensor's bytes go straight from its memory to the file, so a whole model never sits in
+    memory twice (safetensors' own save_file copies every tensor into bytes first)."""
+
+    def __init__(self, path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], metadata: dict | None = None):
+        # Widest elements first (then by name), as safetensors lays files out: every tensor aligned.
+        order = sorted(specs, key=lambda k: (-specs[k][1].itemsize, k))
+        header: dict = {"__metadata__": metadata or {}}
+        self.slots: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for k in order:
+            shape, dt = specs[k]
+            n = math.prod(shape) * dt.itemsize
+            header[k] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
+            pos += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-(8 + len(blob)) % 8)
+        base = 8 + len(blob)
+        self.slots = {k: (base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+                      for k in order}
+        self.specs = specs
+        self.written: set[str] = set()
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        os.pwrite(self.fd, len(blob).to_bytes(8, "little") + blob, 0)
+        os.ftruncate(self.fd, base + pos)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        if name not in self.slots or name in self.written:
+            raise CheckpointError(f"{self.path}: unexpected tensor {name!r}" + (" (twice)" if name in self.written else ""))
+        shape, dt = self.specs[name]
+        if tuple(t.shape) != tuple(shape) or t.dtype != dt:
+            raise CheckpointError(f"{self.path}: tensor {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dt}")
+        offset, n = self.slots[name]
+        if n:
+            data = memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < n:
+                done += os.pwrite(self.fd, data[done:], offset + done)
+        self.written.add(name)
+
+    def close(self, check: bool = True) -> None:
+        missing = sorted(set(self.slots) - self.written)
+        os.close(self.fd)
+        if check and missing:
+            raise CheckpointError(f"{self.path}: {len(missing)} tensor(s) never written: {', '.join(missing[:3])}")
+
+
+def _meta(model, scheme) -> dict:
+    return {
+        "format": FORMAT,
+        "config": dataclasses.asdict(model.config),
+        "dtype": _DTYPE_NAMES[model.dtype],
+        "rescale_every": model.rescale_every,
+        "quantization": scheme.to_dict() if scheme is not None else None,
+        "linears": _linear_kinds(model),
+    }
+
+
+def _write_dir(out: Path, model, specs: dict, write_tensors, tokenizer_source: Path | None) -> Path:
+    """Write the directory beside `out` and rename it into place once complete. write_tensors(writer)
+    writes every tensor of `specs` through the SafetensorsWriter it is given."""
     out = Path(out)
     if out.exists():
         raise InputError(f"{out}: already exists; choose a new output directory")
-    if not out.parent.is_dir():
+    if not out.resolve().parent.is_dir():
         raise InputError(f"{out.parent}: no such directory")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.resolve().parent))
     try:
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-        tensors.update({_INITIAL + k: v.contiguous() for k, v in model.initial_state.items()})
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        scheme = getattr(model, "quantization", None)
-        meta = {
-            "format": FORMAT,
-            "config": dataclasses.asdict(model.config),
-            "dtype": _DTYPE_NAMES[model.dtype],
-            "rescale_every": model.rescale_every,
-            "quantization": scheme.to_dict() if scheme is not None else None,
-            "linears": _linear_kinds(model),
-        }
+        writer = SafetensorsWriter(tmp / "model.safetensors", specs, {"format": "pt"})
+        try:
+            write_tensors(writer)
+        except BaseException:
+            writer.close(check=False)
+            raise
+        writer.close()
+        meta = _meta(model, getattr(model, "quantization", None))
         config = {"architectures": ["RWKV"], "model_type": MODEL_TYPE, "vocab_size": model.config.vocab_size,
                   "num_hidden_layers": model.config.n_layer, "hidden_size": model.config.n_embd, "rwkv_engine": meta}
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -89,6 +150,47 @@ def save(model, out: str | os.PathLike, tokenizer_source: Path | None = None) ->
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def save(model, out: str | os.PathLike, tokenizer_source: Path | None = None) -> Path:
+    """Write `model` (in memory) as an rwkv-engine directory at `out`, which must not exist."""
+    tensors = dict(model.state_dict())
+    tensors.update({_INITIAL + k: v for k, v in model.initial_state.items()})
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+
+    def write(w: SafetensorsWriter) -> None:
+        for k, v in tensors.items():
+            w.write(k, v)
+
+    return _write_dir(Path(out), model, specs, write, tokenizer_source)
+
+
+def convert(plan, out: str | os.PathLike, tokenizer_source: Path | None = None, progress: bool = True) -> Path:
+    """Write the checkpoint of a loading.Plan as an rwkv-engine directory at `out`, one tensor at a
+    time: each is read, transformed, quantized and written before the next is read, so the peak
+    memory is a few tensors, not the model."""
+    from .loading import Progress
+
+    model = plan.model
+    initial = plan.initial_state()
+    specs = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    specs.update({_INITIAL + k: (tuple(v.shape), v.dtype) for k, v in initial.items()})
+
+    def write(w: SafetensorsWriter) -> None:
+        for k, v in initial.items():
+            w.write(_INITIAL + k, v.contiguous())
+        bar = Progress("converting", plan.source_bytes(), len(plan.mapping), progress)
+        ok = False
+        try:
+            for tensors in plan.tensors(bar):
+                for k, v in tensors.items():
+                    w.write(k, v)
+                del tensors
+            ok = True
+        finally:
+            bar.close(ok)
+
+    return _write_dir(Path(out), model, specs, write, tokenizer_source)
 
 
 def _tensor_offset(weights: Path, name: str) -> int:

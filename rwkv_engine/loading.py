@@ -23,6 +23,7 @@ import os
 import re
 import struct
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -36,7 +37,6 @@ from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
 from .memory import tune_malloc
 from .models import RWKV
-from .quant.linear import DenseLinear
 
 Tensor = torch.Tensor
 
@@ -113,16 +113,19 @@ class Checkpoint:
         self.where = where
         self._getters: dict[str, Callable[[], Tensor]] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
         self.mapped: set[str] = set()  # tensors that live in a read-only file mapping
         self.hf_config: dict | None = None
 
-    def add(self, name: str, shape: tuple[int, ...], getter: Callable[[], Tensor], mapped: bool = False) -> None:
+    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, getter: Callable[[], Tensor],
+            mapped: bool = False) -> None:
         if name in self._getters:
             raise CheckpointError(f"{self.where}: tensor {name!r} appears twice")
         if mapped:
             self.mapped.add(name)
         self._getters[name] = getter
         self._shapes[name] = tuple(shape)
+        self._dtypes[name] = dtype
 
     def keys(self) -> list[str]:
         return list(self._getters)
@@ -133,18 +136,29 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
 
+    def dtype(self, name: str) -> torch.dtype:
+        return self._dtypes[name]
+
     def get(self, name: str) -> Tensor:
         return self._getters[name]()
 
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype that holds most of the bytes of the checkpoint's matrices."""
+        share: dict[torch.dtype, int] = {}
+        for k in self._getters:
+            if len(self._shapes[k]) == 2 and self._dtypes[k].is_floating_point:
+                share[self._dtypes[k]] = share.get(self._dtypes[k], 0) + math.prod(self._shapes[k])
+        return max(share, key=share.get) if share else torch.float32
+
     def rename(self, mapping: Callable[[str], str], transposed: Callable[[str], bool] = lambda name: False) -> None:
         """New names for every tensor; the 2-D ones for which `transposed(old name)` holds are transposed."""
-        getters, shapes, mapped = self._getters, self._shapes, self.mapped
-        self._getters, self._shapes, self.mapped = {}, {}, set()
+        getters, shapes, dtypes, mapped = self._getters, self._shapes, self._dtypes, self.mapped
+        self._getters, self._shapes, self._dtypes, self.mapped = {}, {}, {}, set()
         for k in getters:
             if transposed(k) and len(shapes[k]) == 2:  # a copy: no longer the mapped tensor
-                self.add(mapping(k), shapes[k][::-1], lambda g=getters[k]: g().t().contiguous())
+                self.add(mapping(k), shapes[k][::-1], dtypes[k], lambda g=getters[k]: g().t().contiguous())
             else:
-                self.add(mapping(k), shapes[k], getters[k], mapped=k in mapped)
+                self.add(mapping(k), shapes[k], dtypes[k], getters[k], mapped=k in mapped)
 
 
 def _sniff(path: Path) -> str:
@@ -168,6 +182,13 @@ def _sniff(path: Path) -> str:
 
 
 def _add_torch_file(ck: Checkpoint, path: Path, kind: str) -> None:
+    size = path.stat().st_size
+    if kind == "torch-legacy" and size >= _PROGRESS_MIN_BYTES:
+        print(f"note: {path} is in PyTorch's legacy (pre-1.6, non-zip) format, which cannot be memory-mapped: "
+              f"its {size / 1e9:.1f} GB are read into memory whole before converting. Re-save it once in the "
+              f"zip format to load it one tensor at a time: python -c \"import torch, sys; "
+              f"torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])\" OLD.pth NEW.pth",
+              file=sys.stderr, flush=True)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=kind == "torch-zip")
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
@@ -189,7 +210,7 @@ def _add_torch_file(ck: Checkpoint, path: Path, kind: str) -> None:
             )
         if not isinstance(k, str) or not isinstance(v, Tensor):
             raise CheckpointError(f"{path}: expected a flat dict of tensors, but {k!r} is a {type(v).__name__}")
-        ck.add(k, v.shape, lambda v=v: v, mapped=kind == "torch-zip")
+        ck.add(k, v.shape, v.dtype, lambda v=v: v, mapped=kind == "torch-zip")
 
 
 def _add_safetensors_file(ck: Checkpoint, path: Path) -> None:
@@ -198,11 +219,17 @@ def _add_safetensors_file(ck: Checkpoint, path: Path) -> None:
     try:
         f = safe_open(str(path), framework="pt", device="cpu")
         names = list(f.keys())
-        shapes = {k: f.get_slice(k).get_shape() for k in names}
+        slices = {k: f.get_slice(k) for k in names}
+        shapes = {k: sl.get_shape() for k, sl in slices.items()}
+        dtypes = {k: _SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8) for k, sl in slices.items()}
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read the safetensors file ({str(e).splitlines()[0][:200]})") from None
     for k in names:
-        ck.add(k, shapes[k], lambda k=k, f=f: f.get_tensor(k), mapped=True)
+        ck.add(k, shapes[k], dtypes[k], lambda k=k, f=f: f.get_tensor(k), mapped=True)
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                       "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
 
 
 def _add_file(ck: Checkpoint, path: Path) -> None:
@@ -475,10 +502,54 @@ def _transform(name: str, t: Tensor, cfg: ModelConfig, dtype: torch.dtype, resca
     return t.float()  # LayerNorm / GroupNorm weights and biases
 
 
-def build_state_dict(ck: Checkpoint, cfg: ModelConfig, model: RWKV, dtype: torch.dtype, rescale_every: int,
-                     progress: bool) -> dict[str, Tensor]:
-    expected = model.state_dict()
-    real_bonus = any(k.endswith(".time_faaaa") for k in ck.keys())
+def _embedding(src: Tensor, ln0_w: Tensor, ln0_b: Tensor, dtype: torch.dtype) -> Tensor:
+    """The embedding with ln0 folded in (FORMATS A.7), computed in row chunks: no fp32 copy of the
+    whole table (1 GB at the 7B shape)."""
+    V, C = src.shape
+    out = torch.empty(V, C, dtype=dtype)
+    w, b = ln0_w.float(), ln0_b.float()
+    rows = max(1, _CHUNK_ELEMS // C)
+    for r0 in range(0, V, rows):
+        out[r0 : r0 + rows] = F.layer_norm(src[r0 : r0 + rows].float(), (C,), w, b).to(dtype)
+    return out
+
+
+_CHUNK_ELEMS = 1 << 22  # elements per step of the chunked embedding transform
+
+
+class Progress:
+    """Tensors and bytes done while loading or converting a big model: a tqdm bar on a terminal,
+    else one summary line on stderr at the end; nothing for models under _PROGRESS_MIN_BYTES."""
+
+    def __init__(self, what: str, total_bytes: int, n_tensors: int, enabled: bool):
+        self.what, self.total, self.n = what, total_bytes, n_tensors
+        self.done_tensors = 0
+        self.enabled = enabled and total_bytes >= _PROGRESS_MIN_BYTES
+        self.bar = None
+        self.start = time.perf_counter()
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=what, file=sys.stderr, leave=False,
+                            postfix=f"0/{n_tensors} tensors")
+
+    def update(self, nbytes: int) -> None:
+        self.done_tensors += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.done_tensors}/{self.n} tensors", refresh=False)
+            self.bar.update(nbytes)
+
+    def close(self, ok: bool = True) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.enabled and ok:
+            s = time.perf_counter() - self.start
+            print(f"{self.what}: {self.done_tensors} tensors, {self.total / 1e9:.2f} GB in {s:.1f} s "
+                  f"({self.total / 1e9 / max(s, 1e-9):.2f} GB/s)", file=sys.stderr, flush=True)
+
+
+def _check_names(ck: Checkpoint, cfg: ModelConfig, expected: dict[str, Tensor]) -> dict[str, str | None]:
+    """{canonical name: our parameter name or None}, after checking no tensor is unknown or missing."""
     mapping = {k: _target_name(k, cfg.family) for k in ck.keys()}
     unknown = sorted(k for k, t in mapping.items() if t is not None and t not in expected)
     if unknown:
@@ -491,38 +562,98 @@ def build_state_dict(ck: Checkpoint, cfg: ModelConfig, model: RWKV, dtype: torch
         missing.insert(0, "blocks.0.ln0.weight/bias")
     if missing:
         raise CheckpointError(f"{ck.where}: {len(missing)} tensor(s) missing: {', '.join(missing[:5])}")
+    return mapping
 
-    total = sum(math.prod(ck.shape(k)) for k in ck.keys()) * torch.finfo(dtype).bits // 8
-    bar = None
-    if progress and total >= _PROGRESS_MIN_BYTES:
-        from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="loading", file=sys.stderr, leave=False)
-    out: dict[str, Tensor] = {}
-    try:
-        for name, target in mapping.items():
+class Plan:
+    """A checkpoint about to be loaded: the model on the meta device with its final modules (the
+    linear layers already of the kinds the scheme gives them), and `tensors()`, which reads,
+    transforms and quantizes the checkpoint one tensor at a time.
+
+    `load` assigns what `tensors()` yields into the model; `converted.convert` writes it to disk
+    and keeps nothing. Either way, at most a couple of source tensors are in flight: the peak
+    memory is the result (for `load`) plus about twice the largest tensor in fp32.
+    """
+
+    def __init__(self, ck: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, scheme, policy,
+                 dtype_reason: str):
+        from .quant.schemes import convert_weight, describe, plan, replace_module
+
+        self.ck, self.cfg, self.dtype, self.rescale_every = ck, cfg, dtype, rescale_every
+        with torch.device("meta"):
+            self.model = RWKV(cfg, dtype, rescale_every)
+        self.model.dtype_reason = dtype_reason
+        self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
+        self.mapping = _check_names(ck, cfg, self.expected)
+        if scheme is None:
+            scheme = get_dense(dtype)
+        self.targets = plan(self.model, scheme, policy=policy)
+        report = {name: describe(t) for name, t in self.targets.items()}
+        # The matrices the policy kept (too small to quantize) become DenseLinear in their own
+        # dtype, so every matrix of a decode step runs through the same per-row kernels.
+        for name, module in self.model.named_modules():
+            if type(module) is nn.Linear and module.bias is None and name not in self.targets:
+                self.targets[name] = get_dense(module.weight.dtype)
+        for name, target in self.targets.items():
+            replace_module(self.model, name, convert_weight(self.model.get_submodule(name).weight, target, empty=True))
+        self.model.quantization = scheme
+        self.model.quantization_report = report
+        self.model.initial_state = {}
+        self._convert_weight = convert_weight
+
+    def initial_state(self) -> dict[str, Tensor]:
+        return initial_state(self.ck, self.cfg)
+
+    def source_bytes(self) -> int:
+        ck = self.ck
+        return sum(math.prod(ck.shape(k)) * _itemsize(ck, k) for k, t in self.mapping.items() if t is not None)
+
+    def tensors(self, progress: Progress | None = None):
+        """Yield {our state-dict name: tensor} for one source tensor at a time (a quantized
+        linear's weight gives its module's buffers)."""
+        ck, cfg, dtype = self.ck, self.cfg, self.dtype
+        real_bonus = any(k.endswith(".time_faaaa") for k in ck.keys())
+        for name, target in self.mapping.items():
             if target is None:
                 continue
             src = ck.get(name)
+            nbytes = src.numel() * src.element_size()
+            module, _, leaf = target.rpartition(".")
+            linear = self.targets.get(module) if leaf == "weight" else None
+            dt = dtype
+            if linear is not None and linear.weights != "dense" and src.dtype.itemsize < dtype.itemsize:
+                dt = src.dtype  # quantized from the narrower type: the same values, no wide copy
             if name == "emb.weight":
-                t = F.layer_norm(src.float(), (cfg.n_embd,), ck.get("blocks.0.ln0.weight").float(),
-                                 ck.get("blocks.0.ln0.bias").float()).to(dtype)
+                t = _embedding(src, ck.get("blocks.0.ln0.weight"), ck.get("blocks.0.ln0.bias"), dtype)
             else:
-                t = _transform(name, src, cfg, dtype, rescale_every, real_bonus)
-            if name in ck.mapped and t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
-                release_pages(src)  # consumed: its file pages need not stay resident
-            want = tuple(expected[target].shape)
+                t = _transform(name, src, cfg, dt, self.rescale_every, real_bonus)
+            want = self.expected[target][0]
             if tuple(t.shape) != want:
                 raise CheckpointError(
                     f"{ck.where}: tensor {name} has shape {tuple(ck.shape(name))}, expected {want} for this model"
                 )
-            out[target] = t
-            if bar is not None:
-                bar.update(t.numel() * torch.finfo(dtype).bits // 8)
-    finally:
-        if bar is not None:
-            bar.close()
-    return out
+            if linear is not None:
+                new = self._convert_weight(t, linear)
+                out = {f"{module}.{k}": v for k, v in new.state_dict().items()}
+            else:
+                out = {target: t}
+            if name in ck.mapped and all(v.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+                                         for v in out.values()):
+                release_pages(src)  # consumed: its file pages need not stay resident
+            del src, t
+            yield out
+            if progress is not None:
+                progress.update(nbytes)
+
+
+def get_dense(dtype: torch.dtype):
+    from .quant import get_scheme
+
+    return get_scheme(_DENSE_SCHEME[dtype])
+
+
+def _itemsize(ck: Checkpoint, name: str) -> int:
+    return ck.dtype(name).itemsize
 
 
 def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
@@ -601,7 +732,7 @@ _DENSE_SCHEME = {torch.float32: "q0f32", torch.bfloat16: "q0bf16", torch.float16
 def load(
     path_or_id: str | os.PathLike,
     device: str | torch.device = "cpu",
-    dtype: str | torch.dtype | None = None,
+    dtype: str | torch.dtype | None = "auto",
     *,
     quantization: str | None = None,
     group_size: int | None = None,
@@ -611,15 +742,53 @@ def load(
 ) -> RWKV:
     """Load an RWKV model from a checkpoint file, a model directory or a Hugging Face Hub id.
 
-    dtype: "fp32" | "bf16" | "fp16" for the weights and activations of the matmuls (the state
-    and the recurrence are fp32); default fp32, or the dtype a quantization name implies
-    (e.g. "q4f16_1" -> fp16).
+    dtype: "auto" (default; None means the same), "fp32", "bf16" or "fp16": the model dtype, in
+    which the matrices are stored (unless quantized) and the activations enter them; the state,
+    the recurrence and the norms are fp32. "auto" keeps a 16-bit checkpoint's type (fp32 stays
+    fp32); quantized, the activations take the checkpoint's 16-bit type where the device computes
+    in it fast and fp32 elsewhere (`auto_dtype`); a quantization name that implies a dtype
+    (e.g. "q4f16_1" -> fp16) gives that one. `model.dtype_reason` says which rule chose it.
     quantization: a scheme of rwkv_engine.quant ("q8", "q4", "q0bf16", MLC names like
-    "q4f16_1"); the weights are quantized on the fly. group_size and policy go to
-    `rwkv_engine.quant.quantize_model`.
+    "q4f16_1"); the weights are quantized while they are read, one tensor at a time. group_size
+    and policy go to `rwkv_engine.quant.quantize_model`.
     rescale_every: halve the residual every this many blocks (default: 6 for fp16, off otherwise).
+    progress: for a model of 256 MB or more, a progress bar on stderr when it is a terminal, else
+    one summary line there.
     """
     tune_malloc()
+    plan_ = prepare(path_or_id, device, dtype, quantization=quantization, group_size=group_size, policy=policy,
+                    rescale_every=rescale_every)
+    if not isinstance(plan_, Plan):  # a converted directory or an exported program: loaded as it is
+        return plan_
+    device = plan_.device
+    model = plan_.model
+    bar = Progress("loading", plan_.source_bytes(), len(plan_.mapping), progress)
+    sd: dict[str, Tensor] = {}
+    ok = False
+    try:
+        for tensors in plan_.tensors(bar):
+            sd.update(tensors)
+        ok = True
+    finally:
+        bar.close(ok)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.initial_state = plan_.initial_state()
+    del sd, plan_
+    return _finish(model, model.path, device)
+
+
+def prepare(
+    path_or_id: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+    *,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    policy=None,
+    rescale_every: int | None = None,
+):
+    """The Plan of loading a checkpoint (see `load`), or the loaded model for a converted directory
+    or an exported program."""
     scheme = None
     if quantization is not None:
         from .quant import get_scheme
@@ -627,37 +796,63 @@ def load(
         scheme = get_scheme(quantization, group_size)
     elif group_size is not None:
         raise InputError("group_size is only meaningful with a quantization scheme")
+    auto = dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto")
+    explicit = None if auto else parse_dtype(dtype)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"device: {e}") from None
     path = resolve(path_or_id)
     if _is_exported_program(path):  # an ExecuTorch .pte: its own runtime, nothing to convert
         return _load_program(path, device, dtype, quantization, group_size, policy)
     hf_config = _peek_config(path)
     if converted.is_converted(hf_config):  # already transformed and quantized: map it in
-        model = converted.load(path, hf_config, None if dtype is None else parse_dtype(dtype), quantization)
+        model = converted.load(path, hf_config, explicit, quantization)
+        model.dtype_reason = "explicit" if explicit is not None else "the converted directory's"
         return _finish(model, path, device)
-    if dtype is None:
-        dt = scheme.dtype if scheme is not None and scheme.dtype is not None else torch.float32
-    else:
-        dt = parse_dtype(dtype)
-        if scheme is not None and scheme.dtype is not None and scheme.dtype != dt:
-            raise InputError(f"quantization {quantization!r} implies dtype {str(scheme.dtype)[6:]}, but dtype {dtype!r} was asked for")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InputError(f"device: {e}") from None
-    if rescale_every is None:
-        rescale_every = FP16_RESCALE_EVERY if dt == torch.float16 else 0
     ck = open_checkpoint(path)
     ck.rename(canonical_name, transposed=stored_transposed)
     cfg = infer_config(ck)
-    with torch.device("meta"):
-        model = RWKV(cfg, dt, rescale_every)
-    sd = build_state_dict(ck, cfg, model, dt, rescale_every, progress)
-    model.load_state_dict(sd, strict=True, assign=True)
-    model.initial_state = initial_state(ck, cfg)
-    del sd, ck
-    model = _finish(model, path, device)
-    apply_scheme(model, scheme, policy)
-    return model
+    implied = scheme.dtype if scheme is not None else None
+    if explicit is not None:
+        if implied is not None and implied != explicit:
+            raise InputError(f"quantization {quantization!r} implies dtype {str(implied)[6:]}, "
+                             f"but dtype {dtype!r} was asked for")
+        dt, reason = explicit, "explicit"
+    elif implied is not None:
+        dt, reason = implied, f"implied by {quantization}"
+    else:
+        dt, reason = auto_dtype(ck.weights_dtype(), device, quantized=scheme is not None and scheme.weights != "dense")
+    if scheme is not None and scheme.weights == "dense" and scheme.dtype is None:
+        scheme = None
+    if rescale_every is None:
+        rescale_every = FP16_RESCALE_EVERY if dt == torch.float16 else 0
+    p = Plan(ck, cfg, dt, rescale_every, scheme, policy, reason)
+    p.device = device
+    p.model.path = path
+    return p
+
+
+def auto_dtype(weights: torch.dtype, device: torch.device, quantized: bool) -> tuple[torch.dtype, str]:
+    """(model dtype, why) for `dtype="auto"`, given the dtype of the checkpoint's matrices.
+
+    Dense: the checkpoint's own type (a 16-bit file stays 16-bit in memory; fp32 stays fp32);
+    each GEMM then runs in `compute_dtype` of it (bf16 with AVX512-BF16 / AMX and on CUDA, fp32
+    tiles on CPUs where bf16 matmuls are slow). Quantized: the weights no longer need the type,
+    so the activations take `compute_dtype` of it directly.
+    """
+    from .quant.linear import compute_dtype
+
+    name = _DTYPE_NAMES.get(weights, "fp32")
+    if weights not in (torch.bfloat16, torch.float16):
+        return torch.float32, f"auto: {name} checkpoint"
+    if not quantized:
+        return weights, f"auto: {name} checkpoint"
+    ct = compute_dtype(weights, device)
+    return ct, f"auto: {name} checkpoint, {_DTYPE_NAMES[ct]} matmuls on {device.type}"
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def _is_exported_program(path: Path) -> bool:
@@ -695,19 +890,3 @@ def _peek_config(path: Path) -> dict | None:
         return json.loads(config.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, OSError):
         return None
-
-
-def apply_scheme(model: RWKV, scheme, policy=None) -> None:
-    """Swap the model's linear layers for the scheme's modules (dense ones get the fast CPU GEMV)."""
-    from .quant import get_scheme, quantize_model
-
-    if scheme is None:
-        scheme = get_scheme(_DENSE_SCHEME[model.dtype])
-    model.quantization = scheme
-    model.quantization_report = quantize_model(model, scheme, policy=policy)
-    # The matrices the policy kept (too small to quantize) get DenseLinear's CPU paths too, so
-    # every matrix of a decode step runs through the same per-row kernels (batch-invariant).
-    for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and module.bias is None:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, DenseLinear.from_linear(module))

@@ -22,15 +22,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("out", help="output directory (must not exist)")
 
 
-def _tokenizer_file(model, args) -> Path | None:
+def _tokenizer_file(path: Path, vocab_size: int, args) -> Path | None:
     """The tokenizer file to ship beside the weights."""
     if args.tokenizer:
         p = Path(args.tokenizer)
         return p / "tokenizer.json" if p.is_dir() else p
-    src = model.path if model.path.is_dir() else model.path.parent
+    src = path if path.is_dir() else path.parent
     if (src / "tokenizer.json").is_file():
         return src / "tokenizer.json"
-    if model.config.vocab_size == 65536:
+    if vocab_size == 65536:
         from ..tokenizer.world import DEFAULT_VOCAB_PATH
 
         return DEFAULT_VOCAB_PATH
@@ -38,20 +38,26 @@ def _tokenizer_file(model, args) -> Path | None:
 
 
 def run(args) -> int:
-    import rwkv_engine
-    from .. import converted
+    import torch
+
+    from .. import converted, loading
 
     out = Path(args.out)
     if out.exists():
         raise InputError(f"{out}: already exists; choose a new output directory")
     if not out.resolve().parent.is_dir():
         raise InputError(f"{out.parent}: no such directory")
-    model = rwkv_engine.load(args.model, device="cpu", dtype=args.dtype, quantization=args.quantization,
-                             group_size=args.group_size, progress=sys.stderr.isatty())
-    tok = _tokenizer_file(model, args)
-    converted.save(model, out, tok)
+    plan = loading.prepare(args.model, "cpu", args.dtype, quantization=args.quantization, group_size=args.group_size)
+    if not isinstance(plan, loading.Plan) and not isinstance(plan, torch.nn.Module):
+        raise InputError(f"{args.model} is an exported program; convert the checkpoint it was exported from")
+    if not isinstance(plan, loading.Plan):  # a converted directory: written again as it is
+        model = plan
+        converted.save(model, out, _tokenizer_file(model.path, model.config.vocab_size, args))
+    else:
+        model = plan.model
+        converted.convert(plan, out, _tokenizer_file(model.path, model.config.vocab_size, args))
     size = sum(f.stat().st_size for f in out.iterdir())
     scheme = model.quantization.name if getattr(model, "quantization", None) else "none"
-    print(f"wrote {out} (RWKV-{model.config.version}, {str(model.dtype).removeprefix('torch.')}, "
+    print(f"wrote {out} (RWKV-{model.config.version}, {str(model.dtype).removeprefix('torch.')} [{model.dtype_reason}], "
           f"quantization {scheme}, {size / 1e6:.1f} MB)")
     return 0

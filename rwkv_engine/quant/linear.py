@@ -60,15 +60,27 @@ def native_ops():
     return _native_ops
 
 
-def prefill_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of the CPU GEMM for 16-bit activations / weights of `dtype` in prefill: the 16-bit
-    type itself where the CPU has matrix instructions for it (AVX512-BF16 / AMX), else fp32 (on
-    AVX2 machines torch's bf16 / fp16 GEMMs run at 7-25 GFLOP/s against 45-95 for fp32)."""
+def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """dtype in which a GEMM with 16-bit activations / weights of `dtype` runs on `device`: the
+    16-bit type itself where the device has matrix instructions for it (CUDA; on the CPU
+    AVX512-BF16 / AMX for bf16, AMX-FP16 for fp16), else fp32 (on AVX2 machines torch's bf16 /
+    fp16 GEMMs run at 7-25 GFLOP/s against 45-95 for fp32). The loader's `dtype="auto"` uses
+    the same rule for the activations of quantized models."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return torch.float32
+    kind = torch.device(device).type
+    if kind != "cpu":
+        return dtype
     if dtype == torch.bfloat16 and _cpu_has("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         return torch.bfloat16
     if dtype == torch.float16 and _cpu_has("_is_amx_fp16_supported"):
         return torch.float16
     return torch.float32
+
+
+def prefill_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of the CPU GEMM for 16-bit activations / weights of `dtype` in prefill (`compute_dtype`)."""
+    return compute_dtype(dtype, "cpu")
 
 
 _CPU_FLAGS: dict[str, bool] = {}

@@ -232,22 +232,112 @@ def _resolve(action: Action, scheme: Scheme, name: str, width: int | None = None
     return replace(target, search=scheme.search)
 
 
-def _convert(module: nn.Linear, target: Scheme, empty: bool) -> nn.Module:
-    K, N = module.in_features, module.out_features
-    dev = module.weight.device
+def convert_weight(weight: torch.Tensor, target: Scheme, empty: bool = False) -> nn.Module:
+    """The module of format `target` for one (N, K) weight (empty: zero buffers of the right shapes,
+    on the weight's device, which may be meta)."""
+    N, K = weight.shape
+    dev = weight.device
     if target.weights == "dense":
-        dt = target.dtype or module.weight.dtype
-        if empty:
-            return DenseLinear(K, N, device=dev, dtype=dt)
-        return DenseLinear.from_linear(module, dt)
+        dt = target.dtype or weight.dtype
+        m = DenseLinear(K, N, device=dev if empty else "meta", dtype=dt)
+        if not empty:
+            m.weight = nn.Parameter(weight.detach().to(dt), requires_grad=False)
+        return m
     gs = target.group_size
     if target.weights == "int8":
-        if empty:
-            return Int8Linear(K, N, gs, device=dev)
-        return Int8Linear.from_linear(module, gs)
-    if empty:
-        return Int4Linear(K, N, gs, device=dev)
-    return Int4Linear.from_linear(module, gs, search=target.search)
+        return Int8Linear(K, N, gs, device=dev) if empty else Int8Linear.from_weight(weight, gs)
+    return Int4Linear(K, N, gs, device=dev) if empty else Int4Linear.from_weight(weight, gs, search=target.search)
+
+
+def plan(
+    model: nn.Module,
+    scheme: str | Scheme,
+    group_size: int | None = None,
+    policy: PolicyLike = None,
+    search: bool | None = None,
+) -> dict[str, Scheme]:
+    """{module name: target Scheme} for the `nn.Linear` modules `quantize_model` would swap (the
+    kept ones are absent). Needs only the modules' shapes and dtypes, so a model on the meta
+    device can be planned before its weights are read (the loader quantizes while it streams).
+    Raises InputError for an unknown scheme or a group size that does not divide a selected
+    matrix's width."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
+    sch = get_scheme(scheme, group_size)
+    if search is not None:
+        sch = replace(sch, search=bool(search))
+    targets: dict[str, Scheme] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            continue
+        action = _user_action(policy, name, module)
+        if action is None:
+            action = default_action(name, module, sch)
+        target = _resolve(action, sch, name, module.in_features)
+        if target is None:
+            continue
+        gs = target.group_size
+        if target.weights != "dense" and gs is not None and module.in_features % gs:
+            raise InputError(
+                f"group size {gs} does not divide the width {module.in_features} of {name!r}; "
+                f"choose another group_size or keep this module with policy={{{name!r}: 'keep'}}"
+            )
+        targets[name] = target
+    return targets
+
+
+def convert_weight(weight: torch.Tensor, target: Scheme, empty: bool = False) -> nn.Module:
+    """The module of format `target` for one (N, K) weight (empty: zero buffers of the right shapes,
+    on the weight's device, which may be meta)."""
+    N, K = weight.shape
+    dev = weight.device
+    if target.weights == "dense":
+        dt = target.dtype or weight.dtype
+        m = DenseLinear(K, N, device=dev if empty else "meta", dtype=dt)
+        if not empty:
+            m.weight = nn.Parameter(weight.detach().to(dt), requires_grad=False)
+        return m
+    gs = target.group_size
+    if target.weights == "int8":
+        return Int8Linear(K, N, gs, device=dev) if empty else Int8Linear.from_weight(weight, gs)
+    return Int4Linear(K, N, gs, device=dev) if empty else Int4Linear.from_weight(weight, gs, search=target.search)
+
+
+def plan(
+    model: nn.Module,
+    scheme: str | Scheme,
+    group_size: int | None = None,
+    policy: PolicyLike = None,
+    search: bool | None = None,
+) -> dict[str, Scheme]:
+    """{module name: target Scheme} for the `nn.Linear` modules `quantize_model` would swap (the
+    kept ones are absent). Needs only the modules' shapes and dtypes, so a model on the meta
+    device can be planned before its weights are read (the loader quantizes while it streams).
+    Raises InputError for an unknown scheme or a group size that does not divide a selected
+    matrix's width."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
+    sch = get_scheme(scheme, group_size)
+    if search is not None:
+        sch = replace(sch, search=bool(search))
+    targets: dict[str, Scheme] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            continue
+        action = _user_action(policy, name, module)
+        if action is None:
+            action = default_action(name, module, sch)
+        target = _resolve(action, sch, name, module.in_features)
+        if target is None:
+            continue
+        gs = target.group_size
+        if target.weights != "dense" and gs is not None and module.in_features % gs:
+            raise InputError(
+                f"group size {gs} does not divide the width {module.in_features} of {name!r}; "
+                f"choose another group_size or keep this module with policy={{{name!r}: 'keep'}}"
+            )
+        targets[name] = target
+    return targets
 
 
 def quantize_model(
@@ -266,46 +356,23 @@ def quantize_model(
     the right shapes without quantizing anything (for loading an already-converted state dict
     into a model built on the meta device). search: override the int4 range search (slower
     quantization, about 5% lower error). Raises InputError for an unknown scheme or a group
-    size that does not divide a selected matrix's width.
+    size that does not divide a selected matrix's width (before changing anything).
     """
-    if not isinstance(model, nn.Module):
-        raise InputError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
-    sch = get_scheme(scheme, group_size)
-    if search is not None:
-        sch = replace(sch, search=bool(search))
-    plan: list[tuple[str, nn.Linear, Scheme, str]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module.bias is not None:
-            continue
-        action = _user_action(policy, name, module)
-        if action is None:
-            action = default_action(name, module, sch)
-        target = _resolve(action, sch, name, module.in_features)
-        if target is None:
-            continue
-        plan.append((name, module, target, action))
-    # Validate every group size before touching the model, so a bad call changes nothing.
-    for name, module, target, _ in plan:
-        gs = target.group_size
-        if target.weights != "dense" and gs is not None and module.in_features % gs:
-            raise InputError(
-                f"group size {gs} does not divide the width {module.in_features} of {name!r}; "
-                f"choose another group_size or keep this module with policy={{{name!r}: 'keep'}}"
-            )
+    targets = plan(model, scheme, group_size, policy, search)
     report: dict[str, str] = {}
-    for i in range(len(plan)):
-        name, module, target, _ = plan[i]
-        plan[i] = None  # drop our reference: the old weight is freed once swapped out
-        new = _convert(module, target, empty)
-        del module
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
-        report[name] = _describe(target)
+    for name, target in targets.items():
+        replace_module(model, name, convert_weight(model.get_submodule(name).weight, target, empty))
+        report[name] = describe(target)
     return report
 
 
-def _describe(s: Scheme) -> str:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` at the dotted module path `name` of `model` (the old module is dropped)."""
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def describe(s: Scheme) -> str:
     if s.weights == "dense":
         return s.name
     if s.weights == "int8":

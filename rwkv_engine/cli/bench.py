@@ -156,6 +156,8 @@ def run(args) -> int:
         "n_layer": c.n_layer,
         "n_embd": c.n_embd,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "dtype_reason": getattr(model, "dtype_reason", None),
+        "matmul_dtype": _matmul_dtype(model),
         "quantization": getattr(getattr(model, "quantization", None), "name", None),
         "device": str(model.device),
         "threads": torch.get_num_threads(),
@@ -178,6 +180,7 @@ def run(args) -> int:
     print(f"model           {result['model']} (RWKV-{c.version}, {c.n_layer} x {c.n_embd}, "
           f"{result['dtype']}, quantization {result['quantization']}, {result['device']}, {result['threads']} threads)")
     print(f"native kernels  {isa or 'off (PyTorch paths)'}" + (f" (ISA level; {native.ENV} picks another)" if isa else ""))
+    print(f"dtype           {result['dtype']} ({result['dtype_reason']}), prefill matmuls in {result['matmul_dtype']}")
     print(f"load            {result['load_s']:.2f} s")
     print(f"prefill         {result['prefill_tok_s']:.1f} tok/s ({args.batch} x {args.prompt_len} tokens)")
     print(f"decode          {result['decode_tok_s']:.2f} tok/s (batch {args.batch}, median step {result['decode_step_ms']:.1f} ms)")
@@ -188,8 +191,18 @@ def run(args) -> int:
     return 0
 
 
+def _matmul_dtype(model) -> str:
+    """The dtype of the prefill GEMMs of the model's matrices on its device (quant.linear.compute_dtype)."""
+    import torch
+
+    from ..quant.linear import compute_dtype
+
+    dt = model.dtype if model.dtype == torch.float32 else compute_dtype(model.dtype, model.device)
+    return str(dt).removeprefix("torch.")
+
+
 def _load(args):
     import rwkv_engine
 
     return rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                            group_size=args.group_size, progress=sys.stderr.isatty())
+                            group_size=args.group_size)

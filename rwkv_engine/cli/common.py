@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from ..errors import InputError
 
@@ -27,9 +26,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model: a .pth / .safetensors file, a Hugging Face model directory, "
                                       "or a Hugging Face Hub id (org/name)")
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: %(default)s)")
-    parser.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
-                        help="weight dtype; the recurrent state is always fp32 "
-                             "(default: fp32, or the dtype a --quantization name implies)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                        help="model dtype: weights (unless quantized) and the activations entering the matrices; "
+                             "the recurrent state is always fp32. auto (default): a bf16/fp16 checkpoint keeps its "
+                             "16-bit type, an fp32 one fp32; each matmul runs in that 16-bit type where the device "
+                             "has fast units for it (CUDA; AVX512-BF16/AMX CPUs), else in fp32, and a quantized "
+                             "model's activations follow the same rule" + _auto_here() +
+                             "; a --quantization name with a dtype (q4f16_1) implies it")
     parser.add_argument("--quantization", "-q", default=None, metavar="SCHEME",
                         help="quantize the weights on load: q8, q4, q0bf16, q0f16, q0f32, or an MLC-LLM "
                              "name such as q4f16_1 (default: none; a converted model keeps its own)")
@@ -39,6 +42,21 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, metavar="PATH",
                         help="tokenizer to use instead of the one the model implies "
                              "(a World vocab .txt or a tokenizer.json)")
+
+
+def _auto_here() -> str:
+    """What `--dtype auto` does with bf16 on this machine's CPU (from /proc/cpuinfo: no torch import)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    if not flags:
+        return ""
+    fast = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    if fast:
+        return f" (this CPU has {'/'.join(fast)}: bf16 matmuls)"
+    return " (this CPU has no avx512_bf16/amx_bf16: fp32 matmuls, bf16 weights converted tile by tile)"
 
 
 def unescape(text: str) -> str:
@@ -120,12 +138,11 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
         raise InputError(msg) from None
 
 
-def load_model(args: argparse.Namespace, progress: bool | None = None):
-    """(model, tokenizer) from the model flags. progress: a loading bar on stderr (default: if a terminal)."""
+def load_model(args: argparse.Namespace, progress: bool = True):
+    """(model, tokenizer) from the model flags. progress: for a big model, a loading bar on stderr
+    when it is a terminal, else one summary line there."""
     import rwkv_engine
 
-    if progress is None:
-        progress = sys.stderr.isatty()
     model = rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, progress=progress,
                              quantization=args.quantization, group_size=args.group_size)
     tokenizer = rwkv_engine.load_tokenizer(model, args.tokenizer)

@@ -41,6 +41,9 @@ any size, it is processed 8 rows per pass over the weights):
     dequant_q4(qweight, scales, biases, r0, r1, dtype, out=None)  (into `out` when given)
     quantize_q4(weight, group_size, shrinks)  -> (qweight, scales, biases), the bytes of
                                           quant.primitives.quantize_int4 (asymmetric)
+    quantize_q8(weight, group_size, col_scales) -> (qweight, scales), the bytes of quantize_int8
+    column_scales(weight)                 -> fp16 [K], primitives.column_scales (quantize.cpp:
+                                          plain C++, all threads)
 
 The formats are those of `rwkv_engine.quant.primitives`, which is also the reference they are
 tested against (tests/test_native_kernels.py).
@@ -66,9 +69,9 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _BINDING_SOURCES = ("bindings.cpp",)  # the torch extension, built with the baseline level's flags
-_KERNEL_SOURCES = ("kernels.cpp", "step.cpp", "api.cpp")  # one shared library per level
-_HEADERS = ("api.h", "kernels.h", "numeric.h", "pool.h", "simd.h", "step.h")
-_BINDING_HEADERS = ("api.h", "kernels.h", "step.h")  # what bindings.cpp includes
+_KERNEL_SOURCES = ("kernels.cpp", "step.cpp", "api.cpp", "quantize.cpp")  # one shared library per level
+_HEADERS = ("api.h", "kernels.h", "numeric.h", "pool.h", "quantize.h", "simd.h", "step.h")
+_BINDING_HEADERS = ("api.h", "kernels.h", "quantize.h", "step.h")  # what bindings.cpp includes
 # -ffp-contract=off: no silent a*b+c -> fma, so quantize_q4 repeats the reference's roundings
 # and every level rounds where the source says.
 _CFLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")

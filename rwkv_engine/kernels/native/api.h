@@ -6,12 +6,13 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "quantize.h"
 #include "step.h"
 
 namespace rwkv_native {
 
 // Bumped whenever Api changes, so that a library and bindings of different versions never meet.
-inline constexpr int kApiVersion = 1;
+inline constexpr int kApiVersion = 2;
 
 struct Api {
   int version;
@@ -25,6 +26,8 @@ struct Api {
   decltype(&rwkv_native::dequant_q4) dequant_q4;
   decltype(&rwkv_native::quantize_q4) quantize_q4;
   decltype(&rwkv_native::decode_step) decode_step;
+  decltype(&rwkv_native::quantize_q8) quantize_q8;
+  decltype(&rwkv_native::column_scales) column_scales;
 };
 
 }  // namespace rwkv_native

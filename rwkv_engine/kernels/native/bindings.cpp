@@ -197,6 +197,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q4(const at::Tensor& w, 
   return {q, s, z};
 }
 
+// quantize.h: the int8 quantizer and column scales.
+at::Tensor column_scales(const at::Tensor& w) {
+  check_cpu_contiguous(w, "weight");
+  TORCH_CHECK(w.dim() == 2 && w.numel() > 0, "weight must be a non-empty [N, K]");
+  at::Tensor out = at::empty({w.size(1)}, w.options().dtype(at::kHalf));
+  api().column_scales(w.data_ptr(), dtype_of(w, "weight"), w.size(0), w.size(1),
+                             static_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& w, std::optional<int64_t> group_size,
+                                               const std::optional<at::Tensor>& col_scales) {
+  check_cpu_contiguous(w, "weight");
+  TORCH_CHECK(w.dim() == 2, "weight must be [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), gs = group_size.value_or(K);
+  TORCH_CHECK(gs > 0 && K % gs == 0, "group size must divide K");
+  at::Tensor q = at::empty({N, K}, w.options().dtype(at::kChar));
+  at::Tensor s = at::empty({N, K / gs}, w.options().dtype(at::kHalf));
+  api().quantize_q8(w.data_ptr(), dtype_of(w, "weight"), col_scales_ptr(col_scales, K), N, K, gs,
+                           q.data_ptr<int8_t>(), static_cast<uint16_t*>(s.data_ptr()));
+  return {q, s};
+}
+
 // --- the fused decode step (step.h) ---------------------------------------------------------
 
 // A model's parameters for rwkv_native::decode_step, built once from Python (models/native_step.py)
@@ -411,6 +434,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_q4", &quantize_q4,
         "(qweight, scales, biases) of primitives.quantize_int4(w, group_size) with the given range shrink factors",
         py::arg("weight"), py::arg("group_size"), py::arg("shrinks"), py::arg("col_scales") = py::none());
+  m.def("column_scales", &column_scales, "fp16 [K] of primitives.column_scales(w)", py::arg("weight"));
+  m.def("quantize_q8", &quantize_q8, "(qweight, scales) of primitives.quantize_int8(w, group_size, col_scales)",
+        py::arg("weight"), py::arg("group_size") = py::none(), py::arg("col_scales") = py::none());
   py::class_<DecodePlan>(m, "DecodePlan", "one-token forward of every block of a model (see models/native_step.py)")
       .def(py::init<int64_t, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t,
                     const std::vector<py::dict>&, const py::dict&>(),

@@ -74,6 +74,20 @@ void load_row(const void* w, DType wt, int64_t K, int64_t n, int64_t k0, int64_t
   }
 }
 
+constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+
+// max |x[k]| over k < n, as the max of the bit patterns of |x| (ordered as unsigned integers for
+// every non-NaN float; the weights were checked finite), which vectorizes without fast-math.
+float abs_max(const float* x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t u;
+    std::memcpy(&u, x + k, 4);
+    m = std::max(m, u & 0x7FFFFFFFu);
+  }
+  return bits_to_float(m);
+}
+
 // Items of about `work` elements each, at least one per thread when there is enough to share.
 int64_t items_for(int64_t units, int64_t elems_per_unit) {
   const int64_t threads = std::max(1, omp_get_max_threads());
@@ -123,22 +137,23 @@ void quantize_q8(const void* w, DType wt, const uint16_t* cs, int64_t N, int64_t
   const int64_t G = K / gs, items = items_for(N, K);
   parallel_for(items, [&](int64_t i) {
     const int64_t a = N * i / items, b = N * (i + 1) / items;
+    const int64_t group = gs;  // a local: the compiler then knows the int8 stores cannot change it
     std::vector<float> row(static_cast<size_t>(K));
     for (int64_t n = a; n < b; ++n) {
       load_row(w, wt, K, n, 0, K, row.data());
       if (cs != nullptr)
         for (int64_t k = 0; k < K; ++k) row[k] /= c[k];
       for (int64_t g = 0; g < G; ++g) {
-        const float* x = row.data() + g * gs;
-        float amax = 0.f;
-        for (int64_t k = 0; k < gs; ++k) amax = std::max(amax, std::fabs(x[k]));
-        const uint16_t s16 = float_to_f16(amax / 127.0f);
+        const float* x = row.data() + g * group;
+        const uint16_t s16 = float_to_f16(abs_max(x, group) / 127.0f);
         const float sf = f16_to_float(s16);
         const float inv = sf > 0 ? 1.0f / sf : 0.0f;
-        int8_t* qr = q + n * K + g * gs;
-        for (int64_t k = 0; k < gs; ++k) {
-          const float r = std::nearbyint(x[k] * inv);
-          qr[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+        int8_t* qr = q + n * K + g * group;
+        for (int64_t k = 0; k < group; ++k) {
+          // x * inv is within about +-190 (the scale is amax / 127 rounded to fp16), so adding and
+          // removing 1.5 * 2^23 rounds it to the nearest integer, ties to even: torch.round.
+          const float r = (x[k] * inv + kRound) - kRound;
+          qr[k] = static_cast<int8_t>(static_cast<int>(r < -127.0f ? -127.0f : (r > 127.0f ? 127.0f : r)));
         }
         s[n * G + g] = s16;
       }

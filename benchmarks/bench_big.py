@@ -61,14 +61,17 @@ def wait_for_memory(step: str, need: float, margin: float, wait_min: float) -> b
         time.sleep(30)
 
 
-def run_child(cmd: list[str]) -> tuple[int, float, float, str]:
-    """(exit status, seconds, peak RSS MB of the child, stdout)."""
+def run_child(cmd: list[str]) -> tuple[int, str, float, str]:
+    """(exit status, "wall s / CPU s", peak RSS MB of the child, stdout). The CPU seconds (user +
+    system, all threads) are what the step costs on a machine others share; on an idle machine
+    with T cores it takes about CPU / T seconds."""
     t = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     out = p.stdout.read()
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, time.perf_counter() - t, usage.ru_maxrss / 1024, out
+    times = f"{time.perf_counter() - t:.0f} s / CPU {usage.ru_utime + usage.ru_stime:.0f} s"
+    return p.returncode, times, usage.ru_maxrss / 1024, out
 
 
 # --- writing the checkpoint (in a child process: python bench_big.py --write-only PATH) -------------
@@ -188,7 +191,7 @@ def main() -> int:
         if step == "write":
             print(f"[write] writing {pth} (RWKV-{args.version}, {SHAPE})", flush=True)
             code, secs, rss, _ = run_child([sys.executable, __file__, "--version", args.version, "--write-only", str(pth)])
-            rows.append((step, "ok" if code == 0 else f"failed ({code})", f"{rss:.0f}", f"{secs:.0f} s", "", ""))
+            rows.append((step, "ok" if code == 0 else f"failed ({code})", f"{rss:.0f}", secs, "", ""))
             if code:
                 break
             continue
@@ -202,7 +205,7 @@ def main() -> int:
             print(f"[{step}] {stdout.strip()}", flush=True)
             ok = code == 0
             size = sum(f.stat().st_size for f in out.iterdir()) / 1e9 if ok else 0
-            rows.append((step, "ok" if ok else f"failed ({code})", f"{rss:.0f}", f"{secs:.0f} s", f"{size:.2f} GB", ""))
+            rows.append((step, "ok" if ok else f"failed ({code})", f"{rss:.0f}", secs, f"{size:.2f} GB", ""))
             continue
         model, extra = {"bench-q8": (q8, ()), "bench-q4": (q4, ()), "bench-pth-q4": (pth, ("-q", "q4")),
                         "bench-pth": (pth, ("--dtype", "auto"))}[step]
@@ -219,11 +222,11 @@ def main() -> int:
                      f"prefill {r['prefill_tok_s']:.1f} tok/s", f"decode {r['decode_tok_s']:.2f} tok/s"))
     print(f"\nRWKV-{args.version} 7B shape ({SHAPE['n_layer']} x {SHAPE['n_embd']}, vocab {SHAPE['vocab_size']}), "
           f"{os.cpu_count()} CPUs, MemTotal {mem_total_gb():.0f} GB")
-    print(f"{'step':14} {'result':22} {'peak RSS MB':>11}  {'time':16} {'':22} {''}")
+    print(f"{'step':14} {'result':22} {'peak RSS MB':>11}  {'time (wall / CPU)':26} {'':22} {''}")
     for step, res, rss, a, b, c in rows:
         target = TARGETS.get(step)
         flag = "" if target is None or not rss else (" (target <= %d)" % target)
-        print(f"{step:14} {res:22} {rss:>11}  {a:16} {b:22} {c}{flag}")
+        print(f"{step:14} {res:22} {rss:>11}  {a:26} {b:22} {c}{flag}")
     if args.clean:
         import shutil
 

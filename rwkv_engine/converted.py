@@ -28,7 +28,7 @@ from .errors import CheckpointError, InputError
 
 FORMAT = 1
 MODEL_TYPE = "rwkv-engine"
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _INITIAL = "initial_state."
 
 
@@ -46,9 +46,9 @@ def _linear_kinds(model) -> dict[str, list]:
         elif isinstance(m, Int8Linear):
             kinds[name] = ["int8", m.group_size if m.group_size != m.in_features else None]
         elif isinstance(m, DenseLinear):
-            kinds[name] = ["dense", _DTYPE_NAMES[m.weight.dtype]]
+            kinds[name] = ["dense", DTYPE_NAMES[m.weight.dtype]]
         elif isinstance(m, torch.nn.Linear):
-            kinds[name] = ["linear", _DTYPE_NAMES[m.weight.dtype]]
+            kinds[name] = ["linear", DTYPE_NAMES[m.weight.dtype]]
     return kinds
 
 
@@ -110,7 +110,7 @@ def _meta(model, scheme) -> dict:
     return {
         "format": FORMAT,
         "config": dataclasses.asdict(model.config),
-        "dtype": _DTYPE_NAMES[model.dtype],
+        "dtype": DTYPE_NAMES[model.dtype],
         "rescale_every": model.rescale_every,
         "quantization": scheme.to_dict() if scheme is not None else None,
         "linears": _linear_kinds(model),
@@ -226,7 +226,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
         raise CheckpointError(f"{path}: an rwkv-engine directory of an unknown format version")
     try:
         cfg = ModelConfig(**meta["config"])
-        dt = {v: k for k, v in _DTYPE_NAMES.items()}[meta["dtype"]]
+        dt = {v: k for k, v in DTYPE_NAMES.items()}[meta["dtype"]]
         linears = meta["linears"]
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path}/config.json: incomplete rwkv_engine section ({e})") from None
@@ -246,7 +246,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
             elif kind == "int8":
                 new = Int8Linear(K, N, arg)
             elif kind == "dense":
-                new = DenseLinear(K, N, dtype={v: k for k, v in _DTYPE_NAMES.items()}[arg])
+                new = DenseLinear(K, N, dtype={v: k for k, v in DTYPE_NAMES.items()}[arg])
             else:  # kept as the model builds it; DenseLinear for the same CPU paths as the rest
                 new = DenseLinear(K, N, dtype=old.weight.dtype)
             parent, _, child = name.rpartition(".")

@@ -37,6 +37,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
 from .memory import tune_malloc
 from .models import RWKV
+from .quant.schemes import convert_weight, describe, get_scheme, plan, replace_module
 
 Tensor = torch.Tensor
 
@@ -502,6 +503,9 @@ def _transform(name: str, t: Tensor, cfg: ModelConfig, dtype: torch.dtype, resca
     return t.float()  # LayerNorm / GroupNorm weights and biases
 
 
+_CHUNK_ELEMS = 1 << 22  # elements per step of the chunked embedding transform
+
+
 def _embedding(src: Tensor, ln0_w: Tensor, ln0_b: Tensor, dtype: torch.dtype) -> Tensor:
     """The embedding with ln0 folded in (FORMATS A.7), computed in row chunks: no fp32 copy of the
     whole table (1 GB at the 7B shape)."""
@@ -512,9 +516,6 @@ def _embedding(src: Tensor, ln0_w: Tensor, ln0_b: Tensor, dtype: torch.dtype) ->
     for r0 in range(0, V, rows):
         out[r0 : r0 + rows] = F.layer_norm(src[r0 : r0 + rows].float(), (C,), w, b).to(dtype)
     return out
-
-
-_CHUNK_ELEMS = 1 << 22  # elements per step of the chunked embedding transform
 
 
 class Progress:
@@ -577,8 +578,6 @@ class Plan:
 
     def __init__(self, ck: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, scheme, policy,
                  dtype_reason: str):
-        from .quant.schemes import convert_weight, describe, plan, replace_module
-
         self.ck, self.cfg, self.dtype, self.rescale_every = ck, cfg, dtype, rescale_every
         with torch.device("meta"):
             self.model = RWKV(cfg, dtype, rescale_every)
@@ -586,20 +585,19 @@ class Plan:
         self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
         self.mapping = _check_names(ck, cfg, self.expected)
         if scheme is None:
-            scheme = get_dense(dtype)
+            scheme = _dense_scheme(dtype)
         self.targets = plan(self.model, scheme, policy=policy)
         report = {name: describe(t) for name, t in self.targets.items()}
         # The matrices the policy kept (too small to quantize) become DenseLinear in their own
         # dtype, so every matrix of a decode step runs through the same per-row kernels.
         for name, module in self.model.named_modules():
             if type(module) is nn.Linear and module.bias is None and name not in self.targets:
-                self.targets[name] = get_dense(module.weight.dtype)
+                self.targets[name] = _dense_scheme(module.weight.dtype)
         for name, target in self.targets.items():
             replace_module(self.model, name, convert_weight(self.model.get_submodule(name).weight, target, empty=True))
         self.model.quantization = scheme
         self.model.quantization_report = report
         self.model.initial_state = {}
-        self._convert_weight = convert_weight
 
     def initial_state(self) -> dict[str, Tensor]:
         return initial_state(self.ck, self.cfg)
@@ -633,7 +631,7 @@ class Plan:
                     f"{ck.where}: tensor {name} has shape {tuple(ck.shape(name))}, expected {want} for this model"
                 )
             if linear is not None:
-                new = self._convert_weight(t, linear)
+                new = convert_weight(t, linear)
                 out = {f"{module}.{k}": v for k, v in new.state_dict().items()}
             else:
                 out = {target: t}
@@ -646,9 +644,7 @@ class Plan:
                 progress.update(nbytes)
 
 
-def get_dense(dtype: torch.dtype):
-    from .quant import get_scheme
-
+def _dense_scheme(dtype: torch.dtype):
     return get_scheme(_DENSE_SCHEME[dtype])
 
 
@@ -791,8 +787,6 @@ def prepare(
     or an exported program."""
     scheme = None
     if quantization is not None:
-        from .quant import get_scheme
-
         scheme = get_scheme(quantization, group_size)
     elif group_size is not None:
         raise InputError("group_size is only meaningful with a quantization scheme")
@@ -843,16 +837,13 @@ def auto_dtype(weights: torch.dtype, device: torch.device, quantized: bool) -> t
     """
     from .quant.linear import compute_dtype
 
-    name = _DTYPE_NAMES.get(weights, "fp32")
+    name = converted.DTYPE_NAMES.get(weights, "fp32")
     if weights not in (torch.bfloat16, torch.float16):
         return torch.float32, f"auto: {name} checkpoint"
     if not quantized:
         return weights, f"auto: {name} checkpoint"
     ct = compute_dtype(weights, device)
-    return ct, f"auto: {name} checkpoint, {_DTYPE_NAMES[ct]} matmuls on {device.type}"
-
-
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    return ct, f"auto: {name} checkpoint, {converted.DTYPE_NAMES[ct]} matmuls on {device.type}"
 
 
 def _is_exported_program(path: Path) -> bool:

@@ -75,8 +75,7 @@ def _state_bytes(model) -> dict:
             for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("version,dtype", [("7", torch.bfloat16), ("5.2", torch.float16)])
-@pytest.mark.parametrize("scheme", ["q4", "q8"])
+@pytest.mark.parametrize("version,dtype,scheme", [("7", torch.bfloat16, "q4"), ("5.2", torch.float16, "q8")])
 def test_streamed_quantization_equals_in_memory(tmp_path, version, dtype, scheme):
     sd = testing.cast(testing.random_state_dict(version, n_layer=3, n_embd=256, vocab_size=512, head_size=32,
                                                 seed=11, outliers=True), dtype)

@@ -286,60 +286,6 @@ def plan(
     return targets
 
 
-def convert_weight(weight: torch.Tensor, target: Scheme, empty: bool = False) -> nn.Module:
-    """The module of format `target` for one (N, K) weight (empty: zero buffers of the right shapes,
-    on the weight's device, which may be meta)."""
-    N, K = weight.shape
-    dev = weight.device
-    if target.weights == "dense":
-        dt = target.dtype or weight.dtype
-        m = DenseLinear(K, N, device=dev if empty else "meta", dtype=dt)
-        if not empty:
-            m.weight = nn.Parameter(weight.detach().to(dt), requires_grad=False)
-        return m
-    gs = target.group_size
-    if target.weights == "int8":
-        return Int8Linear(K, N, gs, device=dev) if empty else Int8Linear.from_weight(weight, gs)
-    return Int4Linear(K, N, gs, device=dev) if empty else Int4Linear.from_weight(weight, gs, search=target.search)
-
-
-def plan(
-    model: nn.Module,
-    scheme: str | Scheme,
-    group_size: int | None = None,
-    policy: PolicyLike = None,
-    search: bool | None = None,
-) -> dict[str, Scheme]:
-    """{module name: target Scheme} for the `nn.Linear` modules `quantize_model` would swap (the
-    kept ones are absent). Needs only the modules' shapes and dtypes, so a model on the meta
-    device can be planned before its weights are read (the loader quantizes while it streams).
-    Raises InputError for an unknown scheme or a group size that does not divide a selected
-    matrix's width."""
-    if not isinstance(model, nn.Module):
-        raise InputError(f"quantize_model needs an nn.Module, got {type(model).__name__}")
-    sch = get_scheme(scheme, group_size)
-    if search is not None:
-        sch = replace(sch, search=bool(search))
-    targets: dict[str, Scheme] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module.bias is not None:
-            continue
-        action = _user_action(policy, name, module)
-        if action is None:
-            action = default_action(name, module, sch)
-        target = _resolve(action, sch, name, module.in_features)
-        if target is None:
-            continue
-        gs = target.group_size
-        if target.weights != "dense" and gs is not None and module.in_features % gs:
-            raise InputError(
-                f"group size {gs} does not divide the width {module.in_features} of {name!r}; "
-                f"choose another group_size or keep this module with policy={{{name!r}: 'keep'}}"
-            )
-        targets[name] = target
-    return targets
-
-
 def quantize_model(
     model: nn.Module,
     scheme: str | Scheme,

@@ -63,8 +63,9 @@ def test_streaming_peak_rss_bound(mid, tmp_path, mode, q):
     m = json.loads(r.stdout.strip().splitlines()[-1])
     bound = m["result"] + 2 * largest + 400 * MB
     assert m["peak"] <= bound, f"{mode} -q {q}: peak {m['peak'] / MB:.0f} MB > bound {bound / MB:.0f} MB ({m})"
-    # and the growth past the interpreter + torch + kernels is near the result, not the model
-    assert m["peak"] - m["before"] <= m["result"] + 2 * largest + 64 * MB, m
+    # and so is the growth past the interpreter, torch and the kernels (the 400 MB are then all
+    # slack for the transients and the file pages in flight)
+    assert m["peak"] - m["before"] <= m["result"] + 2 * largest + 400 * MB, m
     # a big model's load or convert reports one summary line on stderr when it is not a terminal
     lines = [ln for ln in r.stderr.splitlines() if " tensors, " in ln]
     assert len(lines) == 1 and lines[0].startswith("converting" if mode == "convert" else "loading"), r.stderr

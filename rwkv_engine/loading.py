@@ -714,7 +714,10 @@ def release_pages(t: Tensor) -> None:
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
     page = mmap.PAGESIZE
-    lo, hi = -(-start // page) * page, end // page * page
+    # Whole pages, the partial ones at both ends included: a page shared with a neighbouring
+    # tensor is only dropped from this process (the mapping is private and never written), and
+    # is read again from the page cache if that tensor is used later.
+    lo, hi = start // page * page, -(-end // page) * page
     if hi > lo:
         _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
 

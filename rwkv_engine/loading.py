@@ -35,7 +35,7 @@ from torch import nn
 from . import converted
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
-from .memory import tune_malloc
+from .memory import release_free_memory, tune_malloc
 from .models import RWKV
 from .quant.schemes import convert_weight, describe, get_scheme, plan, replace_module
 
@@ -639,6 +639,7 @@ class Plan:
                                          for v in out.values()):
                 release_pages(src)  # consumed: its file pages need not stay resident
             del src, t
+            release_free_memory()  # the transients' pages, before the next tensor's
             yield out
             if progress is not None:
                 progress.update(nbytes)

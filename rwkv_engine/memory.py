@@ -43,6 +43,26 @@ def tune_malloc() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
 
 
+_libc = None
+
+
+def release_free_memory() -> None:
+    """Give the pages of freed heap memory back to the system (glibc's malloc_trim), also those in
+    the middle of the heap. With the raised thresholds, a load that keeps each result and frees
+    each transient leaves holes that later, larger transients do not fit: the heap grew to 2.5x
+    the model when a 7B checkpoint was quantized on load. Nothing off glibc."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc(0)
+
+
 class FileRows:
     """Rows of a row-major 2-D tensor stored at `offset` in a file, read with pread.
 

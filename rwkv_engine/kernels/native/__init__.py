@@ -215,7 +215,7 @@ def _build_plan(lv, cxx, out_dir, src, selftest):
     lv = level(lv) if isinstance(lv, str) else lv
     cxx = cxx or _compiler()
     if selftest:
-        sources = ("selftest.cpp",) + _KERNEL_SOURCES[:-1]  # without api.cpp
+        sources = ("selftest.cpp",) + tuple(s for s in _KERNEL_SOURCES if s != "api.cpp")
         flags = _CFLAGS + lv.flags
     else:
         sources = _KERNEL_SOURCES
@@ -247,7 +247,7 @@ def build_kernels(
     cmd = [cxx, *flags, *[str(src_dir / s) for s in sources], "-o", tmp, *_LDFLAGS]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)  # the compiler may have removed it already
         raise RuntimeError(f"building the {lv.name} kernels failed:\n{' '.join(cmd)}\n{r.stderr.strip()[-3000:]}")
     os.chmod(tmp, 0o755)
     os.replace(tmp, lib)  # atomic: a concurrent process sees the whole library or none

@@ -25,6 +25,8 @@ import rwkv_engine  # noqa: E402
 from rwkv_engine import SamplingParams, testing  # noqa: E402
 from rwkv_engine.chat_format import render_chat  # noqa: E402
 
+from .test_serve import parse_prometheus  # noqa: E402
+
 NAME = "tiny-ray"
 CHUNK = 32
 SYSTEM = ("You are a careful assistant. Answer briefly, cite nothing, and never make things up. "
@@ -103,12 +105,8 @@ def test_errors_and_endpoints_are_the_servers(cluster, client):
 
 
 def _metrics(url) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=60).text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+    """The endpoint's summed metrics, checked to be a well-formed Prometheus exposition."""
+    return parse_prometheus(httpx.get(url + "/metrics", timeout=60).text)
 
 
 def test_prefix_affinity_keeps_the_cache_hitting(cluster, client):

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,12 +33,6 @@ sys.path.insert(0, str(REPO))
 SYSTEM = ("You are a helpful, careful assistant for a small hardware shop. You answer questions about "
           "tools, opening hours and orders in two sentences or fewer, you never invent prices, and when "
           "a question is unclear you ask one short question back. ") * 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -107,11 +100,11 @@ def run_one(model_dir: Path, replicas: int, args) -> dict:
     import ray
     from ray import serve
 
-    from rwkv_engine.serve.ray import build_app
+    from rwkv_engine.serve.ray import build_app, free_port
 
     ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              object_store_memory=256 << 20)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app([str(model_dir), "--replicas", str(replicas), "--max-batch", str(args.max_batch),
                          "--replica-cpus", str(args.replica_cpus), "--prefill-chunk", str(args.prefill_chunk)]),

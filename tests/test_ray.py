@@ -9,7 +9,6 @@ routing counters in /metrics, a killed replica replaced while the other keeps an
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -33,12 +32,6 @@ SYSTEM = ("You are a careful assistant. Answer briefly, cite nothing, and never 
           "If a question is unclear, ask one short question back. ") * 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     sd = testing.random_state_dict("5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=9)
@@ -53,11 +46,11 @@ def ref(model_path):
 
 @pytest.fixture(scope="module")
 def cluster(model_path):
-    from rwkv_engine.serve.ray import build_app
+    from rwkv_engine.serve.ray import build_app, free_port
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
              object_store_memory=128 << 20)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app([str(model_path), "--replicas", "2", "--max-batch", "4", "--prefill-chunk", str(CHUNK),
                          "--replica-cpus", "1"]), name="rwkv-engine", route_prefix="/")

@@ -73,8 +73,7 @@ def run(args) -> int:
 
             batch_on_ray(args, lines, write)
         else:
-            model, tokenizer = common.load_model(args)
-            engine, app, settings = serve.build(args, model, tokenizer)
+            engine, app, settings = serve.build(args)
             engine.start()
             try:
                 client = AppClient(app, settings.model_name)

@@ -69,7 +69,7 @@ def _seconds(text: str) -> float:
 
 def add_arguments(parser) -> None:
     # The model flags every command shares, --quantization / --group-size included: the engine
-    # serves whatever model `common.load_model` returns.
+    # serves whatever model `common.load_model` returns (see `build`).
     common.add_model_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
@@ -244,12 +244,14 @@ def _server_class():
     return _Server
 
 
-def build(args, model, tokenizer, key: str | None = None):
-    """(engine, app, settings) from this command's flags and API key: what the single server
-    process runs, and what every replica runs under --ray and every worker of `rwkv-engine batch`."""
+def build(args, key: str | None = None, progress: bool | None = None):
+    """(engine, app, settings): the model the flags name, loaded, and the engine and app over it
+    with the API key `key`. What the single server process runs, and what every replica runs
+    under --ray and every worker of `rwkv-engine batch`. progress: as `common.load_model`."""
     from ..serve.app import ServerSettings, create_app
     from ..serve.engine import Engine, EngineConfig
 
+    model, tokenizer = common.load_model(args, progress)
     engine = Engine(model, tokenizer, EngineConfig(
         max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
         state_cache_bytes=args.state_cache_mb << 20,
@@ -286,8 +288,7 @@ def _serve(args, key: str | None, sock: socket.socket) -> int:
 
     from ..serve.connections import guarded_protocol
 
-    model, tokenizer = common.load_model(args)
-    engine, app, settings = build(args, model, tokenizer, key)
+    engine, app, settings = build(args, key)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"rwkv-engine serve: {settings.model_name} on http://{shown}:{port}/v1 "

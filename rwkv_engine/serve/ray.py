@@ -257,11 +257,9 @@ class EngineReplica:
     """One engine and the server's app; answers forwarded HTTP requests through that app."""
 
     def __init__(self, args: argparse.Namespace, key: str | None, board):
-        from ..cli import common
         from ..cli.serve import build
 
-        model, tokenizer = common.load_model(args, progress=False)
-        self.engine, self.app, self.settings = build(args, model, tokenizer, key)
+        self.engine, self.app, self.settings = build(args, key, progress=False)
         self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.board = board
@@ -427,7 +425,8 @@ def build_app(args: argparse.Namespace | list[str], key: str | None = None, boar
     return ingress.bind(replica.bind(args, key, board), args, board)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (Ray Serve's proxy needs a number, not 0)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -450,7 +449,7 @@ def run_cli(args: argparse.Namespace, key: str | None) -> int:
     from ..cli.serve import exposure_warning
 
     started = start_ray(args.ray_address)
-    port = args.port or _free_port(args.host)
+    port = args.port or free_port(args.host)
     serve.start(http_options={"host": args.host, "port": port})
     serve.run(build_app(args, key), name="rwkv-engine", route_prefix="/")
     shown = f"[{args.host}]" if ":" in args.host else args.host
@@ -488,11 +487,9 @@ class BatchWorker:
 
     def __init__(self, args: argparse.Namespace):
         from ..batch import AppClient
-        from ..cli import common
         from ..cli.serve import build
 
-        model, tokenizer = common.load_model(args, progress=False)
-        self.engine, app, settings = build(args, model, tokenizer)
+        self.engine, app, settings = build(args, progress=False)
         self.engine.start()
         self.client = AppClient(app, settings.model_name)
         self.concurrency = args.concurrency or 2 * args.max_batch

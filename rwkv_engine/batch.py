@@ -163,19 +163,17 @@ def resume_point(out_path: Path) -> int:
     return len(lines)
 
 
-def read_lines(in_path: Path, start: int = 0) -> list[Line]:
-    """The lines of IN from number `start` on (a missing final newline is fine)."""
+def read_lines(in_path: Path) -> list[Line]:
+    """Every line of IN. Only \n (or \r\n) ends a line, never the other breaks str.splitlines
+    knows (U+2028 and others may stand raw inside JSON strings); a missing final newline is fine."""
     try:
-        text = in_path.read_text(encoding="utf-8")
+        text = in_path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputError(f"{in_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return [Line(i, t) for i, t in enumerate(text.splitlines()) if i >= start]
-
-
-def count_lines(in_path: Path) -> int:
-    with open(in_path, "rb") as f:
-        data = f.read()
-    return len(data.splitlines())
+    pieces = text.split("\n")
+    if pieces[-1] == "":
+        pieces.pop()
+    return [Line(i, t[:-1] if t.endswith("\r") else t) for i, t in enumerate(pieces)]
 
 
 class OutputFile:

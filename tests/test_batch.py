@@ -147,3 +147,14 @@ def test_cli_errors(model_path, tmp_path):
         run = subprocess.run([sys.executable, "-m", "rwkv_engine", "batch", str(model_path), *map(str, args)],
                              capture_output=True, text=True, timeout=300)
         assert run.returncode != 0 and words in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_lines_are_split_on_newlines_only(tmp_path):
+    """JSON text may hold U+2028 or a form feed raw inside a string: only \\n (or \\r\\n) ends a line."""
+    from rwkv_engine.batch import read_lines
+
+    bodies = [{"prompt": "one\u2028two\x0cthree"}, {"prompt": "x"}]
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(("\r\n".join(json.dumps(b, ensure_ascii=False) for b in bodies) + "\n").encode())
+    lines = read_lines(f)
+    assert [json.loads(line.text) for line in lines] == bodies and [line.number for line in lines] == [0, 1]

@@ -43,17 +43,18 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..batch import AppClient, OutputFile, count_lines, read_lines, resume_point
+    from ..batch import AppClient, OutputFile, read_lines, resume_point
 
     if not args.input.is_file():
         raise InputError(f"{args.input}: no such file")
     if args.output.resolve() == args.input.resolve():
         raise InputError("the output file must not be the input file")
-    total = count_lines(args.input)
+    lines = read_lines(args.input)
+    total = len(lines)
     done = resume_point(args.output)
     if done > total:
         raise InputError(f"{args.output} holds {done} answers but {args.input} has only {total} lines")
-    lines = read_lines(args.input, done)
+    lines = lines[done:]
     if done:
         print(f"rwkv-engine batch: {args.output} holds {done} of {total} answers; resuming at line {done + 1}",
               file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -260,3 +261,15 @@ def test_arm64_kernels_under_qemu(tmp_path):
         check(out[pos : pos + n])
         pos += n
     _note("neon", f"ran {len(cases)} kernel cases {'natively' if on_arm else 'under qemu-aarch64'}")
+
+
+def test_a_stale_build_lock_is_removed(tmp_path):
+    """A build killed halfway leaves torch's lock file, on which every later build would wait forever."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    native._drop_stale_lock(lock)
+    assert lock.exists()                      # a build may be running: leave it
+    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    native._drop_stale_lock(lock)
+    assert not lock.exists()

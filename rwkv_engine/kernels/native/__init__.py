@@ -60,6 +60,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,6 +255,21 @@ def build_kernels(
     return lib
 
 
+STALE_LOCK_SECONDS = 900  # a bindings build takes a few minutes even on a loaded 2-core machine
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's extension build waits forever on the lock file of a build whose process was killed
+    (a server stopped while it was building, say): remove a lock older than any real build."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing a stale build lock %s (%.0f s old): its build was interrupted", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def _load_bindings(base: Level, verbose: bool):
     from torch.utils import cpp_extension
 
@@ -261,6 +277,7 @@ def _load_bindings(base: Level, verbose: bool):
     flags = _CFLAGS + base.flags
     name = "rwkv_engine_native_" + _digest([(_HERE / s).read_bytes() for s in srcs] + [flags, torch.__version__])
     build_dir = Path(cpp_extension._get_build_directory(name, verbose))
+    _drop_stale_lock(build_dir / "lock")
     _copy_sources(srcs, build_dir / "src")
     return cpp_extension.load(
         name=name,

@@ -35,7 +35,7 @@ from torch import nn
 from . import converted
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
-from .memory import release_free_memory, tune_malloc
+from .memory import release_free_memory, spill, tune_malloc
 from .models import RWKV
 from .quant.schemes import convert_weight, describe, get_scheme, plan, replace_module
 
@@ -583,7 +583,11 @@ class Plan:
             self.model = RWKV(cfg, dtype, rescale_every)
         self.model.dtype_reason = dtype_reason
         self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
-        self.mapping = _check_names(ck, cfg, self.expected)
+        # The biggest tensors first (the embedding and the head): the transients of reading them
+        # (their source pages, the folded embedding's rows) then add to a small result, not to
+        # nearly the whole model's, which sets the peak of a quantizing load.
+        self.mapping = dict(sorted(_check_names(ck, cfg, self.expected).items(),
+                                   key=lambda kv: -math.prod(ck.shape(kv[0]))))
         if scheme is None:
             scheme = _dense_scheme(dtype)
         self.targets = plan(self.model, scheme, policy=policy)
@@ -764,14 +768,18 @@ def load(
     model = plan_.model
     bar = Progress("loading", plan_.source_bytes(), len(plan_.mapping), progress)
     sd: dict[str, Tensor] = {}
+    rows = None
     ok = False
     try:
         for tensors in plan_.tensors(bar):
+            if "emb.weight" in tensors and device.type == "cpu":  # its rows read from a file, as a directory's
+                tensors["emb.weight"], rows = spill(tensors["emb.weight"])
             sd.update(tensors)
         ok = True
     finally:
         bar.close(ok)
     model.load_state_dict(sd, strict=True, assign=True)
+    model.emb.file_rows = rows
     model.initial_state = plan_.initial_state()
     del sd, plan_
     return _finish(model, model.path, device)

@@ -121,12 +121,54 @@ class FileRows:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._open()
+        try:
+            self._open()
+        except FileNotFoundError:  # a spilled table's file is unlinked: the copy reads its own weight
+            self._fd = -1
 
-    def close(self) -> None:
+    def close(self, _close=os.close) -> None:  # (bound now: at interpreter exit the module's os may be gone)
         if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
+            _close(self._fd)
             self._fd = -1
 
     def __del__(self):
         self.close()
+
+
+SPILL_MIN_BYTES = 64 << 20  # smaller tables stay in memory
+
+
+def spill(t, directory: str | None = None):
+    """(the tensor t backed by an unlinked temporary file, FileRows over it), or (t, None).
+
+    A checkpoint's embedding is computed at load (ln0 folded in, FORMATS A.7), so unlike a model
+    directory's it has no file to be read from: held in memory it is 0.5 GB of the 7B shape's
+    5.5 GB budget for q4, while a prompt needs a few of its rows. Spilled, its pages live in the
+    page cache (clean, reclaimable, not charged to the process) and rows are read with pread, as
+    from a model directory. The mapping is shared, so an in-place change of the weight is what
+    the rows read. The file is in `directory` (default: tempfile's, i.e. $TMPDIR or /tmp) and has
+    no name once mapped; on a tmpfs it still occupies memory, but no less than it would in the
+    process. Where the platform lacks pread or the table is small, t is returned as it is.
+    """
+    import tempfile
+
+    import torch
+
+    nbytes = t.numel() * t.element_size()
+    if not FileRows.available() or t.device.type != "cpu" or t.dim() != 2 or nbytes < SPILL_MIN_BYTES:
+        return t, None
+    t = t.contiguous()
+    fd, path = tempfile.mkstemp(prefix="rwkv-engine-emb-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(memoryview(t.view(torch.uint8).numpy()).cast("B"))
+        mapped = torch.from_file(path, shared=True, size=t.numel(), dtype=t.dtype).view(t.shape)
+        rows = FileRows(path, 0, tuple(t.shape), t.dtype, mapped)
+    except (OSError, RuntimeError):  # no room or no writable temporary directory: keep it in memory
+        return t, None
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return mapped, rows

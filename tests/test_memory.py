@@ -64,3 +64,50 @@ def test_file_rows_reads_rows_without_mapping_them(tmp_path):
     twin = copy.deepcopy(rows)  # its own descriptor: closing one leaves the other working
     rows.close()
     assert torch.equal(twin.read(ids[0]), mapped[ids[0]])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc accounting")
+def test_spill_moves_a_table_out_of_the_process_and_reads_its_rows(tmp_path):
+    import copy
+    import pickle
+
+    import torch
+
+    from rwkv_engine.memory import SPILL_MIN_BYTES, spill
+
+    V, C = 65536, 512  # 64 MB of bf16: just spilled
+    t = torch.randn(V, C).to(torch.bfloat16)
+    assert t.numel() * 2 >= SPILL_MIN_BYTES
+    mapped, rows = spill(t, str(tmp_path))
+    assert rows is not None and list(tmp_path.iterdir()) == []  # the file has no name left
+    assert torch.equal(mapped, t) and rows.serves(mapped)
+    ids = torch.tensor([[0, 5, V - 1], [7, 7, 3]])
+    assert torch.equal(rows.read(ids), t[ids])
+    mapped[5] = 1.5  # an in-place change is what the rows read (a shared mapping)
+    assert torch.equal(rows.read(torch.tensor([5])), torch.full((1, C), 1.5, dtype=torch.bfloat16))
+    twin = copy.deepcopy(rows)  # no file name to open again: the copy stops serving, never reads stale rows
+    assert not twin.serves(mapped)
+    assert pickle.loads(pickle.dumps(rows)).serves(mapped) is False
+    small = torch.zeros(16, 8)
+    assert spill(small, str(tmp_path)) == (small, None)  # small tables stay where they are
+
+
+def test_a_checkpoint_load_reads_a_big_embedding_from_a_spilled_file(tmp_path):
+    """rwkv_engine.load of a checkpoint: the folded embedding (>= 64 MB) is served from a spilled
+    file, the model's outputs are those of the in-memory table."""
+    import torch
+
+    import rwkv_engine
+    from rwkv_engine import testing
+
+    sd = testing.cast(testing.random_state_dict("7", n_layer=1, n_embd=1024, vocab_size=32768, head_size=64, seed=1),
+                      torch.bfloat16)
+    path = testing.save_pth(sd, tmp_path / "m.pth")
+    model = rwkv_engine.load(path, dtype="bf16", progress=False)
+    rows = model.emb.file_rows
+    assert rows is not None and rows.serves(model.emb.weight)
+    prompt = [1, 2, 3, 32767, 0]
+    spilled, _ = model.forward(prompt)
+    model.emb.file_rows = None  # the plain lookup of the (mapped) table
+    plain, _ = model.forward(prompt)
+    assert torch.equal(spilled, plain)

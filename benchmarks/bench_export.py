@@ -6,7 +6,7 @@
 For each version: a random-weight checkpoint of the shape is written to a scratch directory; the
 export runs in a child process (its peak RSS is the export's memory); then the program (through
 executorch.runtime) and the engine (the same checkpoint, quantized by the engine's own scheme of
-the same name; fp32 for fp32) run in this process, in alternating rounds, at --threads threads
+the same name; bf16 for fp32, the checkpoint's type) run in this process, in alternating rounds, at --threads threads
 each: decode tok/s over --decode steps and prefill tok/s over --prefill-pieces pieces of the
 program's T. Timings on a shared machine are rough: compare the ratio, not the absolute numbers.
 """
@@ -49,8 +49,9 @@ def _rate(fn, tokens: int) -> float:
 
 
 def bench(version: str, args, scratch: Path) -> dict:
-    sd = testing.random_state_dict(version, n_layer=args.n_layer, n_embd=args.n_embd, vocab_size=args.vocab,
-                                   head_size=64, seed=0)
+    # bf16, as the official checkpoints are: the export reads it into fp32, the engine keeps bf16
+    sd = testing.cast(testing.random_state_dict(version, n_layer=args.n_layer, n_embd=args.n_embd,
+                                                vocab_size=args.vocab, head_size=64, seed=0), torch.bfloat16)
     ckpt = testing.save_pth(sd, scratch / f"v{version}.pth")
     del sd
     pte = scratch / f"v{version}-{args.quantization}.pte"

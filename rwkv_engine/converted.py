@@ -3,7 +3,9 @@
     OUT/config.json          {"model_type": "rwkv-engine", "rwkv_engine": {format, config, dtype,
                               rescale_every, quantization, linears: {name: [kind, group_size]}}}
     OUT/model.safetensors    the model's state dict after every load-time transform (log decays,
-                              folded ln0, fp16 rescale) and quantization: packed weights and scales
+                              folded ln0, fp16 rescale) and quantization: packed weights and scales;
+                              RWKV-6/7 LoRA matrices in the source's 16-bit type (fp32 in older
+                              directories, which load as they are)
     OUT/tokenizer.json or rwkv_vocab_v20230424.txt   the tokenizer the model uses
 
 Loading it maps the safetensors file and assigns its tensors into modules of the recorded kinds:
@@ -219,6 +221,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     from safetensors import safe_open
 
     from .models import RWKV
+    from .models.layers import LORA_DTYPES
     from .quant import DenseLinear, Int4Linear, Int8Linear, get_scheme
 
     meta = hf_config.get("rwkv_engine")
@@ -260,6 +263,12 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     except Exception as e:
         raise CheckpointError(f"{weights}: cannot read ({str(e).splitlines()[0][:200]})") from None
     initial = {k[len(_INITIAL):]: tensors.pop(k) for k in list(tensors) if k.startswith(_INITIAL)}
+    # The LoRA matrices are in the source checkpoint's 16-bit type, or fp32 (every directory
+    # written before they kept it): the type they have in the file.
+    lora = model.lora_names()
+    lora_types = {tensors[k].dtype for k in lora if k in tensors}
+    if len(lora_types) == 1 and next(iter(lora_types)) in LORA_DTYPES:
+        model.set_lora_dtype(next(iter(lora_types)))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unknown = sorted(set(tensors) - set(expected))

@@ -130,6 +130,7 @@ def exportable_copy(model) -> nn.Module:
     m._native_step = None
     m.layer_observer = None
     m.emb = nn.Embedding.from_pretrained(model.emb.weight, freeze=True)
+    m.set_lora_dtype(torch.float32)  # 16-bit LoRA matrices (a bf16 checkpoint's): fp32 copies in the program
     for name, module in list(m.named_modules()):
         parent, _, child = name.rpartition(".")
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear:

@@ -8,6 +8,9 @@ from torch import nn
 
 Tensor = torch.Tensor
 
+# The types a small LoRA matrix of RWKV-6/7 may be stored in (RWKV.lora_names): the checkpoint's.
+LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def token_shift(xx: Tensor, x_prev: Tensor) -> Tensor:
     """The previous token's input for each position: [B, T, C] from xx [B, T, C] and x_prev [B, C]."""

@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from ..errors import InputError, StateError
 from ..state import State
 from ..quant.linear import GEMV_MAX_ROWS
-from .layers import ChannelMix, Embedding
+from .layers import LORA_DTYPES, ChannelMix, Embedding
 from . import native_step
 from .native_step import DecodeStep
 from .rwkv4 import TimeMix4
@@ -134,6 +134,26 @@ class RWKV(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.emb.weight.device
+
+    def lora_names(self) -> list[str]:
+        """The state-dict names of the small LoRA matrices (RWKV-6/7: each time mix's `LORA`).
+
+        They keep the checkpoint's type (bf16 / fp16 / fp32, see `set_lora_dtype`); the modules
+        and the fused step compute with them in fp32, so a 16-bit one gives the same results as
+        its exact fp32 copy at half the memory.
+        """
+        return [f"{name}.{leaf}" for name, m in self.named_modules() for leaf in getattr(m, "LORA", ())
+                if getattr(m, leaf, None) is not None]
+
+    def set_lora_dtype(self, dtype: torch.dtype) -> None:
+        """Store the LoRA matrices in `dtype` (fp32, bf16 or fp16; the loaders pick the checkpoint's)."""
+        if dtype not in LORA_DTYPES:
+            raise ValueError(f"LoRA matrices are fp32, bf16 or fp16, not {dtype}")
+        for name in self.lora_names():
+            module, _, leaf = name.rpartition(".")
+            m = self.get_submodule(module)
+            if getattr(m, leaf).dtype != dtype:
+                setattr(m, leaf, nn.Parameter(getattr(m, leaf).to(dtype), requires_grad=False))
 
     def __repr__(self) -> str:
         c = self.config

@@ -23,9 +23,12 @@ class TimeMix6(nn.Module):
     offset to each: wx = mix(xx, sx, mix_w - lora_w(xxx)). The decay is stored raw as
     `decay_base` [A] = time_decay, and each token's log decay is
     log_w = -exp(decay_base + tanh(wx @ decay_w1) @ decay_w2), computed in fp32.
-    bonus [H, N] = time_faaaa (u). The LoRA matrices are small fp32 parameters; the big
-    projections are nn.Linear in the model dtype.
+    bonus [H, N] = time_faaaa (u). The small LoRA matrices (`LORA`) keep the checkpoint's type
+    (bf16 / fp16 / fp32) and are used upcast, in fp32 math; the big projections are nn.Linear in
+    the model dtype.
     """
+
+    LORA = ("maa_w1", "maa_w2", "decay_w1", "decay_w2")  # (RWKV.lora_names)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -52,14 +55,14 @@ class TimeMix6(nn.Module):
         B, T, _ = xx.shape
         H, N, dt = self.n_head, self.head_size, self.dtype
         sx = token_shift(xx, x_prev)
-        lora = torch.tanh(mix(xx, sx, self.mix_x) @ self.maa_w1).view(B, T, len(_MIXED), -1)
-        offsets = torch.einsum("btfd,fdc->fbtc", lora, self.maa_w2)  # [5, B, T, C]
+        lora = torch.tanh(mix(xx, sx, self.mix_x) @ self.maa_w1.float()).view(B, T, len(_MIXED), -1)
+        offsets = torch.einsum("btfd,fdc->fbtc", lora, self.maa_w2.float())  # [5, B, T, C]
         wx, kx, vx, rx, gx = (mix(xx, sx, getattr(self, "mix_" + n) - o) for n, o in zip(_MIXED, offsets))
         r = self.receptance(rx.to(dt)).float().view(B, T, H, N)
         k = self.key(kx.to(dt)).float().view(B, T, H, N)
         v = self.value(vx.to(dt)).float().view(B, T, H, N)
         g = F.silu(self.gate(gx.to(dt)).float())
-        log_w = -torch.exp(self.decay_base + torch.tanh(wx @ self.decay_w1) @ self.decay_w2).view(B, T, H, N)
+        log_w = -torch.exp(self.decay_base + torch.tanh(wx @ self.decay_w1.float()) @ self.decay_w2.float()).view(B, T, H, N)
         y, kv = wkv5(r, k, v, log_w, self.bonus, st["att_kv"])
         y = head_group_norm(y.reshape(B, T, H * N), H, self.ln_x.weight, self.ln_x.bias)
         out = self.output((y * g).to(dt)).float()

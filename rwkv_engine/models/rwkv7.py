@@ -24,8 +24,9 @@ class TimeMix7(nn.Module):
     """Multi-head WKV7 with data-dependent decay, in-context learning rate, gate and value residual.
 
     Mixes are stored in the shared `mix` convention (m = 1 - x_*). The small LoRA matrices
-    (w1/w2 decay, a1/a2 learning rate, v1/v2 value residual, g1/g2 gate) and their biases are fp32
-    parameters; receptance/key/value/output are nn.Linear in the model dtype.
+    (w1/w2 decay, a1/a2 learning rate, v1/v2 value residual, g1/g2 gate; `LORA`) keep the
+    checkpoint's type (bf16 / fp16 / fp32) and are used upcast, in fp32 math; their biases are
+    fp32. receptance/key/value/output are nn.Linear in the model dtype.
 
     Layer 0 has no value-residual LoRA: its values (per token) are `v_first`, which it puts in the
     per-forward context `ctx` for the later layers to mix towards. v_first is not recurrent
@@ -33,6 +34,7 @@ class TimeMix7(nn.Module):
     """
 
     shares_context = True  # built with its layer index; forward reads/writes the per-forward ctx
+    LORA = ("w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2")  # (RWKV.lora_names)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, layer_id: int):
         super().__init__()
@@ -75,15 +77,15 @@ class TimeMix7(nn.Module):
         r = self.receptance(xr.to(dt)).float()
         k = self.key(xk.to(dt)).float()
         v = self.value(xv.to(dt)).float()
-        log_w = -_DECAY_SCALE * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)
-        iclr = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
-        g = torch.sigmoid(xg @ self.g1) @ self.g2
+        log_w = -_DECAY_SCALE * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1.float()) @ self.w2.float())
+        iclr = torch.sigmoid(self.a0 + (xa @ self.a1.float()) @ self.a2.float())
+        g = torch.sigmoid(xg @ self.g1.float()) @ self.g2.float()
         kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1)
         k = k * (1 + (iclr - 1) * self.k_a)
         if self.first:
             ctx["v_first"] = v
         else:
-            v = v + (ctx["v_first"] - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
+            v = v + (ctx["v_first"] - v) * torch.sigmoid(self.v0 + (xv @ self.v1.float()) @ self.v2.float())
         heads = (B, T, H, N)
         r, k, v = r.view(heads), k.view(heads), v.view(heads)
         y, kv = wkv7(r, k, v, log_w.view(heads), -kk, kk * iclr.view(heads), st["att_kv"])

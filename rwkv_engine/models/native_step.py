@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..quant.linear import _NATIVE_DENSE_DTYPES, DenseLinear, Int4Linear, Int8Linear, native_ops
+from .layers import LORA_DTYPES
 
 Tensor = torch.Tensor
 
@@ -61,6 +62,11 @@ def _fp32(t: Tensor) -> Tensor:
     return t.detach().float().contiguous()
 
 
+def _as_stored(t: Tensor) -> Tensor:
+    """A LoRA matrix as the model holds it (fp32, bf16 or fp16: step.cpp reads all three), not copied."""
+    return t.detach().contiguous() if t.dtype in LORA_DTYPES else _fp32(t)
+
+
 def _block_dict(block: nn.Module, family: int) -> dict | None:
     att, ffn = block.att, block.ffn
     d: dict[str, object] = {
@@ -89,7 +95,8 @@ def _block_dict(block: nn.Module, family: int) -> dict | None:
                 d[name] = t
         if family == 5:
             d.update(decay=att.log_decay, bonus=att.bonus)
-    d = {k: _fp32(v) for k, v in d.items()}
+    lora = getattr(att, "LORA", ())
+    d = {k: _as_stored(v) if k in lora else _fp32(v) for k, v in d.items()}
     for key, m in linears.items():
         parts = _linear_parts(m)
         if parts is None:

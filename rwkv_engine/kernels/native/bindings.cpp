@@ -226,7 +226,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& w, std::optiona
 // and holding references to the tensors it points into.
 class DecodePlan {
  public:
-  // blocks: one dict per block, name -> fp32 tensor, or name -> tuple for a linear: (weight,) dense;
+  // blocks: one dict per block, name -> fp32 tensor (a LoRA matrix: fp32, bf16 or fp16), or
+  // name -> tuple for a linear: (weight,) dense;
   // (qweight int8, scales, None, col_scales) int8; (qweight uint8, scales, biases, col_scales) int4.
   DecodePlan(int64_t family, bool gated, int64_t C, int64_t A, int64_t H, int64_t N, int64_t F, int64_t V,
              at::ScalarType dtype, int64_t rescale_every, const std::vector<py::dict>& blocks, const py::dict& out) {
@@ -300,6 +301,14 @@ class DecodePlan {
     TORCH_CHECK(numel == 0 || t.numel() == numel, "decode plan: '", key, "' has ", t.numel(), " values, expected ",
                 numel);
     return t.data_ptr<float>();
+  }
+
+  // A LoRA matrix [rows, cols] (any leading shape of that many values) in fp32, bf16 or fp16, as the model holds it.
+  rwkv_native::LoraMatrix lora(const py::dict& d, const char* key, int64_t rows, int64_t cols) {
+    TORCH_CHECK(d.contains(key) && !d[key].is_none(), "decode plan: block parameter '", key, "' is missing");
+    const at::Tensor t = hold(d[key].cast<at::Tensor>(), key);
+    TORCH_CHECK(t.numel() == rows * cols, "decode plan: '", key, "' has ", t.numel(), " values, expected ", rows * cols);
+    return {t.data_ptr(), dtype_of(t, key), rows, cols};
   }
 
   rwkv_native::Linear linear(const py::dict& d, const char* key, int64_t N, int64_t K, bool required = true) {
@@ -384,19 +393,19 @@ class DecodePlan {
       q.mix_x = vec(d, "mix_x", C), q.mix_w = vec(d, "mix_w", C);
       q.bonus = vec(d, "bonus", H * N);
       q.decay_base = vec(d, "decay_base", A);
-      q.d_mix = rank(d, "maa_w1", C) / 5;
-      q.d_decay = rank(d, "decay_w1", C);
-      q.maa_w1 = vec(d, "maa_w1", C * 5 * q.d_mix), q.maa_w2 = vec(d, "maa_w2", 5 * q.d_mix * C);
-      q.decay_w1 = vec(d, "decay_w1", C * q.d_decay), q.decay_w2 = vec(d, "decay_w2", q.d_decay * A);
+      const int64_t d_mix = rank(d, "maa_w1", C), d_decay = rank(d, "decay_w1", C);
+      TORCH_CHECK(d_mix % 5 == 0, "decode plan: 'maa_w1' must be [C, 5 D]");
+      q.maa_w1 = lora(d, "maa_w1", C, d_mix), q.maa_w2 = lora(d, "maa_w2", d_mix, C);
+      q.decay_w1 = lora(d, "decay_w1", C, d_decay), q.decay_w2 = lora(d, "decay_w2", d_decay, A);
     } else {
       q.mix_w = vec(d, "mix_w", C), q.mix_a = vec(d, "mix_a", C);
-      q.d_decay = rank(d, "w1", C), q.d_iclr = rank(d, "a1", C), q.d_gate = rank(d, "g1", C);
-      q.w0 = vec(d, "w0", C), q.w1 = vec(d, "w1", C * q.d_decay), q.w2 = vec(d, "w2", q.d_decay * C);
-      q.a0 = vec(d, "a0", C), q.a1 = vec(d, "a1", C * q.d_iclr), q.a2 = vec(d, "a2", q.d_iclr * C);
-      q.g1 = vec(d, "g1", C * q.d_gate), q.g2 = vec(d, "g2", q.d_gate * C);
+      const int64_t d_decay = rank(d, "w1", C), d_iclr = rank(d, "a1", C), d_gate = rank(d, "g1", C);
+      q.w0 = vec(d, "w0", C), q.w1 = lora(d, "w1", C, d_decay), q.w2 = lora(d, "w2", d_decay, C);
+      q.a0 = vec(d, "a0", C), q.a1 = lora(d, "a1", C, d_iclr), q.a2 = lora(d, "a2", d_iclr, C);
+      q.g1 = lora(d, "g1", C, d_gate), q.g2 = lora(d, "g2", d_gate, C);
       if (layer > 0) {
-        q.d_value = rank(d, "v1", C);
-        q.v0 = vec(d, "v0", C), q.v1 = vec(d, "v1", C * q.d_value), q.v2 = vec(d, "v2", q.d_value * C);
+        const int64_t d_value = rank(d, "v1", C);
+        q.v0 = vec(d, "v0", C), q.v1 = lora(d, "v1", C, d_value), q.v2 = lora(d, "v2", d_value, C);
       }
       q.k_k = vec(d, "k_k", C), q.k_a = vec(d, "k_a", C), q.r_k = vec(d, "r_k", C);
     }

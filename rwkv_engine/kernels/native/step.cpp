@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "numeric.h"
@@ -83,14 +84,120 @@ void mix_to(const float* x, const float* prev, const float* m, int64_t n, DType 
   round_all(dt, out, n);
 }
 
-// y [n] = x [k] @ W [k, n] (a small fp32 LoRA matrix, row-major).
-void small_matvec(const float* x, const float* W, int64_t k, int64_t n, float* y) {
-  std::fill(y, y + n, 0.0f);
-  for (int64_t i = 0; i < k; ++i) {
-    const float xi = x[i];
-    const float* wr = W + i * n;
-    for (int64_t j = 0; j < n; ++j) y[j] += xi * wr[j];
+// The LoRA products y [B, N] = x [B, K] @ W [K, N] of small matrices (RWKV-6/7, step.h
+// LoraMatrix): fp32 math on the stored fp32 / bf16 / fp16 values, on all threads at any batch
+// size. The work is cut by a fixed partition of W, the same whatever B and the thread count:
+// an item is a tile of kLoraRows rows x kLoraCols columns (for all B rows of x, which share its
+// loads from the cache). Each output is an fma chain over its tile's rows in order; the tiles'
+// partial sums over K are added in order afterwards. So a row's result does not depend on the
+// batch it is in nor on the threads ("batched = alone, bit for bit").
+constexpr int64_t kLoraRows = 256;
+constexpr int64_t kLoraCols = 256;
+
+template <DType T>
+inline simd::F load_w(const void* w, int64_t i) {
+  if constexpr (T == DType::kF32) return simd::load(static_cast<const float*>(w) + i);
+  else if constexpr (T == DType::kBF16) return simd::load_bf16(static_cast<const uint16_t*>(w) + i);
+  else return simd::load_f16(static_cast<const uint16_t*>(w) + i);
+}
+
+template <DType T>
+inline float load_w1(const void* w, int64_t i) {
+  if constexpr (T == DType::kF32) return static_cast<const float*>(w)[i];
+  else if constexpr (T == DType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(w)[i]);
+  else return half_to_float(static_cast<const uint16_t*>(w)[i]);
+}
+
+// y[n] = sum over k in [k0, k1) of x[k] W[k, n] for n in [n0, n1), as one fma chain per n:
+// the columns in register blocks of NB vectors, the last ones (< kW) scalar with std::fma,
+// which is the same per-lane operation.
+template <DType T, int NB>
+void lora_columns(const void* W, int64_t N, const float* x, int64_t k0, int64_t k1, int64_t n, float* y) {
+  simd::F acc[NB];
+  for (int j = 0; j < NB; ++j) acc[j] = simd::zero();
+  for (int64_t k = k0; k < k1; ++k) {
+    const simd::F xk = simd::set1(x[k]);
+    const int64_t row = k * N + n;
+#pragma GCC unroll 8
+    for (int j = 0; j < NB; ++j) acc[j] = simd::fma(xk, load_w<T>(W, row + kW * j), acc[j]);
   }
+  for (int j = 0; j < NB; ++j) simd::store(y + n + kW * j, acc[j]);
+}
+
+template <DType T>
+void lora_tile(const void* W, int64_t N, const float* x, int64_t k0, int64_t k1, int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + 8 * kW <= n1; n += 8 * kW) lora_columns<T, 8>(W, N, x, k0, k1, n, y);
+  if (n + 4 * kW <= n1) lora_columns<T, 4>(W, N, x, k0, k1, n, y), n += 4 * kW;
+  if (n + 2 * kW <= n1) lora_columns<T, 2>(W, N, x, k0, k1, n, y), n += 2 * kW;
+  if (n + kW <= n1) lora_columns<T, 1>(W, N, x, k0, k1, n, y), n += kW;
+  for (; n < n1; ++n) {
+    float a = 0.0f;
+    for (int64_t k = k0; k < k1; ++k) a = std::fma(x[k], load_w1<T>(W, k * N + n), a);
+    y[n] = a;
+  }
+}
+
+// One product of lora_products: y [B, W.cols] (row stride ldy) = x [B, W.rows] (row stride ldx) @ W.
+struct LoraCall {
+  const LoraMatrix& W;
+  const float* x;
+  int64_t ldx;
+  float* y;
+  int64_t ldy;
+};
+
+// Several LoRA products (the same B) as one parallel job.
+void lora_products(const LoraCall* calls, int n, int64_t B) {
+  struct Job {
+    const LoraCall* c;
+    int64_t nk, nn, first;  // K tiles, N tiles, index of the job's first item
+    std::unique_ptr<float[]> part;  // [nk, B, N] partial sums when nk > 1
+  };
+  std::vector<Job> jobs;
+  int64_t items = 0;
+  for (const LoraCall& c : std::span(calls, n)) {
+    const int64_t K = c.W.rows, N = c.W.cols;
+    Job j{&c, (K + kLoraRows - 1) / kLoraRows, (N + kLoraCols - 1) / kLoraCols, items, nullptr};
+    if (j.nk > 1) j.part = std::make_unique_for_overwrite<float[]>(j.nk * B * N);
+    items += j.nk * j.nn;
+    jobs.push_back(std::move(j));
+  }
+  parallel_for(items, [&](int64_t i) {
+    size_t ji = 0;
+    while (ji + 1 < jobs.size() && jobs[ji + 1].first <= i) ++ji;
+    const Job& j = jobs[ji];
+    const LoraCall& c = *j.c;
+    const int64_t K = c.W.rows, N = c.W.cols, t = i - j.first, kt = t / j.nn, nt = t % j.nn;
+    const int64_t k0 = kt * kLoraRows, k1 = std::min(K, k0 + kLoraRows);
+    const int64_t n0 = nt * kLoraCols, n1 = std::min(N, n0 + kLoraCols);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* x = c.x + b * c.ldx;
+      float* y = j.part ? j.part.get() + (kt * B + b) * N : c.y + b * c.ldy;
+      switch (c.W.t) {
+        case DType::kF32: lora_tile<DType::kF32>(c.W.w, N, x, k0, k1, n0, n1, y); break;
+        case DType::kBF16: lora_tile<DType::kBF16>(c.W.w, N, x, k0, k1, n0, n1, y); break;
+        default: lora_tile<DType::kF16>(c.W.w, N, x, k0, k1, n0, n1, y); break;
+      }
+    }
+  });
+  for (const Job& j : jobs) {  // the K tiles' partial sums, in order
+    if (!j.part) continue;
+    const int64_t N = j.c->W.cols;
+    for (int64_t b = 0; b < B; ++b) {
+      float* y = j.c->y + b * j.c->ldy;
+      const float* p0 = j.part.get() + b * N;
+      std::copy(p0, p0 + N, y);
+      for (int64_t kt = 1; kt < j.nk; ++kt) {
+        const float* p = j.part.get() + (kt * B + b) * N;
+        for (int64_t i = 0; i < N; ++i) y[i] += p[i];
+      }
+    }
+  }
+}
+
+void lora_products(std::initializer_list<LoraCall> calls, int64_t B) {
+  lora_products(calls.begin(), static_cast<int>(calls.size()), B);
 }
 
 // Linears whose outputs the PyTorch path holds in dt (`self.key(kx)` with kx in dt), as one
@@ -352,7 +459,7 @@ void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t l
   const DType dt = p.dt;
   const bool v6 = p.family == 6;
   Rows xx(B, C), xr(B, C), xk(B, C), xv(B, C), xg(B, C), r(B, A), k(B, A), v(B, A), g(B, A), y(B, A), out(B, C);
-  Rows log_w(v6 ? B : 0, A);
+  Rows log_w(v6 ? B : 0, A), sx(v6 ? B : 0, C), xxx(v6 ? B : 0, C);
   for_batch(B, [&](int64_t b) {
     layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
     const float* prev = at(st.in[0], b, layer, L, C);
@@ -362,31 +469,44 @@ void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t l
       mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
       mix_to(xx[b], prev, q.mix_v, C, dt, xv[b]);
       if (p.gated) mix_to(xx[b], prev, q.mix_g, C, dt, xg[b]);
-      std::copy(xx[b], xx[b] + C, prev_out);  // after the last read of prev, which it may alias
-      return;
+    } else {  // the LoRA below still needs prev: a copy
+      std::copy(prev, prev + C, sx[b]);
+      mix_to(xx[b], prev, q.mix_x, C, DType::kF32, xxx[b]);
     }
-    // RWKV-6: each mix coefficient gets a per-token offset from a LoRA of mix(xx, sx, mix_x).
-    const int64_t D = q.d_mix;
-    std::vector<float> xxx(C), lora(5 * D), off(C), wx(C), dec(q.d_decay);
-    for (int64_t c = 0; c < C; ++c) xxx[c] = prev[c] + (xx[b][c] - prev[c]) * q.mix_x[c];
-    small_matvec(xxx.data(), q.maa_w1, C, 5 * D, lora.data());
-    for (auto& l : lora) l = std::tanh(l);
-    const float* mixes[5] = {q.mix_w, q.mix_k, q.mix_v, q.mix_r, q.mix_g};  // the LoRA's output order
-    float* dests[5] = {wx.data(), xk[b], xv[b], xr[b], xg[b]};
-    for (int f = 0; f < 5; ++f) {
-      small_matvec(lora.data() + f * D, q.maa_w2 + f * D * C, D, C, off.data());
-      for (int64_t c = 0; c < C; ++c) {
-        const float m = prev[c] + (xx[b][c] - prev[c]) * (mixes[f][c] - off[c]);
-        dests[f][c] = f == 0 ? m : round_to(dt, m);  // wx stays fp32 (it feeds the fp32 decay LoRA)
-      }
-    }
-    // log w = -exp(decay_base + tanh(wx @ decay_w1) @ decay_w2)
-    small_matvec(wx.data(), q.decay_w1, C, q.d_decay, dec.data());
-    for (auto& d : dec) d = std::tanh(d);
-    small_matvec(dec.data(), q.decay_w2, q.d_decay, A, log_w[b]);
-    for (int64_t c = 0; c < A; ++c) log_w[b][c] = -std::exp(q.decay_base[c] + log_w[b][c]);
-    std::copy(xx[b], xx[b] + C, prev_out);
+    std::copy(xx[b], xx[b] + C, prev_out);  // after the last read of prev, which it may alias
   });
+  if (v6) {
+    // RWKV-6: each mix coefficient gets a per-token offset from a LoRA of xxx = mix(xx, sx, mix_x):
+    // offsets [5, C] = tanh(xxx @ maa_w1) (as [5, D]) @ maa_w2 (5 slabs [D, C]).
+    const int64_t D = q.maa_w1.cols / 5, Dd = q.decay_w1.cols;
+    Rows lora(B, 5 * D), off(B, 5 * C), wx(B, C), dec(B, Dd);
+    lora_products({{q.maa_w1, xxx.data(), C, lora.data(), 5 * D}}, B);
+    for (int64_t i = 0; i < B * 5 * D; ++i) lora.data()[i] = std::tanh(lora.data()[i]);
+    const LoraMatrix w2[5] = {q.maa_w2.slab(0, D), q.maa_w2.slab(1, D), q.maa_w2.slab(2, D), q.maa_w2.slab(3, D),
+                              q.maa_w2.slab(4, D)};
+    lora_products({{w2[0], lora.data(), 5 * D, off.data(), 5 * C},
+                   {w2[1], lora.data() + D, 5 * D, off.data() + C, 5 * C},
+                   {w2[2], lora.data() + 2 * D, 5 * D, off.data() + 2 * C, 5 * C},
+                   {w2[3], lora.data() + 3 * D, 5 * D, off.data() + 3 * C, 5 * C},
+                   {w2[4], lora.data() + 4 * D, 5 * D, off.data() + 4 * C, 5 * C}}, B);
+    const float* mixes[5] = {q.mix_w, q.mix_k, q.mix_v, q.mix_r, q.mix_g};  // the LoRA's output order
+    for_batch(B, [&](int64_t b) {
+      const float *prev = sx[b], *xb = xx[b];
+      float* dests[5] = {wx[b], xk[b], xv[b], xr[b], xg[b]};
+      for (int f = 0; f < 5; ++f) {
+        const float* o = off[b] + f * C;
+        for (int64_t c = 0; c < C; ++c) {
+          const float m = prev[c] + (xb[c] - prev[c]) * (mixes[f][c] - o[c]);
+          dests[f][c] = f == 0 ? m : round_to(dt, m);  // wx stays fp32 (it feeds the fp32 decay LoRA)
+        }
+      }
+    });
+    // log w = -exp(decay_base + tanh(wx @ decay_w1) @ decay_w2)
+    lora_products({{q.decay_w1, wx.data(), C, dec.data(), Dd}}, B);
+    for (int64_t i = 0; i < B * Dd; ++i) dec.data()[i] = std::tanh(dec.data()[i]);
+    lora_products({{q.decay_w2, dec.data(), Dd, log_w.data(), A}}, B);
+    for (int64_t i = 0; i < B * A; ++i) log_w.data()[i] = -std::exp(q.decay_base[i % A] + log_w.data()[i]);
+  }
   linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()},
               {q.att_g, xg.data(), g.data()}}, B, dt);  // (att_g is absent in RWKV-5.0)
   // Per head: the WKV, the head's GroupNorm, the gate y * silu(gate(xg)), rounded to dt.
@@ -431,22 +551,24 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
   });
   linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv_dt.data(), v.data()}}, B,
              dt);
-  const int64_t dmax = std::max({q.d_decay, q.d_iclr, q.d_value, q.d_gate});
+  // The LoRAs, each as a parallel job over all rows: the C -> D products, their activations,
+  // the D -> C ones. lw = tanh(xw @ w1) @ w2, la = (xa @ a1) @ a2, g = sigmoid(xg @ g1) @ g2,
+  // lv = (xv @ v1) @ v2 (not in layer 0).
+  const bool residual = layer > 0;
+  const int64_t Dw = q.w1.cols, Da = q.a1.cols, Dg = q.g1.cols, Dv = residual ? q.v1.cols : 0;
+  Rows low_w(B, Dw), low_a(B, Da), low_g(B, Dg), low_v(B, Dv), lw(B, C), la(B, C), lv(residual ? B : 0, C);
+  const LoraCall down[4] = {{q.w1, xw.data(), C, low_w.data(), Dw}, {q.a1, xa.data(), C, low_a.data(), Da},
+                            {q.g1, xg.data(), C, low_g.data(), Dg}, {q.v1, xv.data(), C, low_v.data(), Dv}};
+  lora_products(down, residual ? 4 : 3, B);
+  for (int64_t i = 0; i < B * Dw; ++i) low_w.data()[i] = std::tanh(low_w.data()[i]);
+  for (int64_t i = 0; i < B * Dg; ++i) low_g.data()[i] = sigmoid(low_g.data()[i]);
+  const LoraCall up[4] = {{q.w2, low_w.data(), Dw, lw.data(), C}, {q.a2, low_a.data(), Da, la.data(), C},
+                          {q.g2, low_g.data(), Dg, g.data(), C}, {q.v2, low_v.data(), Dv, lv.data(), C}};
+  lora_products(up, residual ? 4 : 3, B);
   for_batch(B, [&](int64_t b) {
-    std::vector<float> low(dmax), tmp(C);
-    // log w = -e^-0.5 sigmoid(w0 + tanh(xw @ w1) @ w2); the WKV takes w = exp(log w).
-    small_matvec(xw[b], q.w1, C, q.d_decay, low.data());
-    for (int64_t d = 0; d < q.d_decay; ++d) low[d] = std::tanh(low[d]);
-    small_matvec(low.data(), q.w2, q.d_decay, C, tmp.data());
-    for (int64_t c = 0; c < C; ++c) w[b][c] = std::exp(-kDecayScale7 * sigmoid(q.w0[c] + tmp[c]));
-    // iclr = sigmoid(a0 + (xa @ a1) @ a2)
-    small_matvec(xa[b], q.a1, C, q.d_iclr, low.data());
-    small_matvec(low.data(), q.a2, q.d_iclr, C, tmp.data());
-    for (int64_t c = 0; c < C; ++c) iclr[b][c] = sigmoid(q.a0[c] + tmp[c]);
-    // g = sigmoid(xg @ g1) @ g2
-    small_matvec(xg[b], q.g1, C, q.d_gate, low.data());
-    for (int64_t d = 0; d < q.d_gate; ++d) low[d] = sigmoid(low[d]);
-    small_matvec(low.data(), q.g2, q.d_gate, C, g[b]);
+    // log w = -e^-0.5 sigmoid(w0 + lw); the WKV takes w = exp(log w). iclr = sigmoid(a0 + la).
+    for (int64_t c = 0; c < C; ++c) w[b][c] = std::exp(-kDecayScale7 * sigmoid(q.w0[c] + lw[b][c]));
+    for (int64_t c = 0; c < C; ++c) iclr[b][c] = sigmoid(q.a0[c] + la[b][c]);
     // kk = normalize(k * k_k) per head (F.normalize: / max(norm, 1e-12))
     for (int64_t h = 0; h < H; ++h) {
       double ss = 0;
@@ -466,10 +588,8 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
     }
     if (layer == 0) {
       std::copy(v[b], v[b] + C, v_first + b * C);
-    } else {  // v = v + (v_first - v) * sigmoid(v0 + (xv @ v1) @ v2)
-      small_matvec(xv[b], q.v1, C, q.d_value, low.data());
-      small_matvec(low.data(), q.v2, q.d_value, C, tmp.data());
-      for (int64_t c = 0; c < C; ++c) v[b][c] += (v_first[b * C + c] - v[b][c]) * sigmoid(q.v0[c] + tmp[c]);
+    } else {  // v = v + (v_first - v) * sigmoid(v0 + lv)
+      for (int64_t c = 0; c < C; ++c) v[b][c] += (v_first[b * C + c] - v[b][c]) * sigmoid(q.v0[c] + lv[b][c]);
     }
   });
   // Per head: the WKV, the head's GroupNorm, + (r . (k * r_k)) v (the current token's own term),

@@ -14,6 +14,19 @@
 
 namespace rwkv_native {
 
+// A small LoRA matrix W [rows, cols], row-major, in the type the model stores it in: fp32, or
+// the checkpoint's bf16 / fp16 (models/model.py RWKV.lora_names). Products with it are fp32.
+struct LoraMatrix {
+  const void* w = nullptr;
+  DType t = DType::kF32;
+  int64_t rows = 0, cols = 0;
+  // Rows [i * n, (i + 1) * n) as a matrix of their own (RWKV-6's maa_w2 [5, D, C]: n = D).
+  LoraMatrix slab(int64_t i, int64_t n) const {
+    const int64_t bytes = t == DType::kF32 ? 4 : 2;
+    return {static_cast<const char*>(w) + i * n * cols * bytes, t, n, cols};
+  }
+};
+
 // The parameters of one block (fp32 unless said otherwise; nullptr where the version has none).
 // They point into the model's own tensors, so in-place changes of the model show.
 struct BlockParams {
@@ -23,15 +36,16 @@ struct BlockParams {
   const float *mix_w = nullptr, *mix_a = nullptr, *mix_x = nullptr;
   const float* decay = nullptr;      // log_decay: v4 [A], v5 [H, N]
   const float* bonus = nullptr;      // v4 [A], v5/v6 [H, N] (u)
-  const float *maa_w1 = nullptr, *maa_w2 = nullptr;  // v6 mix LoRA [C, 5 D], [5, D, C] (order w k v r g)
-  const float *decay_base = nullptr, *decay_w1 = nullptr, *decay_w2 = nullptr;  // v6 [A], [C, Dd], [Dd, A]
-  const float *w0 = nullptr, *w1 = nullptr, *w2 = nullptr;  // v7 decay LoRA
-  const float *a0 = nullptr, *a1 = nullptr, *a2 = nullptr;  // v7 in-context learning rate LoRA
-  const float *v0 = nullptr, *v1 = nullptr, *v2 = nullptr;  // v7 value residual LoRA (not in layer 0)
-  const float *g1 = nullptr, *g2 = nullptr;                  // v7 gate LoRA
+  LoraMatrix maa_w1, maa_w2;  // v6 mix LoRA [C, 5 D], [5 D, C] (5 slabs of D rows, order w k v r g)
+  const float* decay_base = nullptr;  // v6 [A]
+  LoraMatrix decay_w1, decay_w2;      // v6 [C, Dd], [Dd, A]
+  const float *w0 = nullptr, *a0 = nullptr, *v0 = nullptr;  // v7 LoRA biases [C]
+  LoraMatrix w1, w2;  // v7 decay LoRA [C, Dw], [Dw, C]
+  LoraMatrix a1, a2;  // v7 in-context learning rate LoRA
+  LoraMatrix v1, v2;  // v7 value residual LoRA (not in layer 0)
+  LoraMatrix g1, g2;  // v7 gate LoRA
   const float *k_k = nullptr, *k_a = nullptr, *r_k = nullptr;
   const float *lnx_w = nullptr, *lnx_b = nullptr;  // per-head GroupNorm affine [A]
-  int64_t d_mix = 0, d_decay = 0, d_iclr = 0, d_value = 0, d_gate = 0;  // LoRA ranks
   Linear att_r, att_k, att_v, att_g, att_o;
   // Channel mix.
   const float *ffn_mix_k = nullptr, *ffn_mix_r = nullptr;

@@ -28,6 +28,8 @@ from rwkv_engine.quant import primitives as P
 
 from . import test_native_kernels as TK
 from . import test_native_step as TS
+from . import test_lora as TL
+from .test_lora import ckpts  # noqa: F401  (fixture)
 from .test_native_step import checkpoints  # noqa: F401  (fixture)
 
 LEVELS = [lv.name for lv in native.LEVELS]
@@ -93,10 +95,13 @@ def test_level_gemvs_match_reference(level_in_use):
     TK.test_quantize_q4_gives_the_reference_bytes(32, True, False)
 
 
-def test_level_decode_step_matches_pytorch(level_in_use, checkpoints):  # noqa: F811
+def test_level_decode_step_matches_pytorch(level_in_use, checkpoints, ckpts):  # noqa: F811
     for version, fmt in [("7", ("bf16", "q4")), ("5.2", ("fp32", None)), ("6.0", ("fp16", None)), ("4", ("fp32", "q8"))]:
         TS.test_native_step_matches_pytorch_modules(checkpoints, version, fmt)
     TS.test_rows_are_independent_in_the_native_step(checkpoints)
+    TL.test_native_step_with_16_bit_lora(ckpts, "7", "bf16", None)  # 16-bit LoRA products
+    TL.test_native_step_with_16_bit_lora(ckpts, "6.0", "fp16", None)
+    TL.test_native_rows_are_independent_with_16_bit_lora(ckpts, "7", None)
 
 
 def _isa_in_subprocess(value: str | None) -> tuple[str, str]:

@@ -235,6 +235,20 @@ def test_arm64_kernels_under_qemu(tmp_path):
                 assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[6][i : i + 1]), (name, i)
 
             add(_case(op, [N, K, 1, G, 0], *tensors, x[i : i + 1]), N * 4, alone)
+    # the native step's LoRA products (C -> D and D -> C, tiles cut unevenly): fp32 math on the
+    # stored fp32 / bf16 / fp16 values, and each row of a batch the bits it gives alone
+    for K, N in [(320, 24), (40, 320)]:
+        for wdt in TK.DTYPES:
+            w = torch.randn(K, N, generator=g).to(wdt)
+            x = torch.randn(3, K, generator=g)
+            ref = x.double() @ w.double()
+            rows = {}
+            add(_case(5, [K, N, 3, _DT[wdt]], w, x), 3 * N * 4, gemv_checks(f"lora {wdt}", rows, ref, 3, torch.float32, 1e-6))
+            for i in range(3):
+                def lora_alone(b, i=i, N=N, rows=rows, name=f"lora {wdt}"):
+                    assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[3][i : i + 1]), (name, i)
+
+                add(_case(5, [K, N, 1, _DT[wdt]], w, x[i : i + 1]), N * 4, lora_alone)
     # dequantization and the int4 quantizer: the reference's bits and bytes
     w = torch.randn(11, 256, generator=g)
     q, s, z = P.quantize_int4(w, 64)

@@ -11,6 +11,7 @@
 //   op 2 gemv_q4      p = N K B G xt -      in: q [N, K/2], s, z fp16 [N, G], x  out: y
 //   op 3 dequant_q4   p = N K G ot -  -     in: q, s, z                          out: [N, K] (ot)
 //   op 4 quantize_q4  p = N K gs nshrink -  in: w fp32 [N, K], shrinks fp32      out: q, s, z
+//   op 5 lora_product p = K N B wt -  -     in: W [K, N] (wt), x fp32 [B, K]       out: y fp32 [B, N]
 // dtypes as kernels.h DType (0 fp32, 1 bf16, 2 fp16). Prints the ISA level.
 
 #include <cstdint>
@@ -19,6 +20,7 @@
 
 #include "kernels.h"
 #include "simd.h"
+#include "step.h"
 
 using namespace rwkv_native;
 
@@ -88,6 +90,12 @@ int main(int argc, char** argv) {
       uint16_t* s = reinterpret_cast<uint16_t*>(y.data() + N * K / 2);
       quantize_q4(w.data(), DType::kF32, nullptr, N, K, gs, reinterpret_cast<const float*>(sh.data()),
                   static_cast<int>(ns), q, s, s + N * K / gs);
+    } else if (op == 5) {
+      const int64_t K = p[0], N = p[1], B = p[2], wt = p[3];
+      auto w = r.read(K * N * esize(wt)), x = r.read(B * K * 4);
+      y.resize(B * N * 4);
+      lora_product(LoraMatrix{w.data(), DType(wt), K, N}, reinterpret_cast<const float*>(x.data()), B,
+                   reinterpret_cast<float*>(y.data()));
     } else {
       std::fprintf(stderr, "unknown op %lld\n", static_cast<long long>(op));
       return 2;

@@ -611,6 +611,10 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
 
 }  // namespace
 
+void lora_product(const LoraMatrix& W, const float* x, int64_t B, float* y) {
+  lora_products({{W, x, W.rows, y, W.cols}}, B);
+}
+
 void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits) {
   const int64_t L = static_cast<int64_t>(p.blocks.size());
   const int ffn_field = p.family == 4 ? 4 : 2;

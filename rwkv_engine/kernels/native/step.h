@@ -71,6 +71,10 @@ struct StateRef {
   float* out[5] = {};
 };
 
+// y [B, W.cols] = x [B, W.rows] @ W, x and y fp32: the LoRA product of decode_step, on all threads,
+// each row's bits independent of B and of the thread count (for the standalone selftest).
+void lora_product(const LoraMatrix& W, const float* x, int64_t B, float* y);
+
 // x [B, C] fp32: the embedded tokens in, the residual stream after the last block out;
 // logits [B, V] fp32: head(ln_out(x)), rounded to the model dtype as the PyTorch path holds it.
 void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits);

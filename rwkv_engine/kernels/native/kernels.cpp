@@ -712,17 +712,19 @@ void store_row(const float* src, int64_t n, void* out, DType ot, int64_t off) {
 }  // namespace
 
 void dequant_q8(const int8_t* q, const uint16_t* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot) {
-  const int64_t gs = K / G;
+  const int64_t gs = K / G;  // a multiple of 32, or K (per channel: any K)
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;
-      for (int64_t g = 0; g < G; ++g) {
-        const float sc = half_to_float(s[n * G + g]);
-        const int8_t* qr = q + n * K + g * gs;
-        float* o = row.data() + g * gs;
-        for (int64_t k = 0; k < gs; ++k) o[k] = static_cast<float>(qr[k]) * sc;
+      const int8_t* qr = q + n * K;
+      // 32 columns at a time in a fixed loop, which the compiler vectorizes (see dequant_q4)
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        const float sc = half_to_float(s[n * G + k / gs]);
+        for (int j = 0; j < 32; ++j) row[k + j] = static_cast<float>(qr[k + j]) * sc;
       }
+      for (; k < K; ++k) row[k] = static_cast<float>(qr[k]) * half_to_float(s[n * G + k / gs]);
       store_row(row.data(), K, out, ot, i * K);
     }
   });
@@ -733,19 +735,30 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
   const int64_t gs = K / G;  // 32, 64 or 128
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
+    // 32 columns at a time, the even ones (low nibbles) and the odd ones (high nibbles) apart: fixed
+    // loops over 16 bytes that the compiler vectorizes (the interleaved loop over a group was
+    // scalar: 1.2 G weights/s on Zen 4).
+    float lo[16], hi[16];
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t k = 0; k < K; k += 32) {
+        const int64_t g = k / gs;
         // code * scale is exact in fp32 (4 bits times 11), so the sum rounds once, as torch's
         const float sc = half_to_float(s[n * G + g]), zz = half_to_float(z[n * G + g]);
-        const uint8_t* qr = q + n * (K / 2) + g * gs / 2;
-        float* o = row.data() + g * gs;
-        for (int64_t j = 0; j < gs / 2; ++j) {
-          o[2 * j] = static_cast<float>(qr[j] & 15) * sc + zz;
-          o[2 * j + 1] = static_cast<float>(qr[j] >> 4) * sc + zz;
+        const uint8_t* qr = q + n * (K / 2) + k / 2;
+        for (int j = 0; j < 16; ++j) {
+          lo[j] = static_cast<float>(qr[j] & 15) * sc + zz;
+          hi[j] = static_cast<float>(qr[j] >> 4) * sc + zz;
+        }
+        if (ot == DType::kBF16) {  // columns 2j, 2j + 1 as one 32-bit word
+          uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + i * K + k);
+          for (int j = 0; j < 16; ++j)
+            o[j] = static_cast<uint32_t>(float_to_bf16(lo[j])) | static_cast<uint32_t>(float_to_bf16(hi[j])) << 16;
+        } else {
+          for (int j = 0; j < 16; ++j) row[k + 2 * j] = lo[j], row[k + 2 * j + 1] = hi[j];
         }
       }
-      store_row(row.data(), K, out, ot, i * K);
+      if (ot != DType::kBF16) store_row(row.data(), K, out, ot, i * K);
     }
   });
 }

@@ -404,16 +404,16 @@ struct IntKernel {
       }
       // A row's pieces stay in registers while each row of x takes its exact int32 sums (x folds
       // into the vpmaddwd), then acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the sum of the
-      // chunk, or of each half (the first and the last pieces) when the format has two groups per
-      // chunk whose lanes do not separate (int8 group 32).
+      // chunk, or, when the format has two groups per chunk whose lanes do not separate (int8
+      // group 32), the sums of each half (the first and the last pieces) joined into one vector
+      // (iv::join_halves) with each lane's group scale.
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         iv::I16 w[kPieces];
 #pragma GCC unroll 8
         for (int h = 0; h < kPieces; ++h) w[h] = fm.piece(rows[r] + c * Fmt::kChunkBytes, h);
         const float* two = sc[r] + 2 * (c - s0);
-        const iv::F s0 = Fmt::scale(two, 0);
-        const iv::F s1 = fm.split ? Fmt::scale(two, 1) : s0;
+        const iv::F s0 = fm.split ? iv::pair_scales(two) : Fmt::scale(two, 0);
 #pragma GCC unroll 8
         for (int b = 0; b < Bt; ++b) {
           const int16_t* xb = xq[b] + c * 64;
@@ -425,8 +425,7 @@ struct IntKernel {
             iv::I32 hi = iv::madd(w[kPieces / 2], iv::load_i16(xb + kPieces / 2 * iv::kW16));
 #pragma GCC unroll 4
             for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = iv::madd_add(hi, w[h], iv::load_i16(xb + h * iv::kW16));
-            fa[r][b] = iv::fma(iv::mul(iv::to_float(lo), d), s0, fa[r][b]);
-            fa[r][b] = iv::fma(iv::mul(iv::to_float(hi), d), s1, fa[r][b]);
+            fa[r][b] = iv::fma(iv::mul(iv::to_float(iv::join_halves(lo, hi)), d), s0, fa[r][b]);
           } else {  // one exact int32 sum (the order of integer adds does not matter)
 #pragma GCC unroll 4
             for (int h = kPieces / 2; h < kPieces; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));

@@ -142,6 +142,15 @@ constexpr int bf16_column(int pos) { return 2 * (pos % 8) + pos / 8; }
 // every level int32 lane l of madd(q4_piece(h), x) sums columns of one group, the same for
 // every piece h: lanes 0-3 here, 0-1 on NEON (checked by layouts_consistent below).
 inline F q4_groups(float s0, float s1) { return _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0); }
+// Two int32 sum vectors (lo: one group's columns, hi: the next group's) as one: adjacent lanes
+// added, lo's pairs and hi's pairs alternating (lanes 0-1 from lo, 2-3 from hi, 4-5 lo, 6-7 hi);
+// pair_scales(s0, s1) is the matching scale vector. One conversion and scaling for both.
+inline I32 join_halves(I32 lo, I32 hi) { return _mm256_hadd_epi32(lo, hi); }
+inline F pair_scales(const float* two) {  // two[0] twice, two[1] twice, and again
+  double pair;
+  std::memcpy(&pair, two, 8);
+  return _mm256_permute_ps(_mm256_castpd_ps(_mm256_set1_pd(pair)), 0x50);
+}
 
 }  // namespace v256
 
@@ -223,6 +232,9 @@ inline void store_fence() { __atomic_thread_fence(__ATOMIC_RELEASE); }
 inline constexpr int kW16 = 2 * kW;  // int16 lanes of an I16
 // int4 with group size 32: see v256::q4_groups.
 inline F q4_groups(float s0, float s1) { return vcombine_f32(vdup_n_f32(s0), vdup_n_f32(s1)); }
+// See v256::join_halves: lanes 0-1 from lo, 2-3 from hi.
+inline I32 join_halves(I32 lo, I32 hi) { return vpaddq_s32(lo, hi); }
+inline F pair_scales(const float* two) { return q4_groups(two[0], two[1]); }
 namespace iv = ::rwkv_native::simd;
 
 #endif

@@ -166,12 +166,8 @@ inline void stream(float* p, F v) { _mm512_stream_ps(p, v); }  // p aligned to k
 inline F add(F a, F b) { return _mm512_add_ps(a, b); }
 inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
 inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
-inline float hsum(F v) {  // as the AVX2 level's, on the two 256-bit halves added first
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
+inline float hsum(F v) {  // the two 256-bit halves added, then as the AVX2 level's
+  return v256::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
 inline F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 // kW bf16 values in column order.

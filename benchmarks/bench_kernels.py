@@ -5,6 +5,7 @@
     python benchmarks/bench_kernels.py --only errors   # quantization error table only
     python benchmarks/bench_kernels.py --only batch --baseline HEAD~3   # batched GEMVs, new vs old
     python benchmarks/bench_kernels.py --only batch --baseline isa:avx2 # the ISA level in use vs AVX2
+    python benchmarks/bench_kernels.py --only batch --resident --threads 1  # weights in cache: compute speed
 
 Decode (one token, x [1, K]): for each layer shape of the RWKV-5 World 1.5B model and each weight
 format, the torch peer and our kernel run in alternating rounds over enough copies of the
@@ -23,7 +24,9 @@ Batch (`--only batch`): our GEMV for x [B, K], B = 1, 4, 8, per shape and format
 (B * N * K multiply-adds per call) and GB/s of weights read; with `--baseline REV` the kernels of
 git revision REV (or, with `isa:LEVEL`, of this tree at another ISA level) are built beside ours
 and timed in alternating rounds in the same process (ratio = baseline time / our time). The ISA
-level in use is printed first (RWKV_ENGINE_ISA picks another).
+level in use is printed first (RWKV_ENGINE_ISA picks another). `--resident` times one copy of each
+weight (L3-resident for all but the head) with 20 times the rounds, one call each, for the
+kernels' compute speed rather than the memory stream.
 
 Machines are shared and noisy: read the ratios, not the absolute numbers.
 """
@@ -242,10 +245,13 @@ def load_baseline(spec: str, ops):
 BATCH_FORMATS = "fp32,bf16,int8g64,int4g32"
 
 
-def bench_batch(ops, base, formats, shapes, batches, rounds):
-    """GMAC/s of our GEMVs by rows of x, and against a baseline build when given."""
+def bench_batch(ops, base, formats, shapes, batches, rounds, resident=False):
+    """GMAC/s of our GEMVs by rows of x, and against a baseline build when given; `resident`: one
+    copy of each weight (cache-resident), 20x the rounds."""
     who = {"ours": ops} if base is None else {"base": base, "ours": ops}
-    print(f"\n## Batched GEMV, x [B, K], {torch.get_num_threads()} threads, GMAC/s = B*N*K / time "
+    rounds = rounds * 20 if resident else rounds
+    print(f"\n## Batched GEMV, x [B, K], {torch.get_num_threads()} threads, GMAC/s = B*N*K / time, weights "
+          f"{'cache-resident' if resident else 'streamed from memory'} "
           f"(best of {rounds} rounds{', alternating with the baseline' if base else ''})\n")
     cols = [f"{w} GMAC/s" for w in who] + [f"{w} GB/s" for w in who] + (["base/ours time"] if base else [])
     print("| shape | format | B | " + " | ".join(cols) + " |")
@@ -253,6 +259,7 @@ def bench_batch(ops, base, formats, shapes, batches, rounds):
     for sname, (N, K) in shapes.items():
         for fmt in formats:
             items, nbytes = weight_copies(fmt, N, K)
+            items = items[:1] if resident else items
             n = len(items)
             for B in batches:
                 x = torch.randn(B, K).to(x_dtype(fmt))
@@ -432,6 +439,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,4,8", help="rows of x in the batch table")
     ap.add_argument("--baseline", metavar="REV", help="batch table: also time the kernels of this git revision, "
                     "or of this tree at another ISA level (isa:avx2)")
+    ap.add_argument("--resident", action="store_true", help="batch table: one copy of each weight (in cache) "
+                    "instead of enough to stream from memory")
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--only", default=",".join(s for s in SECTIONS if s != "batch"),
                     help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch)")
@@ -454,7 +463,7 @@ def main(argv=None):
     if "batch" in only:
         fmts = args.formats.split(",") if args.formats_given else BATCH_FORMATS.split(",")
         base, ours = load_baseline(args.baseline, ops) if args.baseline else (None, ops)
-        bench_batch(ours, base, fmts, shapes, [int(b) for b in args.batches.split(",")], rounds)
+        bench_batch(ours, base, fmts, shapes, [int(b) for b in args.batches.split(",")], rounds, args.resident)
     if "decode" in only:
         times = bench_decode(ops, formats, shapes, rounds, args.batch)
         if args.batch == 1:

@@ -134,6 +134,8 @@ def test_dequant_tiles_equal_reference(dtype):
     assert torch.equal(ops.dequant_q8(q, s, 3, 41, dtype), P.dequantize_int8(q, s)[3:41].to(dtype))
     q, s = P.quantize_int8(w, None)
     assert torch.equal(ops.dequant_q8(q, s, 0, N, dtype), P.dequantize_int8(q, s).to(dtype))
+    q, s = P.quantize_int8(w[:, :100], None)  # per channel: any K, here 3 x 32 + 4
+    assert torch.equal(ops.dequant_q8(q, s, 0, N, dtype), P.dequantize_int8(q, s).to(dtype))
     for gs in (32, 64, 128):
         q, s, b = P.quantize_int4(w, gs)
         assert torch.equal(ops.dequant_q4(q, s, b, 7, 50, dtype), P.dequantize_int4(q, s, b)[7:50].to(dtype))

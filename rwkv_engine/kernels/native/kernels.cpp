@@ -12,8 +12,9 @@
 // and the aim is to keep the multiply pipes busy (see the tiled driver below).
 //   * Dense weights: x is converted to fp32 once per call, then FMAs.
 //   * int8 / int4: x is rounded to int16 per 64 columns and the products are summed exactly in
-//     int32 with simd::madd (vpmaddwd: 16 per instruction on AVX2, 32 on AVX-512); for int4, x
-//     is permuted (simd::q4_column) so that a shift and a mask put the codes in the right lanes
+//     int32 with iv::madd (vpmaddwd, 16 per instruction; vpdpwssd adds in the same instruction
+//     with VNNI; 256-bit vectors at the AVX-512 levels too, see simd.h iv); for int4, x
+//     is permuted (iv::q4_column) so that a shift and a mask put the codes in the right lanes
 //     (no shuffles in the inner loop).
 //   * Blocks of R weight rows x Bt rows of x share their loads; per-chunk / per-group partial
 //     sums are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
@@ -39,6 +40,7 @@ namespace {
 
 using simd::F;
 using simd::kW;
+namespace iv = simd::iv;  // the vectors of the int8 / int4 GEMVs
 
 constexpr int kMaxB = 8;                   // rows of x per pass over the weights
 constexpr int64_t kMinParallel = 1 << 16;  // weights below which one thread does the whole call
@@ -174,15 +176,16 @@ void run_tiled(const Kern& kern, int64_t r0, int64_t r1, int64_t N, const Out& y
   // hardware prefetcher. With B = 1 only for the short rows of the quantized formats (see
   // kPrefetchMaxRow).
   const bool pf = B > 1 || kern.prefetch_alone();
-  alignas(64) F acc[kPanel * B];  // [panel row][b]
+  using Acc = typename Kern::Acc;
+  alignas(64) Acc acc[kPanel * B];  // [panel row][b]
   for (int64_t p0 = r0; p0 < r1; p0 += kPanel) {
     const int64_t p1 = std::min(r1, p0 + kPanel);
-    for (int64_t i = 0; i < (p1 - p0) * B; ++i) acc[i] = simd::zero();
+    for (int64_t i = 0; i < (p1 - p0) * B; ++i) acc[i] = Acc{};  // zeros
     for (int64_t s0 = 0; s0 < steps; s0 += tile) {
       const int64_t s1 = std::min(steps, s0 + tile);
       // All B rows of x against weight rows n..n+Rr, in groups of Bt rows of x.
       auto block = [&]<int Rr>(int64_t n) {
-        F* a = acc + (n - p0) * B;
+        Acc* a = acc + (n - p0) * B;
         for (int b = 0; b + Bt <= B; b += Bt) kern.template tile<Rr, Bt>(n, b, s0, s1, a + b, B, b == 0 && pf);
         if constexpr (B % Bt != 0)
           kern.template tile<Rr, B % Bt>(n, B - B % Bt, s0, s1, a + B - B % Bt, B, false);
@@ -192,7 +195,7 @@ void run_tiled(const Kern& kern, int64_t r0, int64_t r1, int64_t N, const Out& y
       for (; n < p1; ++n) block.template operator()<1>(n);
     }
     for (int64_t n = p0; n < p1; ++n)
-      for (int b = 0; b < B; ++b) y.put(b * N + n, kern.finish(n, b, simd::hsum(acc[(n - p0) * B + b])));
+      for (int b = 0; b < B; ++b) y.put(b * N + n, kern.finish(n, b, Kern::hsum(acc[(n - p0) * B + b])));
   }
 }
 
@@ -228,6 +231,8 @@ struct DenseKernel {
   template <int B> static constexpr int kRows = B == 1 ? 8 : B == 2 ? 4 : B == 3 ? 3 : 2;
   template <int B> static constexpr int kXRows = B <= 4 ? B : 4;
   static constexpr int kVecs = 16 / kW;  // vectors per step
+  using Acc = F;
+  static float hsum(F v) { return simd::hsum(v); }
 
   const typename D::T* W;
   int64_t K;
@@ -330,21 +335,22 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const
         tmp[i] = static_cast<int16_t>(q);
         xh[i] = q * dx;
       }
-      // int4: position p of the chunk takes the column that simd::q4_piece puts in its lane.
+      // int4: position p of the chunk takes the column that iv::q4_piece puts in its lane.
       int16_t* d = r.q.data() + b * padded_stride(K, 32) + c * 64;
-      for (int i = 0; i < 64; ++i) d[i] = tmp[q4_perm ? simd::q4_column(i) : i];
+      for (int i = 0; i < 64; ++i) d[i] = tmp[q4_perm ? iv::q4_column(i) : i];
     }
   return r;
 }
 
 // The int8 / int4 kernel. A step is a 64-column chunk, which the weight format (Q8Format /
-// Q4Format) decodes as 64 / kW16 int16 vectors (pieces h = 0 ..: four on AVX2, two on AVX-512)
+// Q4Format) decodes as 64 / kW16 int16 vectors (pieces h = 0 ..: four on x86, eight on NEON)
 // that line up with the prepared x. Registers (AVX2): a row's 4 pieces + the R x Bt accumulators
 // (all rows of x of the pass from B = 5; R = 1 leaves Bt = 8). Per 64 multiply-adds this is about 11 instructions (4
 // vpmaddwd with the x load folded in, 3 adds, the scaling, a share of the decoding), and the
 // kernel is bound by them, not by loads: sharing x loads between 2 weight rows (their int32
 // sums in registers, decoded pieces shared by 4 rows of x) took more instructions and measured
-// 5-20% slower with 2 threads.
+// 5-20% slower with 2 threads. With VNNI the 3 adds fold into vpdpwssd; there (32 registers on
+// Zen 4) 2-3 weight rows per x load at B = 8 measured within 3% of one.
 template <int B> constexpr int kIntRows = B <= 2 ? 4 : B <= 4 ? 2 : 1;
 template <int B> constexpr int kIntXRows = B;
 
@@ -358,7 +364,9 @@ template <typename Fmt>
 struct IntKernel {
   static constexpr int64_t kStepBytes = 64 * 2;  // int16 x per chunk and row of x
   static_assert(kXTileBytes / kStepBytes == kMaxTileSteps);
-  static constexpr int kPieces = 64 / simd::kW16;
+  static constexpr int kPieces = 64 / iv::kW16;
+  using Acc = iv::F;
+  static float hsum(iv::F v) { return iv::hsum(v); }
   template <int B> static constexpr int kRows = kIntRows<B>;
   template <int B> static constexpr int kXRows = kIntXRows<B>;
 
@@ -369,7 +377,7 @@ struct IntKernel {
   bool prefetch_alone() const { return Fmt::kRowBytes(f.K) <= kPrefetchMaxRow; }
 
   template <int R, int Bt>
-  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, F* acc, int stride, bool pf) const {
+  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, iv::F* acc, int stride, bool pf) const {
     // Everything in locals: the accumulator stores may alias any memory as far as GCC knows.
     const Fmt fm = f;
     const int64_t C = fm.K / 64, rb = Fmt::kRowBytes(fm.K);
@@ -378,7 +386,7 @@ struct IntKernel {
     const int16_t* xq[Bt];
     const float* dx[Bt];
     for (int b = 0; b < Bt; ++b) xq[b] = x.q + (b0 + b) * x.qs, dx[b] = x.dx + (b0 + b) * C;
-    F fa[R][Bt];
+    iv::F fa[R][Bt];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < Bt; ++b) fa[r][b] = acc[r * stride + b];
     // The rows' fp16 scales for the tile in fp32, two per chunk (its halves' groups), converted
@@ -396,33 +404,32 @@ struct IntKernel {
       }
       // A row's pieces stay in registers while each row of x takes its exact int32 sums (x folds
       // into the vpmaddwd), then acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the sum of the
-      // chunk, or of each half (the first and the last pieces) when the format has two groups per
-      // chunk whose lanes do not separate (int8 group 32).
+      // chunk, or, when the format has two groups per chunk whose lanes do not separate (int8
+      // group 32), the sums of each half (the first and the last pieces) joined into one vector
+      // (iv::join_halves) with each lane's group scale.
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        simd::I16 w[kPieces];
+        iv::I16 w[kPieces];
 #pragma GCC unroll 8
         for (int h = 0; h < kPieces; ++h) w[h] = fm.piece(rows[r] + c * Fmt::kChunkBytes, h);
         const float* two = sc[r] + 2 * (c - s0);
-        const F s0 = Fmt::scale(two, 0);
-        const F s1 = fm.split ? Fmt::scale(two, 1) : s0;
+        const iv::F s0 = fm.split ? iv::pair_scales(two) : Fmt::scale(two, 0);
 #pragma GCC unroll 8
         for (int b = 0; b < Bt; ++b) {
           const int16_t* xb = xq[b] + c * 64;
-          const F d = simd::set1(dx[b][c]);
-          simd::I32 lo = simd::madd(w[0], simd::load_i16(xb));
+          const iv::F d = iv::set1(dx[b][c]);
+          iv::I32 lo = iv::madd(w[0], iv::load_i16(xb));
 #pragma GCC unroll 4
-          for (int h = 1; h < kPieces / 2; ++h) lo = simd::madd_add(lo, w[h], simd::load_i16(xb + h * simd::kW16));
+          for (int h = 1; h < kPieces / 2; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
           if (fm.split) {  // the halves' sums apart
-            simd::I32 hi = simd::madd(w[kPieces / 2], simd::load_i16(xb + kPieces / 2 * simd::kW16));
+            iv::I32 hi = iv::madd(w[kPieces / 2], iv::load_i16(xb + kPieces / 2 * iv::kW16));
 #pragma GCC unroll 4
-            for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = simd::madd_add(hi, w[h], simd::load_i16(xb + h * simd::kW16));
-            fa[r][b] = simd::fma(simd::mul(simd::to_float(lo), d), s0, fa[r][b]);
-            fa[r][b] = simd::fma(simd::mul(simd::to_float(hi), d), s1, fa[r][b]);
+            for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = iv::madd_add(hi, w[h], iv::load_i16(xb + h * iv::kW16));
+            fa[r][b] = iv::fma(iv::mul(iv::to_float(iv::join_halves(lo, hi)), d), s0, fa[r][b]);
           } else {  // one exact int32 sum (the order of integer adds does not matter)
 #pragma GCC unroll 4
-            for (int h = kPieces / 2; h < kPieces; ++h) lo = simd::madd_add(lo, w[h], simd::load_i16(xb + h * simd::kW16));
-            fa[r][b] = simd::fma(simd::mul(simd::to_float(lo), d), s0, fa[r][b]);
+            for (int h = kPieces / 2; h < kPieces; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
+            fa[r][b] = iv::fma(iv::mul(iv::to_float(lo), d), s0, fa[r][b]);
           }
         }
       }
@@ -454,8 +461,8 @@ struct Q8Format {
   }
 
   const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(Q + n * K); }
-  static inline simd::I16 piece(const uint8_t* chunk, int h) {
-    return simd::load_i8(reinterpret_cast<const int8_t*>(chunk) + simd::kW16 * h);
+  static inline iv::I16 piece(const uint8_t* chunk, int h) {
+    return iv::load_i8(reinterpret_cast<const int8_t*>(chunk) + iv::kW16 * h);
   }
   // Row n's scales of chunks [c0, c1): dst[2 (c - c0) + part], part = the chunk's half.
   void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
@@ -467,7 +474,7 @@ struct Q8Format {
     }
   }
   // The scale of half `part` of a chunk (split), else of the chunk, from its two scales.
-  static inline F scale(const float* two, int part) { return simd::set1(two[part]); }
+  static inline iv::F scale(const float* two, int part) { return iv::set1(two[part]); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -496,15 +503,15 @@ struct Q4Format {
   int gshift = K / G == 128;  // group of chunk c (group size 64 / 128): c >> gshift
 
   const uint8_t* row(int64_t n) const { return Q + n * (K / 2); }
-  // x is permuted (simd::q4_column) to match the lanes of each piece.
-  static inline simd::I16 piece(const uint8_t* chunk, int h) { return simd::q4_piece(chunk, h); }
+  // x is permuted (iv::q4_column) to match the lanes of each piece.
+  static inline iv::I16 piece(const uint8_t* chunk, int h) { return iv::q4_piece(chunk, h); }
   void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
     const uint16_t* s = S + n * G;
     if (K / G == 32) return to_float(s + 2 * c0, DType::kF16, 0, 2 * (c1 - c0), dst);
     for (int64_t c = c0; c < c1; ++c) dst[2 * (c - c0)] = dst[2 * (c - c0) + 1] = half_to_float(s[c >> gshift]);
   }
-  // Group 32: the two groups of a chunk scale their own lanes (simd::q4_groups); else both the same.
-  static inline F scale(const float* two, int) { return simd::q4_groups(two[0], two[1]); }
+  // Group 32: the two groups of a chunk scale their own lanes (iv::q4_groups); else both the same.
+  static inline iv::F scale(const float* two, int) { return iv::q4_groups(two[0], two[1]); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -704,17 +711,19 @@ void store_row(const float* src, int64_t n, void* out, DType ot, int64_t off) {
 }  // namespace
 
 void dequant_q8(const int8_t* q, const uint16_t* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot) {
-  const int64_t gs = K / G;
+  const int64_t gs = K / G;  // a multiple of 32, or K (per channel: any K)
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;
-      for (int64_t g = 0; g < G; ++g) {
-        const float sc = half_to_float(s[n * G + g]);
-        const int8_t* qr = q + n * K + g * gs;
-        float* o = row.data() + g * gs;
-        for (int64_t k = 0; k < gs; ++k) o[k] = static_cast<float>(qr[k]) * sc;
+      const int8_t* qr = q + n * K;
+      // 32 columns at a time in a fixed loop, which the compiler vectorizes (see dequant_q4)
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        const float sc = half_to_float(s[n * G + k / gs]);
+        for (int j = 0; j < 32; ++j) row[k + j] = static_cast<float>(qr[k + j]) * sc;
       }
+      for (; k < K; ++k) row[k] = static_cast<float>(qr[k]) * half_to_float(s[n * G + k / gs]);
       store_row(row.data(), K, out, ot, i * K);
     }
   });
@@ -725,19 +734,30 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
   const int64_t gs = K / G;  // 32, 64 or 128
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
+    // 32 columns at a time, the even ones (low nibbles) and the odd ones (high nibbles) apart: fixed
+    // loops over 16 bytes that the compiler vectorizes (the interleaved loop over a group was
+    // scalar: 1.2 G weights/s on Zen 4).
+    float lo[16], hi[16];
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t k = 0; k < K; k += 32) {
+        const int64_t g = k / gs;
         // code * scale is exact in fp32 (4 bits times 11), so the sum rounds once, as torch's
         const float sc = half_to_float(s[n * G + g]), zz = half_to_float(z[n * G + g]);
-        const uint8_t* qr = q + n * (K / 2) + g * gs / 2;
-        float* o = row.data() + g * gs;
-        for (int64_t j = 0; j < gs / 2; ++j) {
-          o[2 * j] = static_cast<float>(qr[j] & 15) * sc + zz;
-          o[2 * j + 1] = static_cast<float>(qr[j] >> 4) * sc + zz;
+        const uint8_t* qr = q + n * (K / 2) + k / 2;
+        for (int j = 0; j < 16; ++j) {
+          lo[j] = static_cast<float>(qr[j] & 15) * sc + zz;
+          hi[j] = static_cast<float>(qr[j] >> 4) * sc + zz;
+        }
+        if (ot == DType::kBF16) {  // columns 2j, 2j + 1 as one 32-bit word
+          uint32_t* o = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(out) + i * K + k);
+          for (int j = 0; j < 16; ++j)
+            o[j] = static_cast<uint32_t>(float_to_bf16(lo[j])) | static_cast<uint32_t>(float_to_bf16(hi[j])) << 16;
+        } else {
+          for (int j = 0; j < 16; ++j) row[k + 2 * j] = lo[j], row[k + 2 * j + 1] = hi[j];
         }
       }
-      store_row(row.data(), K, out, ot, i * K);
+      if (ot != DType::kBF16) store_row(row.data(), K, out, ot, i * K);
     }
   });
 }

@@ -14,6 +14,15 @@
 // groups q4_groups). A primitive exists only where the operation
 // has no portable spelling (fused multiply-add, 16-bit float conversion, int16 dot products);
 // plain loops are left to the compiler.
+//
+// `iv` names the vectors of the int8 / int4 GEMVs (kernels.cpp IntKernel): the level's own on
+// AVX2 and NEON, and 256-bit ones (v256: the AVX2 primitives, with VNNI's vpdpwssd and the 32
+// registers of AVX-512VL) on the AVX-512 levels. Measured on Zen 4, which runs a 512-bit
+// instruction as two 256-bit halves: the 512-bit form took as many instructions per 64
+// multiply-adds but was 5-10% slower at batch 1 (int4: zero-extending 32 codes to 512 bits;
+// int8 group 32: a whole vector per 32-column group, so twice the scaling per chunk) and
+// 10-25% slower at batch 8; the 256-bit form at the AVX-512 levels was as fast as AVX2 or
+// faster (bench_kernels.py --only batch --baseline isa:avx2).
 #pragma once
 
 #include <cstdint>
@@ -46,10 +55,6 @@ using I32 = __m512i;
 using I16 = __m512i;
 #elif defined(RWKV_SIMD_AVX2)
 inline constexpr const char* kLevel = "avx2";
-inline constexpr int kW = 8;
-using F = __m256;
-using I32 = __m256i;
-using I16 = __m256i;
 #else
 inline constexpr const char* kLevel = "neon";
 inline constexpr int kW = 4;
@@ -57,9 +62,6 @@ using F = float32x4_t;
 using I32 = int32x4_t;
 using I16 = int16x8_t;
 #endif
-
-inline constexpr int kBytes = kW * 4;  // of a vector
-inline constexpr int kW16 = 2 * kW;    // int16 lanes of an I16
 
 // Pins v to a register at this point of the instruction stream. Without it GCC folds a shared
 // load into every multiply-add that uses it (R loads instead of one).
@@ -72,57 +74,20 @@ inline void keep(V& v) {
 #endif
 }
 
-#if defined(RWKV_SIMD_AVX512)
+#if defined(RWKV_SIMD_AVX512) || defined(RWKV_SIMD_AVX2)
 
-inline F zero() { return _mm512_setzero_ps(); }
-inline F set1(float v) { return _mm512_set1_ps(v); }
-inline F load(const float* p) { return _mm512_loadu_ps(p); }
-inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-inline void stream(float* p, F v) { _mm512_stream_ps(p, v); }  // p aligned to kBytes
-inline F add(F a, F b) { return _mm512_add_ps(a, b); }
-inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
-inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
-inline float hsum(F v) {  // as the AVX2 level's, on the two 256-bit halves added first
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-inline F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-// kW bf16 values in column order.
-inline F load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline I16 load_i16(const int16_t* p) { return _mm512_loadu_si512(p); }
-inline I16 load_i8(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-// Lane l: a[2l] * b[2l] + a[2l+1] * b[2l+1], exact in int32.
-inline I32 madd(I16 a, I16 b) { return _mm512_madd_epi16(a, b); }
-inline I32 add_i(I32 a, I32 b) { return _mm512_add_epi32(a, b); }
-// acc + madd(a, b).
-inline I32 madd_add(I32 acc, I16 a, I16 b) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, a, b);
-#else
-  return add_i(acc, madd(a, b));
-#endif
-}
-inline F to_float(I32 v) { return _mm512_cvtepi32_ps(v); }
-// int4 piece h (0 .. 64 / kW16) of a 32-byte chunk of 64 codes: see q4_column. The 32 bytes
-// widened to 16 bits: piece 0 holds the low nibbles (even columns), piece 1 the high ones (odd).
-inline I16 q4_piece(const uint8_t* chunk, int h) {
-  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
-  return h == 0 ? _mm512_and_si512(v, _mm512_set1_epi16(0x0F)) : _mm512_srli_epi16(v, 4);
-}
-// The column of the chunk whose code piece h's int16 lane i holds, position = h * kW16 + i.
-constexpr int q4_column(int pos) { return 2 * (pos % 32) + pos / 32; }
-inline F bf16_step(const uint16_t* w, int h) { return load_bf16(w + kW * h); }
-constexpr int bf16_column(int pos) { return pos; }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void pause() { _mm_pause(); }
 inline void store_fence() { _mm_sfence(); }
 
-#elif defined(RWKV_SIMD_AVX2)
+// 256-bit vectors: the AVX2 level's, and the int8 / int4 GEMVs' at the AVX-512 levels (iv).
+namespace v256 {
+
+inline constexpr int kW = 8;
+inline constexpr int kW16 = 16;
+using F = __m256;
+using I32 = __m256i;
+using I16 = __m256i;
 
 inline F zero() { return _mm256_setzero_ps(); }
 inline F set1(float v) { return _mm256_set1_ps(v); }
@@ -146,7 +111,13 @@ inline I16 load_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_ca
 inline I16 load_i8(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline I32 madd(I16 a, I16 b) { return _mm256_madd_epi16(a, b); }
 inline I32 add_i(I32 a, I32 b) { return _mm256_add_epi32(a, b); }
-inline I32 madd_add(I32 acc, I16 a, I16 b) { return add_i(acc, madd(a, b)); }
+inline I32 madd_add(I32 acc, I16 a, I16 b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#else
+  return add_i(acc, madd(a, b));
+#endif
+}
 inline F to_float(I32 v) { return _mm256_cvtepi32_ps(v); }
 // Lane j of the 32 bytes as sixteen 16-bit lanes holds the codes of columns 4j .. 4j+3; piece h
 // is nibble h of every lane.
@@ -166,9 +137,52 @@ inline F bf16_step(const uint16_t* w, int h) {
   return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 constexpr int bf16_column(int pos) { return 2 * (pos % 8) + pos / 8; }
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-inline void pause() { _mm_pause(); }
-inline void store_fence() { _mm_sfence(); }
+// int4 with group size 32: the scale vector of a chunk's int32 sums, lane l taking the scale of
+// the group (s0: columns 0-31, s1: 32-63) of the columns summed in it. q4_column is such that on
+// every level int32 lane l of madd(q4_piece(h), x) sums columns of one group, the same for
+// every piece h: lanes 0-3 here, 0-1 on NEON (checked by layouts_consistent below).
+inline F q4_groups(float s0, float s1) { return _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0); }
+// Two int32 sum vectors (lo: one group's columns, hi: the next group's) as one: adjacent lanes
+// added, lo's pairs and hi's pairs alternating (lanes 0-1 from lo, 2-3 from hi, 4-5 lo, 6-7 hi);
+// pair_scales(s0, s1) is the matching scale vector. One conversion and scaling for both.
+inline I32 join_halves(I32 lo, I32 hi) { return _mm256_hadd_epi32(lo, hi); }
+inline F pair_scales(const float* two) {  // two[0] twice, two[1] twice, and again
+  double pair;
+  std::memcpy(&pair, two, 8);
+  return _mm256_permute_ps(_mm256_castpd_ps(_mm256_set1_pd(pair)), 0x50);
+}
+
+}  // namespace v256
+
+#endif
+
+#if defined(RWKV_SIMD_AVX512)
+
+inline F zero() { return _mm512_setzero_ps(); }
+inline F set1(float v) { return _mm512_set1_ps(v); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline void stream(float* p, F v) { _mm512_stream_ps(p, v); }  // p aligned to kBytes
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+inline float hsum(F v) {  // the two 256-bit halves added, then as the AVX2 level's
+  return v256::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+inline F load_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// kW bf16 values in column order.
+inline F load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline F bf16_step(const uint16_t* w, int h) { return load_bf16(w + kW * h); }
+constexpr int bf16_column(int pos) { return pos; }
+
+namespace iv = v256;
+
+#elif defined(RWKV_SIMD_AVX2)
+
+using namespace v256;
+namespace iv = v256;
 
 #else  // NEON
 
@@ -211,34 +225,28 @@ constexpr int bf16_column(int pos) { return pos; }
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 inline void pause() { __asm__ __volatile__("yield"); }
 inline void store_fence() { __atomic_thread_fence(__ATOMIC_RELEASE); }
+inline constexpr int kW16 = 2 * kW;  // int16 lanes of an I16
+// int4 with group size 32: see v256::q4_groups.
+inline F q4_groups(float s0, float s1) { return vcombine_f32(vdup_n_f32(s0), vdup_n_f32(s1)); }
+// See v256::join_halves: lanes 0-1 from lo, 2-3 from hi.
+inline I32 join_halves(I32 lo, I32 hi) { return vpaddq_s32(lo, hi); }
+inline F pair_scales(const float* two) { return q4_groups(two[0], two[1]); }
+namespace iv = ::rwkv_native::simd;
 
 #endif
 
-// int4 with group size 32: the scale vector of a chunk's int32 sums, lane l taking the scale of
-// the group (s0: columns 0-31, s1: 32-63) of the columns summed in it. q4_column is such that on
-// every level int32 lane l of madd(q4_piece(h), x) sums columns of one group, the same for
-// every piece h: lanes 0-3 of each 256-bit half on AVX2, 0-7 on AVX-512, 0-1 on NEON
-// (checked by layouts_consistent below).
-inline F q4_groups(float s0, float s1) {
-#if defined(RWKV_SIMD_AVX512)
-  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
-#elif defined(RWKV_SIMD_AVX2)
-  return _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0);
-#else
-  return vcombine_f32(vdup_n_f32(s0), vdup_n_f32(s1));
-#endif
-}
+inline constexpr int kBytes = kW * 4;  // of a vector
 
 // The layouts above, checked where they are defined: every int32 lane of every int4 piece sums
 // columns of one group (q4_groups), and the x permutations are permutations.
 constexpr bool layouts_consistent() {
   for (int pos = 0; pos < 64; pos += 2) {
-    const int l = (pos % kW16) / 2;  // the int32 lane
-    const bool g0 = q4_column(pos) < 32, lane_g0 = q4_column(2 * l) < 32;
-    if (g0 != lane_g0 || (q4_column(pos + 1) < 32) != g0) return false;
+    const int l = (pos % iv::kW16) / 2;  // the int32 lane
+    const bool g0 = iv::q4_column(pos) < 32, lane_g0 = iv::q4_column(2 * l) < 32;
+    if (g0 != lane_g0 || (iv::q4_column(pos + 1) < 32) != g0) return false;
   }
   bool seen_q4[64] = {}, seen_bf16[16] = {};
-  for (int pos = 0; pos < 64; ++pos) seen_q4[q4_column(pos)] = true;
+  for (int pos = 0; pos < 64; ++pos) seen_q4[iv::q4_column(pos)] = true;
   for (int pos = 0; pos < 16; ++pos) seen_bf16[bf16_column(pos)] = true;
   for (bool b : seen_q4) if (!b) return false;
   for (bool b : seen_bf16) if (!b) return false;

@@ -8,6 +8,7 @@ state with `model.forward(ids)` from a fresh state.
 
 import json
 import os
+import signal
 import sys
 import time
 import zipfile
@@ -50,8 +51,11 @@ class Chat:
 
     def __init__(self, model_path, cwd, *args):
         env = dict(os.environ, TERM="dumb", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        # SIGINT as a shell gives a foreground program: a test run started in the background of a
+        # non-interactive shell inherits it ignored, and Python then leaves Ctrl-C ignored too.
         self.child = pexpect.spawn(sys.executable, ["-m", "rwkv_engine", "chat", str(model_path), *args],
-                                   cwd=str(cwd), env=env, encoding="utf-8", timeout=60)
+                                   cwd=str(cwd), env=env, encoding="utf-8", timeout=60,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.child.expect_exact("User: ")
         self.banner = self.child.before
 

@@ -117,6 +117,18 @@ def test_primitives_reject_bad_input(call):
         call()
 
 
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("make", [Int8Linear.from_weight, Int4Linear.from_weight, P.column_scales])
+def test_a_bad_value_in_any_row_chunk_is_found(bad, make):
+    """The checks read big weights in row chunks (no temporaries of the weight's size); a nan or
+    inf in the last chunk is found as in the first (Python's max() alone would drop a nan)."""
+    w = torch.randn(2048, 4096, dtype=torch.bfloat16)  # several chunks of rows
+    w[-1, -1] = bad
+    with pytest.raises(InputError, match="inf or nan"):
+        make(w)
+
+
 # --- quantized linear modules ---------------------------------------------------------------
 
 MODULES = [

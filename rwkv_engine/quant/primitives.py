@@ -69,9 +69,12 @@ def _check_weight(weight: Tensor, what: str) -> float:
         raise InputError(f"{what}: weight is empty, shape {tuple(weight.shape)}")
     N, K = weight.shape
     rows = max(1, (_CHUNK_ELEMS * 16) // K)
-    peak = max(weight.detach()[r0 : r0 + rows].abs().amax().item() for r0 in range(0, N, rows))  # nan if any is
-    if not math.isfinite(peak):
-        raise InputError(f"{what}: weight contains inf or nan")
+    peak = 0.0
+    for r0 in range(0, N, rows):
+        m = weight.detach()[r0 : r0 + rows].abs().amax().item()  # nan where the chunk holds one
+        if not math.isfinite(m):  # (checked per chunk: Python's max() can drop a nan)
+            raise InputError(f"{what}: weight contains inf or nan")
+        peak = max(peak, m)
     return peak
 
 

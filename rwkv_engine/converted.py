@@ -221,7 +221,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     from safetensors import safe_open
 
     from .models import RWKV
-    from .models.layers import LORA_DTYPES
+    from .models.layers import lora_dtype
     from .quant import DenseLinear, Int4Linear, Int8Linear, get_scheme
 
     meta = hf_config.get("rwkv_engine")
@@ -265,10 +265,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     initial = {k[len(_INITIAL):]: tensors.pop(k) for k in list(tensors) if k.startswith(_INITIAL)}
     # The LoRA matrices are in the source checkpoint's 16-bit type, or fp32 (every directory
     # written before they kept it): the type they have in the file.
-    lora = model.lora_names()
-    lora_types = {tensors[k].dtype for k in lora if k in tensors}
-    if len(lora_types) == 1 and next(iter(lora_types)) in LORA_DTYPES:
-        model.set_lora_dtype(next(iter(lora_types)))
+    model.set_lora_dtype(lora_dtype({tensors[k].dtype for k in model.lora_names() if k in tensors}))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unknown = sorted(set(tensors) - set(expected))

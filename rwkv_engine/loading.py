@@ -38,6 +38,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
 from .memory import release_free_memory, spill, tune_malloc
 from .models import RWKV
+from .models.layers import lora_dtype
 from .quant.schemes import convert_weight, describe, get_scheme, plan, replace_module
 
 Tensor = torch.Tensor
@@ -591,7 +592,7 @@ class Plan:
         # The LoRA matrices keep a 16-bit checkpoint's type: their values exactly, in half the
         # memory of fp32 (770 MB at the 7B shape); the modules upcast them where they are used.
         self.lora = set(self.model.lora_names())
-        self.lora_dtype = _lora_dtype({ck.dtype(k) for k, t in self.mapping.items() if t in self.lora})
+        self.lora_dtype = lora_dtype({ck.dtype(k) for k, t in self.mapping.items() if t in self.lora})
         self.model.set_lora_dtype(self.lora_dtype)
         self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
         if scheme is None:
@@ -655,14 +656,6 @@ class Plan:
             yield out
             if progress is not None:
                 progress.update(nbytes)
-
-
-def _lora_dtype(source: set[torch.dtype]) -> torch.dtype:
-    """The type of the LoRA matrices given their types in the checkpoint: a 16-bit type they all
-    share, else fp32 (which holds bf16 and fp16 values exactly)."""
-    if len(source) == 1 and next(iter(source)) in (torch.bfloat16, torch.float16):
-        return next(iter(source))
-    return torch.float32
 
 
 def _dense_scheme(dtype: torch.dtype):

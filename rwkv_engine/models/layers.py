@@ -12,6 +12,14 @@ Tensor = torch.Tensor
 LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def lora_dtype(stored: set[torch.dtype]) -> torch.dtype:
+    """The type the LoRA matrices are kept in, given their types in a file: a 16-bit type they all
+    share, else fp32 (which holds bf16 and fp16 values exactly)."""
+    if len(stored) == 1 and next(iter(stored)) in (torch.bfloat16, torch.float16):
+        return next(iter(stored))
+    return torch.float32
+
+
 def token_shift(xx: Tensor, x_prev: Tensor) -> Tensor:
     """The previous token's input for each position: [B, T, C] from xx [B, T, C] and x_prev [B, C]."""
     if xx.shape[1] == 1:

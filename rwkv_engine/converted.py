@@ -220,6 +220,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     """Build the model recorded in an rwkv-engine directory (on the CPU) from its mapped tensors."""
     from safetensors import safe_open
 
+    from .memory import release_pages, to_huge_pages
     from .models import RWKV
     from .models.layers import lora_dtype
     from .quant import DenseLinear, Int4Linear, Int8Linear, get_scheme
@@ -278,6 +279,10 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
         if tuple(t.shape) != tuple(expected[k].shape) or t.dtype != expected[k].dtype:
             raise CheckpointError(f"{weights}: tensor {k} is {tuple(t.shape)} {t.dtype}, "
                                   f"expected {tuple(expected[k].shape)} {expected[k].dtype}")
+    for k, t in tensors.items():  # the weights a decode step streams, to huge pages (memory.py)
+        if k != "emb.weight" and (moved := to_huge_pages(t, mapped=True)) is not t:
+            release_pages(t)  # the file's pages of it, now copied
+            tensors[k] = moved
     model.load_state_dict(tensors, strict=True, assign=True)
     _read_embedding_rows(model, weights)
     model.initial_state = initial

@@ -36,7 +36,7 @@ from torch import nn
 from . import converted
 from .config import ModelConfig
 from .errors import CheckpointError, InputError, UnsupportedModelError
-from .memory import release_free_memory, spill, tune_malloc
+from .memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
 from .models import RWKV
 from .models.layers import lora_dtype
 from .quant.schemes import convert_weight, describe, get_scheme, plan, replace_module
@@ -706,36 +706,6 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
     return {"att_kv": torch.stack(states).contiguous()}
 
 
-_LIBC = None
-
-
-def release_pages(t: Tensor) -> None:
-    """Drop the resident pages of a tensor in a read-only file mapping (Linux; they are re-read if touched).
-
-    Converting a checkpoint touches every page of the mapped file; without this, the file's pages
-    and the converted weights would both count in memory until the load returns.
-    """
-    global _LIBC
-    if not sys.platform.startswith("linux") or t.device.type != "cpu":
-        return
-    if _LIBC is None:
-        import ctypes
-
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-    import ctypes
-    import mmap
-
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    page = mmap.PAGESIZE
-    # Whole pages, the partial ones at both ends included: a page shared with a neighbouring
-    # tensor is only dropped from this process (the mapping is private and never written), and
-    # is read again from the page cache if that tensor is used later.
-    lo, hi = start // page * page, -(-end // page) * page
-    if hi > lo:
-        _LIBC.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
-
-
 # --- 6. build ------------------------------------------------------------------------------
 
 
@@ -781,8 +751,12 @@ def load(
     ok = False
     try:
         for tensors in plan_.tensors(bar):
-            if "emb.weight" in tensors and device.type == "cpu":  # its rows read from a file, as a directory's
-                tensors["emb.weight"], rows = spill(tensors["emb.weight"])
+            if device.type == "cpu":
+                for k, t in tensors.items():
+                    if k == "emb.weight":  # its rows read from a file, as a directory's
+                        tensors[k], rows = spill(t)
+                    else:  # the weights a decode step streams (each as it comes: no second peak)
+                        tensors[k] = to_huge_pages(t)
             sd.update(tensors)
         ok = True
     finally:

@@ -63,6 +63,119 @@ def release_free_memory() -> None:
         _libc(0)
 
 
+HUGE_PAGE = 2 << 20  # x86-64 / most aarch64 Linux
+_MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+HUGE_PAGES_ENV = "RWKV_ENGINE_HUGE_PAGES"
+
+
+def huge_pages_available(mapped: bool = False) -> bool:
+    """Whether weights go to transparent huge pages: Linux with THP not "[never]", unless the user
+    set RWKV_ENGINE_HUGE_PAGES=0; with RWKV_ENGINE_HUGE_PAGES=private only weights that are the
+    process's own anyway (a checkpoint's, transformed at load), not those `mapped` from a converted
+    directory, which processes on one machine share through the page cache (Ray replicas)."""
+    mode = os.environ.get(HUGE_PAGES_ENV, "1")
+    if mode == "0" or (mapped and mode == "private") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open(_THP_ENABLED) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def huge_page_empty(shape, dtype):
+    """An uninitialized CPU tensor in its own anonymous mapping, 2 MB-aligned and advised
+    MADV_HUGEPAGE, so the kernel backs it with huge pages where it can (the THP "madvise" mode
+    of most distributions serves only such regions). The mapping lives as long as the tensor.
+
+    Why: a decode step streams every weight once, and with 4 KB pages a GEMV's reads walk a new
+    page (and a TLB miss) every 4 KB. Measured on a Zen 4 (2 threads, our bf16 GEMV over 1.6 GB
+    of weights, alternating rounds): 38.7-40.6 GB/s on ordinary pages, 44.9-47.4 on huge pages.
+    """
+    import mmap
+
+    import torch
+
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    offset = -base % HUGE_PAGE
+    _madvise(base + offset, nbytes, _MADV_HUGEPAGE)
+    # torch.frombuffer keeps `m` alive for as long as the tensor (or a view of it) is.
+    return torch.frombuffer(m, dtype=dtype, count=numel, offset=offset).view(*shape)
+
+
+def to_huge_pages(t, min_bytes: int = HUGE_PAGE, mapped: bool = False):
+    """A copy of the CPU tensor t on huge pages (`huge_page_empty`), or t itself where they are
+    unavailable (see huge_pages_available, and `mapped` there), for tensors under min_bytes, and
+    for other devices."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() * t.element_size() < min_bytes \
+            or not huge_pages_available(mapped):
+        return t
+    out = huge_page_empty(t.shape, t.dtype)
+    out.copy_(t)
+    return out
+
+
+def huge_page_bytes() -> int | None:
+    """Bytes of this process's memory on transparent huge pages (Linux), else None."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def release_pages(t) -> None:
+    """Drop the resident pages of a tensor in a read-only file mapping (Linux; they are read again
+    from the page cache if touched). Never on memory that holds the only copy of its data.
+
+    Converting a checkpoint, or copying a directory's mapped weights to huge pages, touches every
+    page of the mapped file; without this, the file's pages and the result would both count in
+    memory until the load returns.
+    """
+    import mmap
+
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    page = mmap.PAGESIZE
+    # Whole pages, the partial ones at both ends included: a page shared with a neighbouring
+    # tensor is only dropped from this process (the file mapping is never written), and is read
+    # again from the page cache if that tensor is used later.
+    lo, hi = start // page * page, -(-end // page) * page
+    if hi > lo:
+        _madvise(lo, hi - lo, _MADV_DONTNEED)
+
+
+def _madvise(addr: int, length: int, advice: int) -> None:
+    global _libc_madvise
+    if _libc_madvise is None:
+        try:
+            _libc_madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _libc_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        except (OSError, AttributeError):
+            _libc_madvise = False
+    if _libc_madvise:
+        _libc_madvise(addr, length, advice)  # advice only: a kernel without THP ignores it
+
+
+_libc_madvise = None
+
+
 class FileRows:
     """Rows of a row-major 2-D tensor stored at `offset` in a file, read with pread.
 

@@ -111,3 +111,97 @@ def test_a_checkpoint_load_reads_a_big_embedding_from_a_spilled_file(tmp_path):
     model.emb.file_rows = None  # the plain lookup of the (mapped) table
     plain, _ = model.forward(prompt)
     assert torch.equal(spilled, plain)
+
+
+def _thp_in_use() -> bool:
+    from rwkv_engine.memory import huge_pages_available
+
+    return huge_pages_available()
+
+
+def _on_huge_pages(t) -> bool:
+    """Whether t's memory is a mapping advised MADV_HUGEPAGE ("hg" in its VmFlags) and 2 MB-aligned."""
+    from rwkv_engine.memory import HUGE_PAGE
+
+    p, hit = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's address range
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                hit = lo <= p < hi
+            elif hit and head == "VmFlags:":
+                return "hg" in line.split()[1:] and p % HUGE_PAGE == 0
+    return False
+
+
+def test_to_huge_pages_copies_into_its_own_aligned_mapping(monkeypatch):
+    import copy
+    import gc
+    import pickle
+
+    import torch
+
+    from rwkv_engine.memory import HUGE_PAGE, to_huge_pages
+
+    src = torch.randn(512, 1024 + 3)  # > 2 MB, rows not a page multiple
+    if not _thp_in_use():
+        assert to_huge_pages(src) is src
+        pytest.skip("no transparent huge pages here: the copy is skipped (checked)")
+    moved = to_huge_pages(src)
+    assert moved is not src and torch.equal(moved, src) and _on_huge_pages(moved)
+    view = moved[3:5]
+    del moved
+    gc.collect()
+    assert torch.equal(view, src[3:5])  # the mapping lives as long as any view of it
+    assert torch.equal(copy.deepcopy(view), src[3:5]) and torch.equal(pickle.loads(pickle.dumps(view)), src[3:5])
+    small = torch.randn(16, 16)
+    assert to_huge_pages(small) is small  # under one huge page: left where it is
+    assert to_huge_pages(src, min_bytes=HUGE_PAGE * 64) is src
+    monkeypatch.setenv("RWKV_ENGINE_HUGE_PAGES", "0")
+    assert to_huge_pages(src) is src  # the user's opt-out
+
+
+@pytest.mark.parametrize("source", ["checkpoint", "directory"])
+def test_loaded_weights_on_huge_pages_give_the_same_logits(tmp_path, monkeypatch, source):
+    """Checkpoint loads and converted directories put the streamed weights (not the embedding,
+    read by rows from a file) on huge pages; the logits are those of a load without them."""
+    import torch
+
+    import rwkv_engine
+    from rwkv_engine import converted, loading, testing
+
+    if not _thp_in_use():
+        pytest.skip("no transparent huge pages here")
+    sd = testing.cast(testing.random_state_dict("7", n_layer=2, n_embd=1024, vocab_size=32768, head_size=64, seed=2),
+                      torch.bfloat16)
+    path = testing.save_pth(sd, tmp_path / "m.pth")
+    if source == "directory":
+        path = converted.convert(loading.prepare(path, quantization="q8"), tmp_path / "q8", progress=False)
+
+    def load():
+        return rwkv_engine.load(path, progress=False, **({} if source == "directory" else {"dtype": "bf16"}))
+
+    def big(model):
+        return {n: t for n, t in model.state_dict().items() if t.numel() * t.element_size() >= 2 << 20}
+
+    model = load()
+    moved = big(model)
+    assert moved and all(_on_huge_pages(t) for n, t in moved.items() if not n.startswith("emb.")), \
+        [n for n, t in moved.items() if not _on_huge_pages(t)]
+    assert model.emb.file_rows is not None and model.emb.file_rows.serves(model.emb.weight)
+    # "private" (Ray replicas): a directory's weights stay in the shared file mapping; a
+    # checkpoint's, the process's own anyway, still move
+    monkeypatch.setenv("RWKV_ENGINE_HUGE_PAGES", "private")
+    private = big(load())
+    assert all(_on_huge_pages(t) != (source == "directory") for n, t in private.items() if not n.startswith("emb."))
+    monkeypatch.setenv("RWKV_ENGINE_HUGE_PAGES", "0")
+    plain = load()
+    assert not any(_on_huge_pages(t) for t in big(plain).values())
+    prompt = [1, 2, 3, 32767, 0, 9]
+    a, sa = model.forward(prompt)
+    b, sb = plain.forward(prompt)
+    assert torch.equal(a, b)
+    a, _ = model.forward([5], sa)
+    b, _ = plain.forward([5], sb)
+    assert torch.equal(a, b)

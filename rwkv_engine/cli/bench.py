@@ -6,8 +6,9 @@ token ids are fixed pseudo-random ids, so runs are comparable. Decode is memory-
 step reads every weight but the embedding once, so bytes per step x steps per second is the
 memory bandwidth the run achieved. Beside it, bench measures what this machine's memory delivers
 to a plain streaming read on the same threads (an fp32 sum of at least 256 MB and 16 times the
-last-level cache, median of 7 passes) and prints the
-decode speed that bandwidth allows at batch 1: the ceiling no engine passes on this machine.
+last-level cache, median of 7 passes, in memory of the kind the weights are in: huge pages where
+the engine puts them there, see rwkv_engine/memory.py) and prints the decode speed that bandwidth
+allows at batch 1: the ceiling no engine passes on this machine.
 """
 
 from __future__ import annotations
@@ -109,8 +110,13 @@ def read_bandwidth_gb_s(repeats: int = 7) -> float:
     passes (a shared machine's passes vary; the median is stable where the best is not)."""
     import torch
 
+    from ..memory import huge_page_empty, huge_pages_available
+
     nbytes = max(256 * 2**20, 16 * last_level_cache_bytes())
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    if huge_pages_available():  # as the weights are (memory.to_huge_pages)
+        buf = huge_page_empty((nbytes // 4,), torch.float32).fill_(1.0)
+    else:
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()
     times = []
     for _ in range(repeats):
@@ -145,6 +151,9 @@ def run(args) -> int:
     load_s = time.perf_counter() - t0
     r = measure(model, args.prompt_len, args.decode_tokens, args.batch, args.repeats)
     rss = peak_rss_mb()  # before the bandwidth probe's buffer
+    from ..memory import huge_page_bytes
+
+    huge = huge_page_bytes()
     from ..kernels import native
 
     isa = native.isa()
@@ -169,6 +178,7 @@ def run(args) -> int:
         "decode_tok_s": round(r["decode_tok_s"], 2),
         "decode_step_ms": round(r["decode_step_ms"], 2),
         "peak_rss_mb": round(rss, 1),
+        "huge_pages_mb": None if huge is None else round(huge / 2**20),  # of the process, weights and all
         "weight_bytes_per_token": r["weight_bytes_per_step"],
         "bandwidth_gb_s": round(r["bandwidth_gb_s"], 2),
         "memory_read_gb_s": round(read_bw, 2),
@@ -187,7 +197,8 @@ def run(args) -> int:
     print(f"weights / step  {result['weight_bytes_per_token'] / 1e6:.1f} MB -> {result['bandwidth_gb_s']:.1f} GB/s")
     print(f"memory read     {result['memory_read_gb_s']:.1f} GB/s (streaming sum) -> batch-1 decode bound "
           f"{result['decode_bound_tok_s']:.1f} tok/s")
-    print(f"peak RSS        {result['peak_rss_mb']:.0f} MB")
+    print(f"peak RSS        {result['peak_rss_mb']:.0f} MB"
+          + (f" ({result['huge_pages_mb']} MB on huge pages)" if result["huge_pages_mb"] is not None else ""))
     return 0
 
 

@@ -253,12 +253,22 @@ def _num(v: float) -> str:
 # --- the deployments -----------------------------------------------------------------------------
 
 
+def share_mapped_weights() -> None:
+    """In a replica's or worker's own process: a converted directory's weights stay in its file
+    mapping, which the replicas on one machine share through the page cache, rather than each
+    taking a private copy on huge pages (rwkv_engine/memory.py); the user's setting wins."""
+    from ..memory import HUGE_PAGES_ENV
+
+    os.environ.setdefault(HUGE_PAGES_ENV, "private")
+
+
 class EngineReplica:
     """One engine and the server's app; answers forwarded HTTP requests through that app."""
 
     def __init__(self, args: argparse.Namespace, key: str | None, board):
         from ..cli.serve import build
 
+        share_mapped_weights()
         self.engine, self.app, self.settings = build(args, key, progress=False)
         self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
@@ -489,6 +499,7 @@ class BatchWorker:
         from ..batch import AppClient
         from ..cli.serve import build
 
+        share_mapped_weights()
         self.engine, app, settings = build(args, progress=False)
         self.engine.start()
         self.client = AppClient(app, settings.model_name)

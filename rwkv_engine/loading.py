@@ -609,6 +609,7 @@ class Plan:
         self.model.quantization = scheme
         self.model.quantization_report = report
         self.model.initial_state = {}
+        self.huge_pages = False  # tensors() puts the weights on huge pages (load sets it on the CPU)
 
     def initial_state(self) -> dict[str, Tensor]:
         return initial_state(self.ck, self.cfg)
@@ -648,6 +649,8 @@ class Plan:
                 out = {f"{module}.{k}": v for k, v in new.state_dict().items()}
             else:
                 out = {target: t}
+            if self.huge_pages:  # the weights a decode step streams (memory.to_huge_pages)
+                out = {k: v if k == "emb.weight" else to_huge_pages(v) for k, v in out.items()}
             if name in ck.mapped and all(v.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
                                          for v in out.values()):
                 release_pages(src)  # consumed: its file pages need not stay resident
@@ -744,6 +747,7 @@ def load(
     if not isinstance(plan_, Plan):  # a converted directory or an exported program: loaded as it is
         return plan_
     device = plan_.device
+    plan_.huge_pages = device.type == "cpu"  # each tensor as it comes: no second copy of the model
     model = plan_.model
     bar = Progress("loading", plan_.source_bytes(), len(plan_.mapping), progress)
     sd: dict[str, Tensor] = {}
@@ -751,12 +755,8 @@ def load(
     ok = False
     try:
         for tensors in plan_.tensors(bar):
-            if device.type == "cpu":
-                for k, t in tensors.items():
-                    if k == "emb.weight":  # its rows read from a file, as a directory's
-                        tensors[k], rows = spill(t)
-                    else:  # the weights a decode step streams (each as it comes: no second peak)
-                        tensors[k] = to_huge_pages(t)
+            if "emb.weight" in tensors and device.type == "cpu":  # its rows read from a file, as a directory's
+                tensors["emb.weight"], rows = spill(tensors["emb.weight"])
             sd.update(tensors)
         ok = True
     finally:

@@ -90,7 +90,8 @@ def test_level_gemvs_match_reference(level_in_use):
     for N, K, gs in [(64, 2048, 32), (37, 96, 32), (130, 64, 64), (3, 448, 64), (64, 2048, 128)]:
         TK.test_gemv_q4_matches_reference(N, K, gs, col=gs == 64)
     TK.test_gemv_rows_of_a_batch_equal_each_row_alone(53, 2048 + 96)
-    TK.test_int16_rounding_with_an_outlier_activation()
+    TK.test_activation_rounding_with_an_outlier_activation()
+    TK.test_q4_rounds_x_as_the_reference_bit_for_bit()
     TK.test_dequant_tiles_equal_reference(torch.bfloat16)
     TK.test_quantize_q4_gives_the_reference_bytes(32, True, False)
 
@@ -215,7 +216,8 @@ def test_arm64_kernels_under_qemu(tmp_path):
                 ref = x.double() @ w.double().T
                 add(_case(0, [N, K, B, _DT[wdt], _DT[xdt]], w, x), B * N * x.element_size(),
                     gemv_checks(f"dense {wdt}", {}, ref, B, xdt, TK._round_out(None, xdt)))
-    # int8 / int4: the spec (x rounded to int16 per 64 columns) and batched = alone, bit for bit
+    # int8 / int4: the spec (x rounded to int16 per 64 columns / int8 per 32) and batched = alone,
+    # bit for bit
     x_all = torch.randn(6, 2048 + 64, generator=g)
     for kind, N, K, gs in [("q8", 24, 2048, None), ("q8", 24, 2048, 32), ("q8", 7, 96, 32), ("q4", 24, 2048, 32),
                            ("q4", 9, 2048 + 64, 64), ("q4", 24, 2048, 128), ("q4", 5, 96, 32)]:
@@ -227,7 +229,7 @@ def test_arm64_kernels_under_qemu(tmp_path):
             q, s, z = P.quantize_int4(w, gs)
             wd, tensors, op, G = P.dequantize_int4(q, s, z).double(), (q, s, z), 2, s.shape[1]
         x = x_all[:, :K].contiguous()
-        ref = P.round_activations_int16(x).double() @ wd.T
+        ref = (P.round_activations_int16 if kind == "q8" else P.round_activations_int8)(x).double() @ wd.T
         rows = {}
         add(_case(op, [N, K, 6, G, 0], *tensors, x), 6 * N * 4, gemv_checks(f"{kind} g{gs}", rows, ref, 6, torch.float32, 2e-5))
         for i in range(6):

@@ -21,9 +21,12 @@ right shapes, ready for `load_state_dict` (also on the meta device with `assign=
 * anywhere else (another device, no native kernels): dequantize the whole weight to x.dtype and
   `F.linear`, the plain reference.
 
-The native GEMV of int8 / int4 weights rounds x to int16 per 64 columns before an exact integer
-dot product; the result differs from the reference by about 1e-5 relative (more when a few
-activations are much larger than the rest of their 64 columns), well below bf16 rounding.
+The native GEMV of int8 weights rounds x to int16 per 64 columns before an exact integer dot
+product; the result differs from the reference by about 1e-5 relative (more when a few
+activations are much larger than the rest of their 64 columns), well below bf16 rounding. The
+int4 GEMV rounds x to int8 per 32 columns (about 0.5% relative, against int4's ~8%), and that
+rounding is part of the int4 decode's math: `Int4Linear` applies it on the plain path too, for
+up to `GEMV_MAX_ROWS` rows (primitives.round_activations_int8).
 """
 
 from __future__ import annotations
@@ -157,8 +160,12 @@ class _QuantLinearBase(nn.Module):
             x2 = x2.contiguous()
             y = self._gemv(ops, x2) if M <= GEMV_MAX_ROWS else self._prefill(ops, x2)
         else:
-            y = F.linear(x2, self.dequantize(x.dtype))
+            y = self._reference(x2)
         return y.reshape(*lead, self.out_features)
+
+    def _reference(self, x2: Tensor) -> Tensor:
+        """The plain path: the dequantized weight in x's dtype and `F.linear`."""
+        return F.linear(x2, self.dequantize(x2.dtype))
 
     def _prefill(self, ops, x2: Tensor) -> Tensor:
         """x2 [M, K] -> [M, N]: dequantize PREFILL_TILE weight rows at a time into one reused
@@ -278,6 +285,15 @@ class Int4Linear(_QuantLinearBase):
 
     def _gemv(self, ops, x2: Tensor) -> Tensor:
         return ops.gemv_q4(x2, self.qweight, self.scales, self.biases, self.col_scales)
+
+    def _reference(self, x2: Tensor) -> Tensor:
+        """Decode (at most GEMV_MAX_ROWS rows) as the native GEMV computes it, on any device: x
+        times the column scales, rounded to int8 per 32 columns (primitives.round_activations_int8),
+        times the weight in fp32; more rows as the plain reference."""
+        if x2.shape[0] > GEMV_MAX_ROWS:
+            return super()._reference(x2)
+        xs = P.round_activations_int8(x2.float() * self.col_scales.float())
+        return F.linear(xs, P.dequantize_int4(self.qweight, self.scales, self.biases)).to(x2.dtype)
 
     def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
         return ops.dequant_q4(self.qweight, self.scales, self.biases, r0, r1, dtype, out)

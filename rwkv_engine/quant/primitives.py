@@ -311,26 +311,48 @@ def dequantize_int4(
 
 # --- activations, as the native integer kernels see them ------------------------------------
 
-X_BLOCK = 64  # columns of x sharing one int16 scale in the native int8 / int4 GEMV
+X_BLOCK = 64  # columns of x sharing one int16 step in the native int8 GEMV
+X_BLOCK_INT8 = 32  # columns of x sharing one int8 step in the native int4 GEMV
 
 
-def round_activations_int16(x: Tensor) -> Tensor:
-    """x [..., K] as the native int8 / int4 GEMV kernels use it: each full block of 64 columns
-    rounded to int16 steps of absmax / 32767 (a last partial block is left exact); fp32 result.
-
-    `F.linear(round_activations_int16(x), dequantize_...(...))` is the reference those kernels
-    match to float rounding; the rounding itself changes outputs by about 1e-5 relative.
-    """
+def _round_blocks(x: Tensor, block: int, qmax: float) -> Tensor:
+    """x [..., K], each full block of `block` columns rounded (nearest even) to integers of
+    magnitude <= qmax in steps of the block's absmax / qmax, in the native kernels' fp32
+    operations; a last partial block is left exact. fp32 result."""
     xf = x.float()
     K = xf.shape[-1]
-    full = K // X_BLOCK * X_BLOCK
+    full = K // block * block
     if full == 0:
         return xf.clone()
-    head = xf[..., :full].reshape(*xf.shape[:-1], full // X_BLOCK, X_BLOCK)
+    head = xf[..., :full].reshape(*xf.shape[:-1], full // block, block)
     amax = head.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
-    dx = amax / 32767.0
-    q = torch.round(head * inv).clamp_(-32767, 32767)
+    # qmax / amax as one division (torch's `scalar / tensor` is a reciprocal times the scalar,
+    # which differs in the last bit, and the rounding of x would flip at exact halves)
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    dx = amax / qmax
+    q = torch.round(head * inv).clamp_(-qmax, qmax)
     out = xf.clone()
     out[..., :full] = (q * dx).reshape(*xf.shape[:-1], full)
     return out
+
+
+def round_activations_int16(x: Tensor) -> Tensor:
+    """x [..., K] as the native int8 GEMV uses it: each full block of 64 columns rounded to int16
+    steps of absmax / 32767 (a last partial block is left exact); fp32 result.
+
+    `F.linear(round_activations_int16(x), dequantize_int8(...))` is the reference that kernel
+    matches to float rounding; the rounding itself changes outputs by about 1e-5 relative.
+    """
+    return _round_blocks(x, X_BLOCK, 32767.0)
+
+
+def round_activations_int8(x: Tensor) -> Tensor:
+    """x [..., K] as the native int4 GEMV uses it (part of the int4 format's decode math): each
+    full block of 32 columns rounded to int8 steps of absmax / 127 (symmetric, nearest even; a
+    last partial block is left exact); fp32 result.
+
+    `F.linear(round_activations_int8(x), dequantize_int4(...))` is the reference that kernel
+    matches to float rounding; the rounding changes outputs by about 0.5% relative (random x),
+    well below int4's own error (~8%).
+    """
+    return _round_blocks(x, X_BLOCK_INT8, 127.0)

@@ -162,7 +162,6 @@ void for_rows(int64_t N, int64_t K, int64_t block, const F& fn) {
 
 constexpr int kPanel = 24;                 // weight rows per panel (a multiple of every R)
 constexpr int64_t kXTileBytes = 16 << 10;  // prepared x of one K tile, all rows of the pass
-constexpr int64_t kMaxTileSteps = kXTileBytes / (64 * 2);  // of the int8 / int4 kernel (B = 1)
 
 // Rows [r0, r1) of a pass of B rows of x; results to y [B, N].
 template <int B, typename Kern>
@@ -279,38 +278,68 @@ struct DenseKernel {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Integer-dot kernels for int8 / int4 weights. x is quantized to int16 per 64-column chunk
-// (dx = absmax / 32767, about 1.5e-5 of the chunk's largest value: below bf16 / fp16 rounding),
-// then codes * xq are summed exactly in int32 with vpmaddwd (16 products per instruction, twice
-// as many as the fp32 path) and each chunk's sum is scaled once. A last partial chunk (K % 64
-// columns) uses fp32 x directly.
+// Integer-dot kernels for int8 / int4 weights. x is rounded per block of columns to small signed
+// integers (symmetric: step = the block's absmax / qmax, nearest even), the products of codes and
+// rounded x are summed exactly in int32, and each chunk's sums are scaled once.
+//   * int8 weights: x to int16 per 64-column chunk (step about 1.5e-5 of the chunk's largest
+//     value: below bf16 / fp16 rounding), products summed with iv::madd (vpmaddwd, 16 per
+//     instruction; vpdpwssd adds in the same instruction with VNNI). A last partial chunk (K % 64
+//     columns, per-channel scales only) uses fp32 x directly.
+//   * int4 weights: x to int8 per 32 columns (step 1/127 of the block's absmax; the rounding is
+//     part of the format's math, primitives.round_activations_int8), unsigned codes times signed
+//     x with iv::dot_u8s8 (vpdpbusd, 32 per instruction, with VNNI; vpmaddubsw + vpmaddwd on
+//     AVX2; sdot / widening multiplies on NEON). A last group of 32 columns (K % 64 == 32) is
+//     summed in fp32 from the rounded x.
 
 struct XQ {
-  std::vector<int16_t> q;  // [B, padded_stride(K, 32)]; full chunks permuted per weight format
-  std::vector<float> dx;   // [B, K / 64]
+  std::vector<int16_t> q;  // int8 weights: [B, padded_stride(K, 32)] int16
+  std::vector<int8_t> q8;  // int4 weights: [B, padded_stride(K, 64)] int8, chunks permuted (iv::q4x8_column)
+  std::vector<float> dx;   // the steps: q [B, K / 64]; q8 [B, K / 64, iv::kW], one vector per chunk
+                           // (iv::q4_groups of its two 32-column blocks' steps)
   std::vector<float> xf;   // [B, K] fp32 x in column order
-  std::vector<float> xh;   // [B, K] x as rounded (q * dx) in column order, tail exact
+  std::vector<float> xh;   // [B, K] x as rounded (q * dx) in column order; q: tail exact
 };
 
 // Rows b0.. of an XQ, as the kernels read it.
 struct XQView {
-  const int16_t* q;  // row stride qs
-  const float* dx;
+  const void* q;  // int16 / int8, row stride qs
+  const float* dx;  // row stride dxs
   const float* xf;
-  int64_t qs;
+  const float* xh;
+  int64_t qs, dxs;
 };
 
 XQView view(const XQ& x, int64_t b0, int64_t K) {
+  const int64_t C = K / 64;
+  if (!x.q8.empty()) {
+    const int64_t qs = padded_stride(K, 64), dxs = C * iv::kW;
+    return {x.q8.data() + b0 * qs, x.dx.data() + b0 * dxs, x.xf.data() + b0 * K, x.xh.data() + b0 * K, qs, dxs};
+  }
   const int64_t qs = padded_stride(K, 32);
-  return {x.q.data() + b0 * qs, x.dx.data() + b0 * (K / 64), x.xf.data() + b0 * K, qs};
+  return {x.q.data() + b0 * qs, x.dx.data() + b0 * C, x.xf.data() + b0 * K, x.xh.data() + b0 * K, qs, C};
 }
 
-// cs: optional fp16 column scales (K,): x is multiplied by them first (fp32), see kernels.h.
-XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const uint16_t* cs) {
+// n values of src rounded to integers of magnitude <= qmax in steps of their absmax / qmax
+// (nearest even) into q, and the rounded values q * step into xh; returns the step. The same
+// fp32 operations as primitives.round_activations_int16 / _int8.
+template <typename T>
+float round_block(const float* src, int n, float qmax, T* q, float* xh) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
+  const float dx = amax / qmax, inv = amax > 0.f ? qmax / amax : 0.f;
+  for (int i = 0; i < n; ++i) {
+    const float v = std::nearbyint(src[i] * inv);  // |v| <= qmax
+    q[i] = static_cast<T>(v);
+    xh[i] = v * dx;
+  }
+  return dx;
+}
+
+// x [B, K] (times the optional fp16 column scales cs, in fp32; see kernels.h) rounded for the
+// int8 weights (int16 per 64 columns) or, with `int8`, for the int4 weights (int8 per 32).
+XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool int8, const uint16_t* cs) {
   const int64_t C = K / 64;
   XQ r;
-  r.q.resize(static_cast<size_t>(B * padded_stride(K, 32)));
-  r.dx.resize(static_cast<size_t>(B * C));
   r.xf.resize(static_cast<size_t>(B * K));
   to_float(x, xt, 0, B * K, r.xf.data());
   if (cs != nullptr) {
@@ -320,37 +349,47 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool q4_perm, const
       for (int64_t k = 0; k < K; ++k) r.xf[b * K + k] *= c[k];
   }
   r.xh = r.xf;
-  int16_t tmp[64];
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t c = 0; c < C; ++c) {
-      const float* src = r.xf.data() + b * K + c * 64;
-      float amax = 0.f;
-      for (int i = 0; i < 64; ++i) amax = std::max(amax, std::fabs(src[i]));
-      const float dx = amax / 32767.f, inv = amax > 0.f ? 32767.f / amax : 0.f;
-      r.dx[b * C + c] = dx;
-      float* xh = r.xh.data() + b * K + c * 64;
-      // Rounded to nearest even; |x * inv| <= 32767.
-      for (int i = 0; i < 64; ++i) {
-        const float q = std::nearbyint(src[i] * inv);
-        tmp[i] = static_cast<int16_t>(q);
-        xh[i] = q * dx;
+  if (!int8) {
+    r.q.resize(static_cast<size_t>(B * padded_stride(K, 32)));
+    r.dx.resize(static_cast<size_t>(B * C));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t k = b * K + c * 64;
+        r.dx[b * C + c] = round_block(r.xf.data() + k, 64, 32767.f, r.q.data() + b * padded_stride(K, 32) + c * 64,
+                                      r.xh.data() + k);
       }
-      // int4: position p of the chunk takes the column that iv::q4_piece puts in its lane.
-      int16_t* d = r.q.data() + b * padded_stride(K, 32) + c * 64;
-      for (int i = 0; i < 64; ++i) d[i] = tmp[q4_perm ? iv::q4_column(i) : i];
+    return r;
+  }
+  r.q8.resize(static_cast<size_t>(B * padded_stride(K, 64)));
+  r.dx.resize(static_cast<size_t>(B * C * iv::kW));
+  int8_t tmp[64];
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t k = b * K + c * 64;
+      const float d0 = round_block(r.xf.data() + k, 32, 127.f, tmp, r.xh.data() + k);
+      const float d1 = round_block(r.xf.data() + k + 32, 32, 127.f, tmp + 32, r.xh.data() + k + 32);
+      iv::store(r.dx.data() + (b * C + c) * iv::kW, iv::q4_groups(d0, d1));
+      // position p of the chunk takes the column that iv::q4_piece8 puts in its lane
+      int8_t* d = r.q8.data() + b * padded_stride(K, 64) + c * 64;
+      for (int i = 0; i < 64; ++i) d[i] = tmp[iv::q4x8_column(i)];
     }
+    if (C * 64 < K)  // the last 32 columns: only their rounded values (Q4Format::finish)
+      round_block(r.xf.data() + b * K + C * 64, 32, 127.f, tmp, r.xh.data() + b * K + C * 64);
+  }
   return r;
 }
 
 // The int8 / int4 kernel. A step is a 64-column chunk, which the weight format (Q8Format /
-// Q4Format) decodes as 64 / kW16 int16 vectors (pieces h = 0 ..: four on x86, eight on NEON)
-// that line up with the prepared x. Registers (AVX2): a row's 4 pieces + the R x Bt accumulators
-// (all rows of x of the pass from B = 5; R = 1 leaves Bt = 8). Per 64 multiply-adds this is about 11 instructions (4
-// vpmaddwd with the x load folded in, 3 adds, the scaling, a share of the decoding), and the
-// kernel is bound by them, not by loads: sharing x loads between 2 weight rows (their int32
-// sums in registers, decoded pieces shared by 4 rows of x) took more instructions and measured
-// 5-20% slower with 2 threads. With VNNI the 3 adds fold into vpdpwssd; there (32 registers on
-// Zen 4) 2-3 weight rows per x load at B = 8 measured within 3% of one.
+// Q4Format) decodes into pieces (int16 vectors for int8, u8 vectors for int4) and multiplies
+// with the prepared x into int32 sums (Fmt::dot), then acc[n][b] += (float(sum) * dx[b, chunk])
+// * scale. Registers (AVX2): a row's pieces + the R x Bt accumulators (all rows of x of the pass
+// from B = 5; R = 1 leaves Bt = 8). int8 (int16 x): per 64 multiply-adds about 11 instructions
+// (4 vpmaddwd with the x load folded in, 3 adds, the scaling, a share of the decoding), bound by
+// them, not by loads: sharing x loads between 2 weight rows (their int32 sums in registers,
+// decoded pieces shared by 4 rows of x) took more instructions and measured 5-20% slower with 2
+// threads. With VNNI the 3 adds fold into vpdpwssd; there (32 registers on Zen 4) 2-3 weight
+// rows per x load at B = 8 measured within 3% of one. int4 (int8 x): 2 vpdpbusd + the scaling
+// per 64 multiply-adds, and 3 instructions of decoding per row.
 template <int B> constexpr int kIntRows = B <= 2 ? 4 : B <= 4 ? 2 : 1;
 template <int B> constexpr int kIntXRows = B;
 
@@ -362,10 +401,11 @@ constexpr int64_t kPrefetchMaxRow = 4096;
 
 template <typename Fmt>
 struct IntKernel {
-  static constexpr int64_t kStepBytes = 64 * 2;  // int16 x per chunk and row of x
-  static_assert(kXTileBytes / kStepBytes == kMaxTileSteps);
-  static constexpr int kPieces = 64 / iv::kW16;
+  static constexpr int64_t kStepBytes = Fmt::kXStepBytes;  // prepared x per chunk and row of x
+  static constexpr int64_t kMaxSteps = kXTileBytes / kStepBytes;  // of a K tile (B = 1)
+  static constexpr int kPieces = Fmt::kPieces;
   using Acc = iv::F;
+  using X = typename Fmt::X;
   static float hsum(iv::F v) { return iv::hsum(v); }
   template <int B> static constexpr int kRows = kIntRows<B>;
   template <int B> static constexpr int kXRows = kIntXRows<B>;
@@ -383,15 +423,15 @@ struct IntKernel {
     const int64_t C = fm.K / 64, rb = Fmt::kRowBytes(fm.K);
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) rows[r] = fm.row(n + r);
-    const int16_t* xq[Bt];
+    const X* xq[Bt];
     const float* dx[Bt];
-    for (int b = 0; b < Bt; ++b) xq[b] = x.q + (b0 + b) * x.qs, dx[b] = x.dx + (b0 + b) * C;
+    for (int b = 0; b < Bt; ++b) xq[b] = static_cast<const X*>(x.q) + (b0 + b) * x.qs, dx[b] = x.dx + (b0 + b) * x.dxs;
     iv::F fa[R][Bt];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < Bt; ++b) fa[r][b] = acc[r * stride + b];
     // The rows' fp16 scales for the tile in fp32, two per chunk (its halves' groups), converted
     // 8 at a time once per tile rather than one at a time per chunk.
-    alignas(32) float sc[R][2 * kMaxTileSteps];
+    alignas(32) float sc[R][2 * kMaxSteps];
     for (int r = 0; r < R; ++r) fm.scales(n + r, s0, s1, sc[r]);
     const char* next = reinterpret_cast<const char*>(rows[0] + R * rb);  // contiguous rows
     const bool whole = s0 == 0 && s1 == C;
@@ -403,34 +443,17 @@ struct IntKernel {
           for (int r = 0; r < R; ++r) simd::prefetch(next + r * rb + c * Fmt::kChunkBytes);
       }
       // A row's pieces stay in registers while each row of x takes its exact int32 sums (x folds
-      // into the vpmaddwd), then acc[n][b] += (float(sum) * dx[b, chunk]) * scale: the sum of the
-      // chunk, or, when the format has two groups per chunk whose lanes do not separate (int8
-      // group 32), the sums of each half (the first and the last pieces) joined into one vector
-      // (iv::join_halves) with each lane's group scale.
+      // into the multiply-adds), then the scaling (Fmt::scale: each lane's group scale).
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        iv::I16 w[kPieces];
+        typename Fmt::Piece w[kPieces];
 #pragma GCC unroll 8
         for (int h = 0; h < kPieces; ++h) w[h] = fm.piece(rows[r] + c * Fmt::kChunkBytes, h);
-        const float* two = sc[r] + 2 * (c - s0);
-        const iv::F s0 = fm.split ? iv::pair_scales(two) : Fmt::scale(two, 0);
+        const iv::F s = fm.scale(sc[r] + 2 * (c - s0));
 #pragma GCC unroll 8
         for (int b = 0; b < Bt; ++b) {
-          const int16_t* xb = xq[b] + c * 64;
-          const iv::F d = iv::set1(dx[b][c]);
-          iv::I32 lo = iv::madd(w[0], iv::load_i16(xb));
-#pragma GCC unroll 4
-          for (int h = 1; h < kPieces / 2; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
-          if (fm.split) {  // the halves' sums apart
-            iv::I32 hi = iv::madd(w[kPieces / 2], iv::load_i16(xb + kPieces / 2 * iv::kW16));
-#pragma GCC unroll 4
-            for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = iv::madd_add(hi, w[h], iv::load_i16(xb + h * iv::kW16));
-            fa[r][b] = iv::fma(iv::mul(iv::to_float(iv::join_halves(lo, hi)), d), s0, fa[r][b]);
-          } else {  // one exact int32 sum (the order of integer adds does not matter)
-#pragma GCC unroll 4
-            for (int h = kPieces / 2; h < kPieces; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
-            fa[r][b] = iv::fma(iv::mul(iv::to_float(lo), d), s0, fa[r][b]);
-          }
+          const iv::I32 sum = fm.dot(w, xq[b] + c * 64);
+          fa[r][b] = iv::fma(iv::mul(iv::to_float(sum), Fmt::xstep(dx[b], c)), s, fa[r][b]);
         }
       }
     }
@@ -443,9 +466,14 @@ struct IntKernel {
 
 // int8 weights, fp16 scales (N, G) with K / G a multiple of 32 or G == 1 (per channel).
 // Group 32 (ggml's Q8_0 layout): a chunk's pieces 0-1 are one group and pieces 2-3 the next, and
-// the kernel scales the two halves' sums separately (`split`).
+// the halves' sums are kept apart (`split`) and joined into one vector (iv::join_halves) whose
+// lanes take each their group's scale (iv::pair_scales).
 struct Q8Format {
   static constexpr int64_t kChunkBytes = 64;
+  static constexpr int64_t kXStepBytes = 64 * 2;  // int16 x
+  static constexpr int kPieces = 64 / iv::kW16;   // four on x86, eight on NEON
+  using X = int16_t;
+  using Piece = iv::I16;
   static constexpr int64_t kRowBytes(int64_t K) { return K; }
   const int8_t* Q;
   const uint16_t* S;
@@ -464,6 +492,22 @@ struct Q8Format {
   static inline iv::I16 piece(const uint8_t* chunk, int h) {
     return iv::load_i8(reinterpret_cast<const int8_t*>(chunk) + iv::kW16 * h);
   }
+  // The exact int32 sums of a chunk: one vector (the order of integer adds does not matter), or
+  // with `split` the halves' sums joined.
+  inline iv::I32 dot(const iv::I16* w, const int16_t* xb) const {
+    iv::I32 lo = iv::madd(w[0], iv::load_i16(xb));
+#pragma GCC unroll 4
+    for (int h = 1; h < kPieces / 2; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
+    if (split) {
+      iv::I32 hi = iv::madd(w[kPieces / 2], iv::load_i16(xb + kPieces / 2 * iv::kW16));
+#pragma GCC unroll 4
+      for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = iv::madd_add(hi, w[h], iv::load_i16(xb + h * iv::kW16));
+      return iv::join_halves(lo, hi);
+    }
+#pragma GCC unroll 4
+    for (int h = kPieces / 2; h < kPieces; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
+    return lo;
+  }
   // Row n's scales of chunks [c0, c1): dst[2 (c - c0) + part], part = the chunk's half.
   void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
     const uint16_t* s = S + n * G;
@@ -473,8 +517,9 @@ struct Q8Format {
       dst[2 * (c - c0)] = dst[2 * (c - c0) + 1] = half_to_float(s[gshift >= 0 ? i >> gshift : i / cpg]);
     }
   }
-  // The scale of half `part` of a chunk (split), else of the chunk, from its two scales.
-  static inline iv::F scale(const float* two, int part) { return iv::set1(two[part]); }
+  // The scale vector of a chunk's sums, from its two scales.
+  inline iv::F scale(const float* two) const { return split ? iv::pair_scales(two) : iv::set1(two[0]); }
+  static inline iv::F xstep(const float* dx, int64_t c) { return iv::set1(dx[c]); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -490,11 +535,14 @@ struct Q8Format {
 
 // int4 weights, fp16 scales and biases (N, G), group size 32 / 64 / 128.
 // w = code * scale + bias, so row n gives  sum_g scale_g * (codes_g . x_g) + sum_g bias_g * xsum_g.
-// With group size 32 a chunk holds two groups: 32-bit lanes 0-3 of the vpmaddwd result cover
-// columns 0..31 of the chunk and lanes 4-7 columns 32..63.
+// The int32 lanes of a chunk's sums (iv::q4_dot8) each cover columns of one 32-column block,
+// with its own step of x and (group 32) its own scale: iv::q4_groups.
 struct Q4Format {
   static constexpr int64_t kChunkBytes = 32;
-  static constexpr bool split = false;  // group 32 is split by lanes instead (scale())
+  static constexpr int64_t kXStepBytes = 64 + 4 * iv::kW;  // int8 x and its steps
+  static constexpr int kPieces = iv::kQ4Pieces8;
+  using X = int8_t;
+  using Piece = iv::I8;
   static constexpr int64_t kRowBytes(int64_t K) { return K / 2; }
   const uint8_t* Q;
   const uint16_t *S, *Z;
@@ -503,15 +551,16 @@ struct Q4Format {
   int gshift = K / G == 128;  // group of chunk c (group size 64 / 128): c >> gshift
 
   const uint8_t* row(int64_t n) const { return Q + n * (K / 2); }
-  // x is permuted (iv::q4_column) to match the lanes of each piece.
-  static inline iv::I16 piece(const uint8_t* chunk, int h) { return iv::q4_piece(chunk, h); }
+  static inline iv::I8 piece(const uint8_t* chunk, int h) { return iv::q4_piece8(chunk, h); }
+  static inline iv::I32 dot(const iv::I8* w, const int8_t* xb) { return iv::q4_dot8(w, xb); }
   void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
     const uint16_t* s = S + n * G;
     if (K / G == 32) return to_float(s + 2 * c0, DType::kF16, 0, 2 * (c1 - c0), dst);
     for (int64_t c = c0; c < c1; ++c) dst[2 * (c - c0)] = dst[2 * (c - c0) + 1] = half_to_float(s[c >> gshift]);
   }
-  // Group 32: the two groups of a chunk scale their own lanes (iv::q4_groups); else both the same.
-  static inline iv::F scale(const float* two, int) { return iv::q4_groups(two[0], two[1]); }
+  // Group 32: the two groups of a chunk scale their own lanes; else both the same.
+  static inline iv::F scale(const float* two) { return iv::q4_groups(two[0], two[1]); }
+  static inline iv::F xstep(const float* dx, int64_t c) { return iv::load(dx + c * iv::kW); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -523,7 +572,7 @@ struct Q4Format {
       for (int64_t kk = C * 64; kk < K; ++kk) {
         const uint8_t byte = row[kk / 2];
         const int code = (kk & 1) ? (byte >> 4) : (byte & 15);
-        d += static_cast<float>(code) * x.xf[b * K + kk];
+        d += static_cast<float>(code) * x.xh[b * K + kk];
       }
       v += d * half_to_float(srow[G - 1]);
     }
@@ -559,7 +608,7 @@ void with_batch(int64_t Bc, const F& fn) {
 struct Prepared {
   const GemvCall* call;
   std::vector<float> xp;    // dense: fp32 x, permuted
-  XQ xq;                    // int8 / int4: x rounded to int16 per 64 columns
+  XQ xq;                    // int8 / int4: x rounded (int16 per 64 columns / int8 per 32)
   std::vector<float> xsum;  // int4: sum of the rounded x over each group (the bias term)
 };
 

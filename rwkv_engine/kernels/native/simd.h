@@ -119,16 +119,6 @@ inline I32 madd_add(I32 acc, I16 a, I16 b) {
 #endif
 }
 inline F to_float(I32 v) { return _mm256_cvtepi32_ps(v); }
-// Lane j of the 32 bytes as sixteen 16-bit lanes holds the codes of columns 4j .. 4j+3; piece h
-// is nibble h of every lane.
-inline I16 q4_piece(const uint8_t* chunk, int h) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-  const __m256i mask = _mm256_set1_epi16(0x0F);
-  return h == 0 ? _mm256_and_si256(v, mask)
-         : h < 3 ? _mm256_and_si256(_mm256_srli_epi16(v, 4 * h), mask)
-                 : _mm256_srli_epi16(v, 12);
-}
-constexpr int q4_column(int pos) { return 4 * (pos % 16) + pos / 16; }
 // A 16-column bf16 step as two vectors without widening: 32-bit lane j holds columns 2j (low
 // half: a shift) and 2j + 1 (high half: a mask), so vector 0 holds the even columns and vector
 // 1 the odd ones (x is permuted to match). Faster than two widening loads (port 5).
@@ -137,10 +127,9 @@ inline F bf16_step(const uint16_t* w, int h) {
   return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 constexpr int bf16_column(int pos) { return 2 * (pos % 8) + pos / 8; }
-// int4 with group size 32: the scale vector of a chunk's int32 sums, lane l taking the scale of
-// the group (s0: columns 0-31, s1: 32-63) of the columns summed in it. q4_column is such that on
-// every level int32 lane l of madd(q4_piece(h), x) sums columns of one group, the same for
-// every piece h: lanes 0-3 here, 0-1 on NEON (checked by layouts_consistent below).
+// int4: the scale vector of a chunk's int32 sums (q4_dot8 below), lane l taking the value of the
+// 32-column block (s0: columns 0-31, s1: 32-63) of the columns summed in it: lanes 0-3 here, 0-1
+// on NEON.
 inline F q4_groups(float s0, float s1) { return _mm256_blend_ps(_mm256_set1_ps(s0), _mm256_set1_ps(s1), 0xF0); }
 // Two int32 sum vectors (lo: one group's columns, hi: the next group's) as one: adjacent lanes
 // added, lo's pairs and hi's pairs alternating (lanes 0-1 from lo, 2-3 from hi, 4-5 lo, 6-7 hi);
@@ -150,6 +139,36 @@ inline F pair_scales(const float* two) {  // two[0] twice, two[1] twice, and aga
   double pair;
   std::memcpy(&pair, two, 8);
   return _mm256_permute_ps(_mm256_castpd_ps(_mm256_set1_pd(pair)), 0x50);
+}
+
+// int4 codes times int8 x (Q4Format): a chunk's 32 code bytes as kQ4Pieces8 byte vectors of u8
+// codes, piece h = nibble h of every byte (h = 0: the even columns, 1: the odd ones); x is
+// permuted to match (q4x8_column: x bytes 0-31 the even columns, 32-63 the odd ones).
+using I8 = __m256i;
+inline constexpr int kQ4Pieces8 = 2;
+inline I8 q4_piece8(const uint8_t* chunk, int h) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  return _mm256_and_si256(h == 0 ? v : _mm256_srli_epi16(v, 4), mask);
+}
+constexpr int q4x8_column(int pos) { return 2 * (pos % 32) + pos / 32; }
+// sum over 4 adjacent bytes of a0 * b0 + a1 * b1 in each int32 lane, exactly: a0, a1 unsigned
+// bytes of at most 15 (codes), b0, b1 signed in [-127, 127]. VNNI: two vpdpbusd; else vpmaddubsw
+// (pairs into int16, at most 2 * 15 * 127 each, and the two added: 7620, no saturation), then
+// vpmaddwd by ones.
+inline I32 dot_u8s8(I8 a0, I8 b0, I8 a1, I8 b1) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), a0, b0), a1, b1);
+#else
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(a0, b0), _mm256_maddubs_epi16(a1, b1)),
+                           _mm256_set1_epi16(1));
+#endif
+}
+// The int32 sums of a chunk: pieces w (q4_piece8) times the permuted x bytes xb [64]. Int32 lane
+// l sums columns 8l .. 8l + 7, so lanes 0-3 cover group 0 and 4-7 group 1, as q4_groups scales.
+inline I32 q4_dot8(const I8* w, const int8_t* xb) {
+  return dot_u8s8(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb)), w[1],
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32)));
 }
 
 }  // namespace v256
@@ -205,48 +224,56 @@ inline I32 madd(I16 a, I16 b) {
 inline I32 add_i(I32 a, I32 b) { return vaddq_s32(a, b); }
 inline I32 madd_add(I32 acc, I16 a, I16 b) { return add_i(acc, madd(a, b)); }
 inline F to_float(I32 v) { return vcvtq_f32_s32(v); }
-// The 32 bytes as sixteen 16-bit lanes j (codes of columns 4j .. 4j+3); piece h is nibble h % 4
-// of lanes 0-3 and 8-11 (h < 4) or of lanes 4-7 and 12-15, so that int32 lanes 0-1 of every
-// madd cover columns 0-31 and lanes 2-3 columns 32-63, as on x86 (see q4_groups).
-inline I16 q4_piece(const uint8_t* chunk, int h) {
-  const uint16x8_t lo = vld1q_u16(reinterpret_cast<const uint16_t*>(chunk));
-  const uint16x8_t hi = vld1q_u16(reinterpret_cast<const uint16_t*>(chunk) + 8);
-  const uint16x8_t v = h < 4 ? vcombine_u16(vget_low_u16(lo), vget_low_u16(hi)) : vcombine_u16(vget_high_u16(lo), vget_high_u16(hi));
-  const int16x8_t shift = vdupq_n_s16(static_cast<int16_t>(-4 * (h % 4)));
-  return vreinterpretq_s16_u16(vandq_u16(vshlq_u16(v, shift), vdupq_n_u16(0x0F)));
-}
-constexpr int q4_column(int pos) {
-  const int h = pos / 8, i = pos % 8;
-  const int j = (i < 4 ? i : i + 4) + (h < 4 ? 0 : 4);
-  return 4 * j + h % 4;
-}
 inline F bf16_step(const uint16_t* w, int h) { return load_bf16(w + kW * h); }
 constexpr int bf16_column(int pos) { return pos; }
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
 inline void pause() { __asm__ __volatile__("yield"); }
 inline void store_fence() { __atomic_thread_fence(__ATOMIC_RELEASE); }
 inline constexpr int kW16 = 2 * kW;  // int16 lanes of an I16
-// int4 with group size 32: see v256::q4_groups.
+// See v256::q4_groups.
 inline F q4_groups(float s0, float s1) { return vcombine_f32(vdup_n_f32(s0), vdup_n_f32(s1)); }
 // See v256::join_halves: lanes 0-1 from lo, 2-3 from hi.
 inline I32 join_halves(I32 lo, I32 hi) { return vpaddq_s32(lo, hi); }
 inline F pair_scales(const float* two) { return q4_groups(two[0], two[1]); }
+// int4 codes times int8 x: see v256::q4_piece8. Four 16-byte pieces: h = 0, 1 the low and high
+// nibbles of bytes 0-15 (columns 0-31), h = 2, 3 those of bytes 16-31 (columns 32-63).
+using I8 = uint8x16_t;
+inline constexpr int kQ4Pieces8 = 4;
+inline I8 q4_piece8(const uint8_t* chunk, int h) {
+  const uint8x16_t v = vld1q_u8(chunk + 16 * (h / 2));
+  return h % 2 == 0 ? vandq_u8(v, vdupq_n_u8(0x0F)) : vshrq_n_u8(v, 4);
+}
+constexpr int q4x8_column(int pos) { return 32 * (pos / 32) + 2 * (pos % 16) + (pos % 32) / 16; }
+// See v256::dot_u8s8 (codes at most 15 read as signed bytes: the same values). With the dot
+// product instructions (ARMv8.2 dotprod) two sdot; else widening multiplies into int16 (at most
+// 2 * 15 * 127 per lane), pairs added, then pairs widened into int32.
+inline I32 dot_u8s8(I8 a0, int8x16_t b0, I8 a1, int8x16_t b1) {
+  const int8x16_t s0 = vreinterpretq_s8_u8(a0), s1 = vreinterpretq_s8_u8(a1);
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(vdotq_s32(vdupq_n_s32(0), s0, b0), s1, b1);
+#else
+  const int16x8_t lo = vmlal_s8(vmull_s8(vget_low_s8(s0), vget_low_s8(b0)), vget_low_s8(s1), vget_low_s8(b1));
+  const int16x8_t hi = vmlal_high_s8(vmull_high_s8(s0, b0), s1, b1);
+  return vpaddlq_s16(vpaddq_s16(lo, hi));
+#endif
+}
+// See v256::q4_dot8: the two groups' lanes joined so that lanes 0-1 cover group 0 and 2-3 group 1.
+inline I32 q4_dot8(const I8* w, const int8_t* xb) {
+  const I32 g0 = dot_u8s8(w[0], vld1q_s8(xb), w[1], vld1q_s8(xb + 16));
+  const I32 g1 = dot_u8s8(w[2], vld1q_s8(xb + 32), w[3], vld1q_s8(xb + 48));
+  return vpaddq_s32(g0, g1);
+}
 namespace iv = ::rwkv_native::simd;
 
 #endif
 
 inline constexpr int kBytes = kW * 4;  // of a vector
 
-// The layouts above, checked where they are defined: every int32 lane of every int4 piece sums
-// columns of one group (q4_groups), and the x permutations are permutations.
+// The x permutations above are permutations (that each int32 lane of q4_dot8 sums one 32-column
+// block is checked by the tests: groups of 32 with different scales).
 constexpr bool layouts_consistent() {
-  for (int pos = 0; pos < 64; pos += 2) {
-    const int l = (pos % iv::kW16) / 2;  // the int32 lane
-    const bool g0 = iv::q4_column(pos) < 32, lane_g0 = iv::q4_column(2 * l) < 32;
-    if (g0 != lane_g0 || (iv::q4_column(pos + 1) < 32) != g0) return false;
-  }
   bool seen_q4[64] = {}, seen_bf16[16] = {};
-  for (int pos = 0; pos < 64; ++pos) seen_q4[iv::q4_column(pos)] = true;
+  for (int pos = 0; pos < 64; ++pos) seen_q4[iv::q4x8_column(pos)] = true;
   for (int pos = 0; pos < 16; ++pos) seen_bf16[bf16_column(pos)] = true;
   for (bool b : seen_q4) if (!b) return false;
   for (bool b : seen_bf16) if (!b) return false;

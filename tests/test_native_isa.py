@@ -141,6 +141,8 @@ def test_choose_level_follows_the_cpu_features(monkeypatch):
     monkeypatch.setattr(native, "_arch", lambda: "aarch64")
     monkeypatch.setattr(native, "_cpu_features", lambda: {"fp", "asimd"})
     assert native.choose_level()[0].name == "neon"
+    monkeypatch.setattr(native, "_cpu_features", lambda: {"fp", "asimd", "asimddp"})
+    assert native.choose_level()[0].name == "neon_dotprod"
     monkeypatch.setattr(native, "_arch", lambda: "riscv64")
     assert native.choose_level()[0] is None
 
@@ -181,14 +183,18 @@ def _from_raw(b: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(b, dtype=np_dt).copy()).reshape(shape)
 
 
-def test_arm64_kernels_under_qemu(tmp_path):
-    lv = native.level("neon")
+@pytest.mark.parametrize("name", [lv.name for lv in native.LEVELS if lv.arch == "aarch64"])
+def test_arm64_kernels_under_qemu(tmp_path, name):
+    lv = native.level(name)
     on_arm = native._arch() == "aarch64"
     cxx = native._compiler() if on_arm else CROSS["aarch64"]
-    runner = [] if on_arm else ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"]
+    runner = [] if on_arm else ["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu"]
+    if on_arm and _why_not_runnable(name):
+        _note(name, f"run skipped: {_why_not_runnable(name)}")
+        pytest.skip(f"{name}: {_why_not_runnable(name)}")
     for tool in [cxx] + runner[:1]:
         if shutil.which(tool) is None:
-            _note("neon", f"qemu run skipped: no {tool}")
+            _note(name, f"qemu run skipped: no {tool}")
             pytest.skip(f"no {tool} (Debian: g++-aarch64-linux-gnu, qemu-user)")
     exe = native.build_kernels(lv, cxx=cxx, selftest=True)
     g = torch.Generator().manual_seed(13)
@@ -274,14 +280,14 @@ def test_arm64_kernels_under_qemu(tmp_path):
     r = subprocess.run([*runner, str(exe), str(tmp_path / "cases"), str(tmp_path / "out")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[0] == "level neon" and f"{len(cases)} cases" in r.stdout
+    assert r.stdout.splitlines()[0] == f"level {name}" and f"{len(cases)} cases" in r.stdout
     out = (tmp_path / "out").read_bytes()
     assert len(out) == sum(n for n, _ in checks)
     pos = 0
     for n, check in checks:
         check(out[pos : pos + n])
         pos += n
-    _note("neon", f"ran {len(cases)} kernel cases {'natively' if on_arm else 'under qemu-aarch64'}")
+    _note(name, f"ran {len(cases)} kernel cases {'natively' if on_arm else 'under qemu-aarch64'}")
 
 
 def test_a_stale_build_lock_is_removed(tmp_path):

@@ -10,9 +10,11 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
 
     avx2     x86-64 with AVX2, FMA and F16C (Haswell, Zen 1 and later): the x86 baseline
     avx512   x86-64 with AVX-512 F/BW/VL/DQ (Skylake-SP, Ice Lake, Zen 4 and later)
-    avx512_vnni  avx512 + VNNI (vpdpwssd: the int8 / int4 kernels' int16 dot products in one
-             instruction; Cascade Lake, Ice Lake, Zen 4 and later)
+    avx512_vnni  avx512 + VNNI (vpdpwssd / vpdpbusd: the int8 kernel's int16 and the int4
+             kernel's int8 dot products in one instruction; Cascade Lake, Ice Lake, Zen 4 and later)
     neon     ARM64 (Advanced SIMD is part of ARMv8-A: Apple Silicon, Graviton, phones)
+    neon_dotprod  neon + the ARMv8.2 dot product instructions (sdot: the int4 kernel's int8 dot
+             products; Apple M1, Graviton 2, Cortex-A55/A76 and later)
 
 `RWKV_ENGINE_ISA=<level>` (read once, at the first load()) forces a lower level, for A/B runs
 and tests; `RWKV_ENGINE_ISA=none` turns the native kernels off (every caller then uses its
@@ -99,6 +101,7 @@ LEVELS = (  # per architecture, lowest first
     Level("avx512_vnni", "x86_64", _AVX2 + _AVX512 + ("-mavx512vnni",),
           frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})),
     Level("neon", "aarch64", ("-march=armv8-a",), frozenset()),
+    Level("neon_dotprod", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimddp"})),
 )
 
 

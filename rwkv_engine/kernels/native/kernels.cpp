@@ -11,11 +11,13 @@
 // the unpacking cheaper than the memory stream; a batch of rows of x uses each weight B times,
 // and the aim is to keep the multiply pipes busy (see the tiled driver below).
 //   * Dense weights: x is converted to fp32 once per call, then FMAs.
-//   * int8 / int4: x is rounded to int16 per 64 columns and the products are summed exactly in
-//     int32 with iv::madd (vpmaddwd, 16 per instruction; vpdpwssd adds in the same instruction
-//     with VNNI; 256-bit vectors at the AVX-512 levels too, see simd.h iv); for int4, x
-//     is permuted (iv::q4_column) so that a shift and a mask put the codes in the right lanes
-//     (no shuffles in the inner loop).
+//   * int8 / int4: x is rounded to small integers and the products are summed exactly in int32
+//     (256-bit vectors at the AVX-512 levels too, see simd.h iv). int8 weights: x in int16 per
+//     64 columns, iv::madd (vpmaddwd, 16 per instruction; vpdpwssd adds in the same instruction
+//     with VNNI). int4 weights: x in int8 per 32 columns, iv::dot_u8s8 (vpdpbusd, 32 per
+//     instruction, with VNNI; vpmaddubsw + vpmaddwd on AVX2; sdot / widening multiplies on
+//     NEON); x is permuted (iv::q4x8_column) so that a mask and a shift put the codes in the
+//     right lanes (no shuffles in the inner loop).
 //   * Blocks of R weight rows x Bt rows of x share their loads; per-chunk / per-group partial
 //     sums are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
 //   * The next block of rows is prefetched while the current one is read (short quantized rows,

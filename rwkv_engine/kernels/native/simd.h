@@ -4,23 +4,25 @@
 //   level    flags (see kernels/native/__init__.py)                 F (fp32 lanes)  I16 lanes
 //   avx2     -mavx2 -mfma -mf16c                                      8               16
 //   avx512   + -mavx512f -mavx512bw -mavx512vl -mavx512dq            16               32
-//   avx512_vnni  + -mavx512vnni (vpdpwssd: madd_add in one instruction) 16             32
+//   avx512_vnni  + -mavx512vnni (vpdpwssd: madd_add in one instruction; 16             32
+//                vpdpbusd: dot_u8s8's int8 products)
 //   neon     aarch64 (Advanced SIMD is part of ARMv8-A)               4                8
+//   neon_dotprod  -march=armv8.2-a+dotprod (sdot: int8 dot products)  4                8
 //
 // The level is chosen by the compiler flags (the predefined __AVX512BW__ / __AVX2__ /
-// __aarch64__ macros). Everything here is per lane, except where a primitive says otherwise:
-// hsum, the pairwise integer multiply-add madd, the decoding of a bf16 step (bf16_step with
-// its x layout bf16_column) and of int4 codes (q4_piece with its x layout q4_column and lane
-// groups q4_groups). A primitive exists only where the operation
-// has no portable spelling (fused multiply-add, 16-bit float conversion, int16 dot products);
-// plain loops are left to the compiler.
+// __aarch64__ / __ARM_FEATURE_DOTPROD macros). Everything here is per lane, except where a
+// primitive says otherwise: hsum, the pairwise integer multiply-add madd, the decoding of a bf16
+// step (bf16_step with its x layout bf16_column) and of int4 codes (q4_piece8 with its x layout
+// q4x8_column, their int8 dot products dot_u8s8 / q4_dot8 and lane groups q4_groups). A
+// primitive exists only where the operation has no portable spelling (fused multiply-add, 16-bit
+// float conversion, int16 / int8 dot products); plain loops are left to the compiler.
 //
 // `iv` names the vectors of the int8 / int4 GEMVs (kernels.cpp IntKernel): the level's own on
 // AVX2 and NEON, and 256-bit ones (v256: the AVX2 primitives, with VNNI's vpdpwssd and the 32
 // registers of AVX-512VL) on the AVX-512 levels. Measured on Zen 4, which runs a 512-bit
 // instruction as two 256-bit halves: the 512-bit form took as many instructions per 64
-// multiply-adds but was 5-10% slower at batch 1 (int4: zero-extending 32 codes to 512 bits;
-// int8 group 32: a whole vector per 32-column group, so twice the scaling per chunk) and
+// multiply-adds but was 5-10% slower at batch 1 (int4, when it took int16 x: zero-extending 32
+// codes to 512 bits; int8 group 32: a whole vector per 32-column group, so twice the scaling per chunk) and
 // 10-25% slower at batch 8; the 256-bit form at the AVX-512 levels was as fast as AVX2 or
 // faster (bench_kernels.py --only batch --baseline isa:avx2).
 #pragma once
@@ -56,7 +58,11 @@ using I16 = __m512i;
 #elif defined(RWKV_SIMD_AVX2)
 inline constexpr const char* kLevel = "avx2";
 #else
+#if defined(__ARM_FEATURE_DOTPROD)
+inline constexpr const char* kLevel = "neon_dotprod";
+#else
 inline constexpr const char* kLevel = "neon";
+#endif
 inline constexpr int kW = 4;
 using F = float32x4_t;
 using I32 = int32x4_t;

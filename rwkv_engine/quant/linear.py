@@ -25,8 +25,8 @@ The native GEMV of int8 weights rounds x to int16 per 64 columns before an exact
 product; the result differs from the reference by about 1e-5 relative (more when a few
 activations are much larger than the rest of their 64 columns), well below bf16 rounding. The
 int4 GEMV rounds x to int8 per 32 columns (about 0.5% relative, against int4's ~8%), and that
-rounding is part of the int4 decode's math: `Int4Linear` applies it on the plain path too, for
-up to `GEMV_MAX_ROWS` rows (primitives.round_activations_int8).
+rounding is part of the int4 decode's math on the CPU: `Int4Linear` applies it on the plain CPU
+path too (no native kernels), for up to `GEMV_MAX_ROWS` rows (primitives.round_activations_int8).
 """
 
 from __future__ import annotations
@@ -287,10 +287,10 @@ class Int4Linear(_QuantLinearBase):
         return ops.gemv_q4(x2, self.qweight, self.scales, self.biases, self.col_scales)
 
     def _reference(self, x2: Tensor) -> Tensor:
-        """Decode (at most GEMV_MAX_ROWS rows) as the native GEMV computes it, on any device: x
-        times the column scales, rounded to int8 per 32 columns (primitives.round_activations_int8),
-        times the weight in fp32; more rows as the plain reference."""
-        if x2.shape[0] > GEMV_MAX_ROWS:
+        """Decode on the CPU (at most GEMV_MAX_ROWS rows) as the native GEMV computes it: x times
+        the column scales, rounded to int8 per 32 columns (primitives.round_activations_int8),
+        times the weight in fp32; more rows, and other devices, as the plain reference."""
+        if x2.shape[0] > GEMV_MAX_ROWS or x2.device.type != "cpu":
             return super()._reference(x2)
         xs = P.round_activations_int8(x2.float() * self.col_scales.float())
         return F.linear(xs, P.dequantize_int4(self.qweight, self.scales, self.biases)).to(x2.dtype)

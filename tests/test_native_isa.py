@@ -26,6 +26,7 @@ import torch
 from rwkv_engine.kernels import native
 from rwkv_engine.quant import primitives as P
 
+from . import test_kernels_v7 as TW
 from . import test_native_kernels as TK
 from . import test_native_step as TS
 from . import test_lora as TL
@@ -93,6 +94,12 @@ def test_level_gemvs_match_reference(level_in_use):
     TK.test_int16_rounding_with_an_outlier_activation()
     TK.test_dequant_tiles_equal_reference(torch.bfloat16)
     TK.test_quantize_q4_gives_the_reference_bytes(32, True, False)
+
+
+def test_level_wkv7_matches_reference(level_in_use):
+    for N in (8, 64):
+        TW.test_native_wkv7_matches_naive(N, "mixed")
+    TW.test_native_wkv7_rows_of_a_batch_equal_each_row_alone()
 
 
 def test_level_decode_step_matches_pytorch(level_in_use, checkpoints, ckpts):  # noqa: F811

@@ -97,3 +97,64 @@ def test_wkv7_naive_is_the_recurrence():
         P = P * w[None, :] + torch.outer(P @ a[0, t, 0], b[0, t, 0]) + torch.outer(v[0, t, 0], k[0, t, 0])
         assert torch.allclose(y[0, t, 0], P @ r[0, t, 0], atol=1e-5)
     assert torch.allclose(S_out[0, 0], P.T, atol=1e-5)
+
+
+def _native_or_skip():
+    from rwkv_engine.kernels import native
+
+    ops = native.load()
+    if ops is None:
+        pytest.skip("native kernels unavailable here (see log)")
+    return ops
+
+
+def _native_wkv7(ops, r, k, v, log_w, a, b, state):
+    return ops.wkv7(r, k, v, torch.exp(log_w), a, b, state)
+
+
+@pytest.mark.parametrize("N", [8, 16, 64, 128])  # 8: the plain loop; the others one of the SIMD widths
+@pytest.mark.parametrize("decays", sorted(DECAYS))
+def test_native_wkv7_matches_naive(N, decays):
+    ops = _native_or_skip()
+    args = _inputs(2, 45, 2, N, DECAYS[decays], seed=N)
+    y_ref, s_ref = wkv7_naive(*(t.double() for t in args))
+    before = [t.clone() for t in args]
+    y, s = _native_wkv7(ops, *args)
+    assert y.shape == (2, 45, 2, N) and s.shape == (2, 2, N, N) and y.dtype == s.dtype == torch.float32
+    assert rel_rms(y, y_ref) < 1e-5 and rel_rms(s, s_ref) < 1e-5
+    assert all(torch.equal(t, t0) for t, t0 in zip(args, before))  # inputs untouched, the state too
+
+
+def test_wkv7_uses_the_native_recurrence_on_the_cpu():
+    # The dispatcher's result is the native kernel's, bit for bit, at every length (the decode
+    # step's one token and a prefill's many), and pieces give the bits of one call.
+    ops = _native_or_skip()
+    for T in (1, 5, 16, 100):
+        args = _inputs(1, T, 2, 64, DECAYS["mixed"], seed=T)
+        y, s = wkv7(*args)
+        y_n, s_n = _native_wkv7(ops, *args)
+        assert torch.equal(y, y_n) and torch.equal(s, s_n), T
+    *xs, state = _inputs(1, 100, 2, 64, DECAYS["mixed"], seed=7)
+    y, s = wkv7(*xs, state)
+    y1, s1 = wkv7(*(x[:, :3] for x in xs), state)
+    y2, s2 = wkv7(*(x[:, 3:] for x in xs), s1)
+    assert torch.equal(torch.cat([y1, y2], dim=1), y) and torch.equal(s2, s)
+
+
+def test_native_wkv7_rows_of_a_batch_equal_each_row_alone():
+    # The server's promise: a sequence batched with others gets the bits it gets alone.
+    ops = _native_or_skip()
+    args = _inputs(3, 40, 4, 64, DECAYS["mixed"], seed=11)
+    y, s = _native_wkv7(ops, *args)
+    for row in range(3):
+        y1, s1 = _native_wkv7(ops, *(t[row : row + 1].contiguous() for t in args))
+        assert torch.equal(y1[0], y[row]) and torch.equal(s1[0], s[row]), row
+
+
+def test_native_wkv7_rejects_bad_shapes():
+    ops = _native_or_skip()
+    r, k, v, log_w, a, b, state = _inputs(1, 4, 2, 16, DECAYS["mixed"])
+    with pytest.raises(RuntimeError, match="state must be"):
+        ops.wkv7(r, k, v, log_w, a, b, state[:, :1].contiguous())
+    with pytest.raises(RuntimeError, match="must be float32"):
+        ops.wkv7(r, k.double(), v, log_w, a, b, state)

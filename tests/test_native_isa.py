@@ -26,6 +26,7 @@ import torch
 from rwkv_engine.kernels import native
 from rwkv_engine.quant import primitives as P
 
+from . import test_kernels_v7 as TW
 from . import test_native_kernels as TK
 from . import test_native_step as TS
 from . import test_lora as TL
@@ -94,6 +95,12 @@ def test_level_gemvs_match_reference(level_in_use):
     TK.test_q4_rounds_x_as_the_reference_bit_for_bit()
     TK.test_dequant_tiles_equal_reference(torch.bfloat16)
     TK.test_quantize_q4_gives_the_reference_bytes(32, True, False)
+
+
+def test_level_wkv7_matches_reference(level_in_use):
+    for N in (8, 64):
+        TW.test_native_wkv7_matches_naive(N, "mixed")
+    TW.test_native_wkv7_rows_of_a_batch_equal_each_row_alone()
 
 
 def test_level_decode_step_matches_pytorch(level_in_use, checkpoints, ckpts):  # noqa: F811
@@ -257,6 +264,29 @@ def test_arm64_kernels_under_qemu(tmp_path, name):
                     assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[3][i : i + 1]), (name, i)
 
                 add(_case(5, [K, N, 1, _DT[wdt]], w, x[i : i + 1]), N * 4, lora_alone)
+    # the RWKV-7 WKV over a sequence (SIMD heads of 16 and 64, the plain loop for 8): the recurrence,
+    # and each row of a batch the bits it gives alone
+    for N in (8, 16, 64):
+        r_, k_, v_, log_w, a_, b_, state = TW._inputs(2, 21, 2, N, TW.DECAYS["mixed"], seed=N)
+        ins = [r_, k_, v_, torch.exp(log_w), a_, b_]
+        y_ref, s_ref = TW.wkv7_naive(*(t.double() for t in (r_, k_, v_, log_w, a_, b_, state)))
+        n, ns = r_.numel(), state.numel()
+        rows = {}
+
+        def wkv_check(b, N=N, y_ref=y_ref, s_ref=s_ref, n=n, rows=rows):
+            y = _from_raw(b[: 4 * n], torch.float32, y_ref.shape)
+            s = _from_raw(b[4 * n :], torch.float32, s_ref.shape)
+            assert TK.rel_rms(y, y_ref) < 1e-5 and TK.rel_rms(s, s_ref) < 1e-5, ("wkv7", N)
+            rows["y"], rows["s"] = y, s
+
+        add(_case(6, [2, 21, 2, N], *ins, state), 4 * (n + ns), wkv_check)
+
+        def wkv_alone(b, N=N, n=n, rows=rows):
+            y = _from_raw(b[: 2 * n], torch.float32, rows["y"][1:].shape)
+            assert torch.equal(y, rows["y"][1:]) and torch.equal(_from_raw(b[2 * n :], torch.float32, rows["s"][1:].shape),
+                                                                 rows["s"][1:]), ("wkv7 row alone", N)
+
+        add(_case(6, [1, 21, 2, N], *(t[1:] for t in ins), state[1:]), 2 * (n + ns), wkv_alone)
     # dequantization and the int4 quantizer: the reference's bits and bytes
     w = torch.randn(11, 256, generator=g)
     q, s, z = P.quantize_int4(w, 64)

@@ -46,7 +46,8 @@ def prefill_end(start: int, total: int, chunk: int, rows: int = 1) -> int:
     the recurrent WKV), which round differently. With no short last piece, every piece of a
     prompt longer than GEMV_MAX_ROWS tokens runs the GEMM (whose rows do not depend on how many
     there are, for more than 11 with the MKL of PyTorch's CPU builds) and the chunked WKV (which
-    sums in an order independent of the number of chunks). So a prompt prefilled in pieces of a
+    sums in an order independent of the number of chunks; RWKV-7's on the CPU is the native
+    recurrence, the same per token however the prompt is cut). So a prompt prefilled in pieces of a
     multiple of 32 tokens (the WKV chunk; the server's --prefill-chunk) gives bit for bit the
     logits and state of one `forward` over it (pieces of PREFILL_CHUNK): a sequence served gets
     the tokens it gets alone.

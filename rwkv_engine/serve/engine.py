@@ -28,8 +28,8 @@ Batched = alone, bit for bit (on the CPU, with the native kernels): a request ge
 * Prefill: a prompt is read in pieces of `prefill_chunk` tokens and `generate` reads it in one
   `forward` (pieces of PREFILL_CHUNK inside); both cut it with `models.model.prefill_end`,
   which never leaves a last piece short enough for the GEMV, so every piece of either runs
-  the GEMM and the chunked WKV, whose results for a token do not depend on where the prompt is
-  cut: the logits and state are the same bit for bit (for a `prefill_chunk` that is a multiple
+  the GEMM and the chunked WKV (RWKV-7 on the CPU: the native recurrence), whose results for a
+  token do not depend on where the prompt is cut: the logits and state are the same bit for bit (for a `prefill_chunk` that is a multiple
   of 32, the WKV chunk; the default is 256).
 
 Prompt-state cache: prompts are prefilled in chunks aligned to multiples of `prefill_chunk`

@@ -46,6 +46,8 @@ any size, it is processed 8 rows per pass over the weights):
     quantize_q8(weight, group_size, col_scales) -> (qweight, scales), the bytes of quantize_int8
     column_scales(weight)                 -> fp16 [K], primitives.column_scales (quantize.cpp:
                                           plain C++, all threads)
+    wkv7(r, k, v, w, a, b, state)         -> (y, new state): RWKV-7's WKV over [B, T, H, N] fp32,
+                                          token by token (step.cpp; kernels/wkv7.py calls it)
 
 The formats are those of `rwkv_engine.quant.primitives`, which is also the reference they are
 tested against (tests/test_native_kernels.py).

@@ -12,7 +12,7 @@
 namespace rwkv_native {
 
 // Bumped whenever Api changes, so that a library and bindings of different versions never meet.
-inline constexpr int kApiVersion = 3;
+inline constexpr int kApiVersion = 4;
 
 struct Api {
   int version;
@@ -28,6 +28,7 @@ struct Api {
   decltype(&rwkv_native::decode_step) decode_step;
   decltype(&rwkv_native::quantize_q8) quantize_q8;
   decltype(&rwkv_native::column_scales) column_scales;
+  decltype(&rwkv_native::wkv7_sequence) wkv7_sequence;
 };
 
 }  // namespace rwkv_native

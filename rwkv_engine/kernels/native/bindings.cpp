@@ -220,6 +220,32 @@ std::tuple<at::Tensor, at::Tensor> quantize_q8(const at::Tensor& w, std::optiona
   return {q, s};
 }
 
+// step.h: the RWKV-7 WKV over a sequence. r, k, v, w (the decays), a, b [B, T, H, N], state [B, H, N, N],
+// all fp32 contiguous on the CPU -> (y [B, T, H, N], new state); the inputs are not modified.
+std::tuple<at::Tensor, at::Tensor> wkv7(const at::Tensor& r, const at::Tensor& k, const at::Tensor& v,
+                                        const at::Tensor& w, const at::Tensor& a, const at::Tensor& b,
+                                        const at::Tensor& state) {
+  TORCH_CHECK(r.dim() == 4 && r.size(0) >= 1 && r.size(1) >= 1, "wkv7: r must be [B, T, H, N] with B, T >= 1");
+  const int64_t B = r.size(0), T = r.size(1), H = r.size(2), N = r.size(3);
+  const char* names[] = {"r", "k", "v", "w", "a", "b"};
+  const at::Tensor* ts[] = {&r, &k, &v, &w, &a, &b};
+  for (int i = 0; i < 6; ++i) {
+    check_cpu_contiguous(*ts[i], names[i]);
+    TORCH_CHECK(ts[i]->sizes() == r.sizes() && ts[i]->scalar_type() == at::kFloat, "wkv7: ", names[i],
+                " must be float32 of r's shape ", r.sizes());
+  }
+  check_cpu_contiguous(state, "state");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.dim() == 4 && state.size(0) == B && state.size(1) == H &&
+                  state.size(2) == N && state.size(3) == N,
+              "wkv7: state must be float32 [B, H, N, N] = [", B, ", ", H, ", ", N, ", ", N, "]");
+  at::Tensor y = at::empty(r.sizes(), r.options());
+  at::Tensor out = at::empty(state.sizes(), state.options());
+  api().wkv7_sequence(B, T, H, N, r.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                      w.data_ptr<float>(), a.data_ptr<float>(), b.data_ptr<float>(), state.data_ptr<float>(),
+                      out.data_ptr<float>(), y.data_ptr<float>());
+  return {y, out};
+}
+
 // --- the fused decode step (step.h) ---------------------------------------------------------
 
 // A model's parameters for rwkv_native::decode_step, built once from Python (models/native_step.py)
@@ -446,6 +472,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("column_scales", &column_scales, "fp16 [K] of primitives.column_scales(w)", py::arg("weight"));
   m.def("quantize_q8", &quantize_q8, "(qweight, scales) of primitives.quantize_int8(w, group_size, col_scales)",
         py::arg("weight"), py::arg("group_size") = py::none(), py::arg("col_scales") = py::none());
+  m.def("wkv7", &wkv7,
+        "RWKV-7 WKV over a sequence, token by token: (y [B,T,H,N], new state [B,H,N,N]) from r, k, v, w = exp(log_w), "
+        "a, b [B,T,H,N] and state, all fp32 (kernels/wkv7.py wkv7_naive)",
+        py::arg("r"), py::arg("k"), py::arg("v"), py::arg("w"), py::arg("a"), py::arg("b"), py::arg("state"));
   py::class_<DecodePlan>(m, "DecodePlan", "one-token forward of every block of a model (see models/native_step.py)")
       .def(py::init<int64_t, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t,
                     const std::vector<py::dict>&, const py::dict&>(),

@@ -12,6 +12,8 @@
 //   op 3 dequant_q4   p = N K G ot -  -     in: q, s, z                          out: [N, K] (ot)
 //   op 4 quantize_q4  p = N K gs nshrink -  in: w fp32 [N, K], shrinks fp32      out: q, s, z
 //   op 5 lora_product p = K N B wt -  -     in: W [K, N] (wt), x fp32 [B, K]       out: y fp32 [B, N]
+//   op 6 wkv7_sequence p = B T H N -  -     in: r k v w a b fp32 [B, T, H, N], state [B, H, N, N]
+//                                                                       out: y [B, T, H, N], new state
 // dtypes as kernels.h DType (0 fp32, 1 bf16, 2 fp16). Prints the ISA level.
 
 #include <cstdint>
@@ -96,6 +98,16 @@ int main(int argc, char** argv) {
       y.resize(B * N * 4);
       lora_product(LoraMatrix{w.data(), DType(wt), K, N}, reinterpret_cast<const float*>(x.data()), B,
                    reinterpret_cast<float*>(y.data()));
+    } else if (op == 6) {
+      const int64_t B = p[0], T = p[1], H = p[2], N = p[3], n = B * T * H * N, ns = B * H * N * N;
+      std::vector<std::vector<char>> in6;
+      for (int i = 0; i < 6; ++i) in6.push_back(r.read(n * 4));
+      auto st = r.read(ns * 4);
+      y.resize((n + ns) * 4);
+      auto f = [](const std::vector<char>& v) { return reinterpret_cast<const float*>(v.data()); };
+      float* yo = reinterpret_cast<float*>(y.data());
+      if (r.ok)
+        wkv7_sequence(B, T, H, N, f(in6[0]), f(in6[1]), f(in6[2]), f(in6[3]), f(in6[4]), f(in6[5]), f(st), yo + n, yo);
     } else {
       std::fprintf(stderr, "unknown op %lld\n", static_cast<long long>(op));
       return 2;

@@ -331,10 +331,12 @@ void wkv7_head_simd(const float* r, const float* k, const float* v, const float*
   for (int jb = 0; jb < NB; ++jb) simd::store(y + kW * jb, acc[jb]);
 }
 
+// stream: streaming stores for a new state that goes to memory (the decode step); false for one
+// that is read again at once (wkv7_sequence updates a head's state in place, in the cache).
 void wkv7_head(const float* r, const float* k, const float* v, const float* w, const float* a, const float* b,
-               const float* S, float* So, float* y, int64_t N) {
+               const float* S, float* So, float* y, int64_t N, bool stream = true) {
   auto simd = [&]<int NB>() {
-    if (aligned(So)) wkv7_head_simd<NB, true>(r, k, v, w, a, b, S, So, y);
+    if (stream && aligned(So)) wkv7_head_simd<NB, true>(r, k, v, w, a, b, S, So, y);
     else wkv7_head_simd<NB, false>(r, k, v, w, a, b, S, So, y);
   };
   switch (N) {
@@ -610,6 +612,21 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
 }
 
 }  // namespace
+
+void wkv7_sequence(int64_t B, int64_t T, int64_t H, int64_t N, const float* r, const float* k, const float* v,
+                   const float* w, const float* a, const float* b, const float* state_in, float* state_out, float* y) {
+  const int64_t NN = N * N;
+  parallel_for(B * H, [&](int64_t item) {
+    const int64_t bi = item / H, h = item % H;
+    // The head's state lives in this scratch (in the cache) while its tokens go by.
+    std::vector<float> S(state_in + item * NN, state_in + (item + 1) * NN);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t o = ((bi * T + t) * H + h) * N;
+      wkv7_head(r + o, k + o, v + o, w + o, a + o, b + o, S.data(), S.data(), y + o, N, false);
+    }
+    std::copy(S.begin(), S.end(), state_out + item * NN);
+  });
+}
 
 void lora_product(const LoraMatrix& W, const float* x, int64_t B, float* y) {
   lora_products({{W, x, W.rows, y, W.cols}}, B);

@@ -75,6 +75,13 @@ struct StateRef {
 // each row's bits independent of B and of the thread count (for the standalone selftest).
 void lora_product(const LoraMatrix& W, const float* x, int64_t B, float* y);
 
+// The RWKV-7 WKV over T tokens (kernels/wkv7.py, wkv7_naive; w = exp(log_w) the decays): r, k, v,
+// w, a, b, y [B, T, H, N] and the states [B, H, N, N] ([key][value]) fp32 contiguous; state_out may
+// alias state_in. Token by token with the decode step's per-token arithmetic, each head one work
+// item: a prompt gives the same bits in one call or in pieces, and each row those of its own call.
+void wkv7_sequence(int64_t B, int64_t T, int64_t H, int64_t N, const float* r, const float* k, const float* v,
+                   const float* w, const float* a, const float* b, const float* state_in, float* state_out, float* y);
+
 // x [B, C] fp32: the embedded tokens in, the residual stream after the last block out;
 // logits [B, V] fp32: head(ln_out(x)), rounded to the model dtype as the PyTorch path holds it.
 void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits);

@@ -14,6 +14,8 @@ MALLOC_TRIM_THRESHOLD_ / GLIBC_TUNABLES, or RWKV_ENGINE_MALLOC=0.
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import os
 import sys
 
@@ -78,7 +80,15 @@ def huge_pages_available(mapped: bool = False) -> bool:
     process's own anyway (a checkpoint's, transformed at load), not those `mapped` from a converted
     directory, which processes on one machine share through the page cache (Ray replicas)."""
     mode = os.environ.get(HUGE_PAGES_ENV, "1")
-    if mode == "0" or (mapped and mode == "private") or not sys.platform.startswith("linux"):
+    if mode == "0" or (mapped and mode == "private"):
+        return False
+    return _thp_enabled()
+
+
+@functools.cache
+def _thp_enabled() -> bool:
+    """The system's THP setting, read once (a load asks for every tensor)."""
+    if not sys.platform.startswith("linux"):
         return False
     try:
         with open(_THP_ENABLED) as f:
@@ -100,10 +110,8 @@ def huge_page_empty(shape, dtype):
 
     import torch
 
-    numel = 1
-    for n in shape:
-        numel *= int(n)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(int(n) for n in shape)
+    nbytes = numel * dtype.itemsize
     m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = ctypes.addressof(ctypes.c_char.from_buffer(m))
     offset = -base % HUGE_PAGE

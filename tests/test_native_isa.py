@@ -91,6 +91,8 @@ def test_level_gemvs_match_reference(level_in_use):
     for N, K, gs in [(64, 2048, 32), (37, 96, 32), (130, 64, 64), (3, 448, 64), (64, 2048, 128)]:
         TK.test_gemv_q4_matches_reference(N, K, gs, col=gs == 64)
     TK.test_gemv_rows_of_a_batch_equal_each_row_alone(53, 2048 + 96)
+    TK.test_gemv_rows_of_a_batch_equal_each_row_alone(11, 1040)
+    TK.test_bf16_activations_take_the_bf16_dot_product_where_the_level_has_it()
     TK.test_activation_rounding_with_an_outlier_activation()
     TK.test_q4_rounds_x_as_the_reference_bit_for_bit()
     TK.test_dequant_tiles_equal_reference(torch.bfloat16)

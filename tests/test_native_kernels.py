@@ -98,13 +98,14 @@ def test_gemv_q4_matches_reference(N, K, group_size, col):
             assert rel_rms(y, xs.double() @ wd.T) < 2e-2
 
 
-@pytest.mark.parametrize("N,K", [(53, 2048 + 96), (30, 7168)])
+@pytest.mark.parametrize("N,K", [(53, 2048 + 96), (30, 7168), (11, 1040)])
 def test_gemv_rows_of_a_batch_equal_each_row_alone(N, K):
     # Batch invariance, bit for bit: whatever the batch size (row blocks, groups of x rows, K
     # tiles all change with it), each output gets the same floating-point operations.
     g = torch.Generator().manual_seed(K)
     w = torch.randn(N, K, generator=g)
     gemvs = {f"dense {dt}": (lambda x, wd=w.to(dt): ops.gemv_dense(x, wd)) for dt in DTYPES}
+    gemvs["dense bf16, x bf16"] = lambda x, wd=w.bfloat16(): ops.gemv_dense(x.bfloat16(), wd)  # the bf16 dot path
     gemvs["int8 per channel"] = lambda x, q=P.quantize_int8(w): ops.gemv_q8(x, *q)
     if K % 128 == 0:
         gemvs["int8 g64"] = lambda x, q=P.quantize_int8(w, 64): ops.gemv_q8(x, *q)
@@ -115,6 +116,25 @@ def test_gemv_rows_of_a_batch_equal_each_row_alone(N, K):
         alone = torch.cat([f(x[i : i + 1]) for i in range(16)])
         for B in (2, 3, 4, 5, 8, 9, 16):
             assert torch.equal(f(x[:B]), alone[:B]), (name, B)
+
+
+def test_bf16_activations_take_the_bf16_dot_product_where_the_level_has_it():
+    # x whose values are bf16 (x in bf16, or the decode step's activations of a bf16 model) times
+    # bf16 weights runs on the CPU's bf16 dot products at the avx512_bf16 level, which flush
+    # denormal inputs to zero; fp32 x and the other levels keep them. So a denormal x (2^-130)
+    # times a large weight (2^100) tells which path ran, and the rest must agree within rounding.
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 96, generator=g).bfloat16()
+    x = torch.randn(3, 96, generator=g).bfloat16()
+    assert rel_rms(ops.gemv_dense(x, w), ops.gemv_dense(x.float(), w)) < 4e-3
+    w[:, 0], x[:, 1:] = 2.0**100, 0
+    x[:, 0] = 2.0**-130
+    assert ops.gemv_dense(x.float(), w).eq(2.0**-30).all()
+    flushed = ops.gemv_dense(x, w)
+    if ops.isa() == "avx512_bf16":
+        assert flushed.eq(0).all()
+    else:
+        assert flushed.eq(2.0**-30).all()
 
 
 def test_activation_rounding_with_an_outlier_activation():

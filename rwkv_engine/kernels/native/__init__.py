@@ -12,6 +12,8 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
     avx512   x86-64 with AVX-512 F/BW/VL/DQ (Skylake-SP, Ice Lake, Zen 4 and later)
     avx512_vnni  avx512 + VNNI (vpdpwssd / vpdpbusd: the int8 kernel's int16 and the int4
              kernel's int8 dot products in one instruction; Cascade Lake, Ice Lake, Zen 4 and later)
+    avx512_bf16  avx512_vnni + AVX512-BF16 (vdpbf16ps: bf16 weights times activations that are
+             bf16 already, two products per fp32 lane; Cooper Lake, Sapphire Rapids, Zen 4 and later)
     neon     ARM64 (Advanced SIMD is part of ARMv8-A: Apple Silicon, Graviton, phones)
     neon_dotprod  neon + the ARMv8.2 dot product instructions (sdot: the int4 kernel's int8 dot
              products; Apple M1, Graviton 2, Cortex-A55/A76 and later)
@@ -102,6 +104,9 @@ LEVELS = (  # per architecture, lowest first
           frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})),
     Level("avx512_vnni", "x86_64", _AVX2 + _AVX512 + ("-mavx512vnni",),
           frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})),
+    Level("avx512_bf16", "x86_64", _AVX2 + _AVX512 + ("-mavx512vnni", "-mavx512bf16"),
+          frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                     "avx512_bf16"})),
     Level("neon", "aarch64", ("-march=armv8-a",), frozenset()),
     Level("neon_dotprod", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimddp"})),
 )

@@ -38,12 +38,16 @@ struct Linear {
   const uint16_t* cs = nullptr;  // optional fp16 column scales [K]
 };
 
-// One GEMV of gemv_many: y [B, l.N] = x [B, l.K] W^T, x and y of dtype xt.
+// One GEMV of gemv_many: y [B, l.N] = x [B, l.K] W^T, x and y of dtype xt. `exact`: a type in
+// which every value of x is exact (xt itself, or bf16 where x is fp32 holding bf16 values, as the
+// decode step's activations of a bf16 model); with bf16 and bf16 weights, a CPU's bf16 dot
+// products may be used (the avx512_bf16 level).
 struct GemvCall {
   const Linear* l;
   const void* x;
   void* y;
   DType xt;
+  DType exact = xt;
 };
 
 // Several GEMVs (the same B) as one parallel job: their row blocks are shared out together, so

@@ -6,6 +6,8 @@
 //   avx512   + -mavx512f -mavx512bw -mavx512vl -mavx512dq            16               32
 //   avx512_vnni  + -mavx512vnni (vpdpwssd: madd_add in one instruction; 16             32
 //                vpdpbusd: dot_u8s8's int8 products)
+//   avx512_bf16  + -mavx512bf16 (vdpbf16ps: dot_bf16, bf16 weights      16             32
+//                times x that is exact in bf16)
 //   neon     aarch64 (Advanced SIMD is part of ARMv8-A)               4                8
 //   neon_dotprod  -march=armv8.2-a+dotprod (sdot: int8 dot products)  4                8
 //
@@ -46,7 +48,9 @@
 namespace rwkv_native::simd {
 
 #if defined(RWKV_SIMD_AVX512)
-#if defined(__AVX512VNNI__)
+#if defined(__AVX512BF16__)
+inline constexpr const char* kLevel = "avx512_bf16";
+#elif defined(__AVX512VNNI__)
 inline constexpr const char* kLevel = "avx512_vnni";
 #else
 inline constexpr const char* kLevel = "avx512";
@@ -201,6 +205,17 @@ inline F load_bf16(const uint16_t* p) {
 }
 inline F bf16_step(const uint16_t* w, int h) { return load_bf16(w + kW * h); }
 constexpr int bf16_column(int pos) { return pos; }
+
+#if defined(__AVX512BF16__)
+// bf16 dot products (vdpbf16ps): H2 holds 32 bf16 values, and dot_bf16 adds to fp32 lane j the
+// products of values 2j and 2j + 1 of a and b (each exact in fp32: 8-bit significands; their sum
+// rounded, then added to the lane, rounded to nearest even; denormal inputs and results are
+// flushed to zero).
+#define RWKV_SIMD_BF16_DOT 1
+using H2 = __m512i;
+inline H2 load_h2(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline F dot_bf16(F acc, H2 a, H2 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+#endif
 
 namespace iv = v256;
 

@@ -201,7 +201,8 @@ void lora_products(std::initializer_list<LoraCall> calls, int64_t B) {
 }
 
 // Linears whose outputs the PyTorch path holds in dt (`self.key(kx)` with kx in dt), as one
-// parallel job (gemv_many): y [B, N] = x [B, K] W^T, fp32 in and out. Absent ones are skipped.
+// parallel job (gemv_many): y [B, N] = x [B, K] W^T, fp32 in and out, x holding values in dt
+// (every caller rounds it, as the PyTorch path's `.to(dt)`). Absent ones are skipped.
 struct LinCall {
   const Linear& l;
   const float* x;
@@ -212,7 +213,7 @@ void linears_dt(std::initializer_list<LinCall> calls, int64_t B, DType dt) {
   GemvCall gc[8];
   int n = 0;
   for (const LinCall& c : calls)
-    if (c.l.kind != Linear::Kind::kNone) gc[n++] = GemvCall{&c.l, c.x, c.y, DType::kF32};
+    if (c.l.kind != Linear::Kind::kNone) gc[n++] = GemvCall{&c.l, c.x, c.y, DType::kF32, dt};  // x is in dt
   gemv_many(gc, n, B);
   for (const LinCall& c : calls)
     if (c.l.kind != Linear::Kind::kNone) round_all(dt, c.y, B * c.l.N);

@@ -163,6 +163,7 @@ void for_rows(int64_t N, int64_t K, int64_t block, const F& fn) {
 // panel's accumulators wait in L1 between tiles. With B = 1 the tile is the whole row.
 
 constexpr int kPanel = 24;                 // weight rows per panel (a multiple of every R)
+constexpr int kAheadBlocks = 3;            // dense kernels with B > 1: prefetch this many row blocks ahead
 constexpr int64_t kXTileBytes = 16 << 10;  // prepared x of one K tile, all rows of the pass
 
 // Rows [r0, r1) of a pass of B rows of x; results to y [B, N].
@@ -253,7 +254,7 @@ struct DenseKernel {
     const float* x = xp + b0 * Kx;
     for (int64_t k = s0 * 16; k < s1 * 16; k += 16) {
       if (pf)
-        for (int r = 0; r < R; ++r) simd::prefetch(rows[r] + R * K + k);
+        for (int r = 0; r < R; ++r) simd::prefetch_l2(rows[r] + kAheadBlocks * R * K + k);
 #pragma GCC unroll 4
       for (int h = 0; h < kVecs; ++h) {
         F w[R];
@@ -314,7 +315,7 @@ struct DenseBF16DotKernel {
     const uint16_t* x = xb + b0 * Kx;
     for (int64_t k = s0 * 32; k < s1 * 32; k += 32) {
       if (pf)
-        for (int r = 0; r < R; ++r) simd::prefetch(rows[r] + R * K + k);
+        for (int r = 0; r < R; ++r) simd::prefetch_l2(rows[r] + kAheadBlocks * R * K + k);
       simd::H2 w[R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) w[r] = simd::load_h2(rows[r] + k);

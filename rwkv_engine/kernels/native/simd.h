@@ -87,6 +87,7 @@ inline void keep(V& v) {
 #if defined(RWKV_SIMD_AVX512) || defined(RWKV_SIMD_AVX2)
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 inline void pause() { _mm_pause(); }
 inline void store_fence() { _mm_sfence(); }
 
@@ -248,6 +249,7 @@ inline F to_float(I32 v) { return vcvtq_f32_s32(v); }
 inline F bf16_step(const uint16_t* w, int h) { return load_bf16(w + kW * h); }
 constexpr int bf16_column(int pos) { return pos; }
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline void pause() { __asm__ __volatile__("yield"); }
 inline void store_fence() { __atomic_thread_fence(__ATOMIC_RELEASE); }
 inline constexpr int kW16 = 2 * kW;  // int16 lanes of an I16

@@ -66,9 +66,10 @@ inline void store_elem(void* p, DType t, int64_t i, float v) {
 inline size_t elem_size(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // `bytes` bytes at `consumed` bytes into next_block, into L1.
+template <bool kL2 = false>
 inline void prefetch_next(const void* next_block, int64_t consumed, int64_t bytes) {
   const char* p = static_cast<const char*>(next_block) + consumed;
-  for (int64_t i = 0; i < bytes; i += 64) simd::prefetch(p + i);
+  for (int64_t i = 0; i < bytes; i += 64) kL2 ? simd::prefetch_l2(p + i) : simd::prefetch(p + i);
 }
 
 // The output y [B, N] in x's dtype, written one value at a time (B*N stores per call, so the
@@ -530,14 +531,15 @@ struct IntKernel {
     // 8 at a time once per tile rather than one at a time per chunk.
     alignas(32) float sc[R][2 * kMaxSteps];
     for (int r = 0; r < R; ++r) fm.scales(n + r, s0, s1, sc[r]);
-    const char* next = reinterpret_cast<const char*>(rows[0] + R * rb);  // contiguous rows
+    // contiguous rows; with B > 1 kAheadBlocks blocks ahead, into L2 (as the dense kernels)
+    const char* next = reinterpret_cast<const char*>(rows[0] + (Bt > 1 ? kAheadBlocks : 1) * R * rb);
     const bool whole = s0 == 0 && s1 == C;
     for (int64_t c = s0; c < s1; ++c) {
       if (pf) {
         if (whole)  // the next block's R rows are contiguous: read them at the same pace
-          prefetch_next(next, c * R * Fmt::kChunkBytes, R * Fmt::kChunkBytes);
+          prefetch_next<(Bt > 1)>(next, c * R * Fmt::kChunkBytes, R * Fmt::kChunkBytes);
         else if (c * Fmt::kChunkBytes % 64 == 0)  // the next cache line of each row
-          for (int r = 0; r < R; ++r) simd::prefetch(next + r * rb + c * Fmt::kChunkBytes);
+          for (int r = 0; r < R; ++r) prefetch_next<(Bt > 1)>(next + r * rb, c * Fmt::kChunkBytes, 1);
       }
       // A row's pieces stay in registers while each row of x takes its exact int32 sums (x folds
       // into the multiply-adds), then the scaling (Fmt::scale: each lane's group scale).

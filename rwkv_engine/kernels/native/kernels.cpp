@@ -295,7 +295,7 @@ struct DenseKernel {
 struct DenseBF16DotKernel {
   static constexpr int64_t kStepBytes = 32 * 2;  // prepared x per step and row of x
   // R x Bt accumulators + R weights + one x vector within AVX-512's 32 registers; R divides kPanel.
-  template <int B> static constexpr int kRows = B <= 2 ? 8 : B == 3 ? 6 : B <= 6 ? 4 : 3;
+  template <int B> static constexpr int kRows = B == 1 ? 1 : B <= 2 ? 8 : B == 3 ? 6 : B <= 6 ? 4 : 3;
   template <int B> static constexpr int kXRows = B;
   using Acc = F;
   static float hsum(F v) { return simd::hsum(v); }

@@ -25,6 +25,12 @@ is `llama-bench -o json` (peak RSS from polling its /proc/PID/status VmHWM). The
 largest) and the ratios rwkv-engine / llama.cpp. Prefill is the best of --repeats passes of the whole
 prompt in one call on both sides; decode is the median step (ours) and the median of --repeats passes
 of --decode tokens (llama-bench).
+
+Memory speed on a virtual machine can depend on the process: on this project's 2-core Zen 4 VM,
+fresh memory read at 33-68 GB/s from one process to the next (and alike within a process), while
+a file in the page cache keeps the memory it was read into. llama.cpp maps the GGUF by default, so
+its decode is steady from run to run and ours is not; `--llama-load-mode none` makes llama-bench
+read the model into fresh memory too, and the lines after the table show each of our runs' probe.
 """
 
 from __future__ import annotations
@@ -97,6 +103,19 @@ def summarize(runs: list[dict]) -> dict:
     return {"prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
             "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+
+
+def probe_lines(runs: dict[str, list[dict]]) -> list[str]:
+    """Our runs' streaming-read probes (`memory_read_gb_s`, each measured in its own process on
+    memory allocated as the weights are), one line per scheme, so that the reader can see which
+    runs drew fast memory."""
+    out = []
+    for label, rs in runs.items():
+        probes = [f"{r['memory_read_gb_s']:.1f}" for r in rs if "memory_read_gb_s" in r]
+        if label.startswith("rwkv-engine") and probes:
+            decode = [f"{r['decode_tok_s']:.2f}" for r in rs if "memory_read_gb_s" in r]
+            out.append(f"{label}: probe GB/s {', '.join(probes)}; decode tok/s {', '.join(decode)}")
+    return out
 
 
 def table(rows: list[tuple[str, str, str, dict | None, dict | None]]) -> str:
@@ -264,7 +283,7 @@ def run_peak_rss(cmd: list[str]) -> tuple[int, str, str, float]:
 
 def run_llama(bins: Path, model: Path, args) -> dict:
     cmd = [str(bins / "llama-bench"), "-m", str(model), "-p", str(args.prompt_len), "-n", str(args.decode),
-           "-t", str(args.threads), "-r", str(args.repeats), "-o", "json"]
+           "-t", str(args.threads), "-r", str(args.repeats), "-o", "json", "-lm", args.llama_load_mode]
     code, out, err, peak = run_peak_rss(cmd)
     if code != 0:
         raise RuntimeError(err[-2000:])
@@ -289,6 +308,9 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/rwkv-engine-bench", help="checkpoints and converted copies (bench_engine's)")
     ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rwkv-engine-bench",
                     help="where llama.cpp is unpacked and built (default: %(default)s)")
+    ap.add_argument("--llama-load-mode", default="auto", choices=["auto", "none", "mmap"],
+                    help="llama-bench -lm: auto (default, as a user runs it: the GGUF mapped from the page cache) "
+                         "or none (read into memory allocated per run, as ours are)")
     ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 2), help="build jobs (default: %(default)s)")
     args = ap.parse_args()
     if args.small:
@@ -344,6 +366,9 @@ def main() -> None:
         ours, theirs = FORMATS[w]
         rows.append((w, ours, theirs, got.get(f"rwkv-engine {ours}"), got.get(f"llama.cpp {theirs}")))
     print(table(rows))
+    print("\nBy round (the probe reads memory allocated as our weights are; on a VM the same machine can give a"
+          " process memory that reads at half the speed of another's):")
+    print("\n".join(probe_lines(runs)))
 
 
 if __name__ == "__main__":

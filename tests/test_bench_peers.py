@@ -41,3 +41,9 @@ def test_table_ratios_are_ours_over_theirs_and_missing_sides_show_a_dash():
 def test_summarize_medians_speeds_and_keeps_the_largest_peak():
     runs = [{"prefill_tok_s": p, "decode_tok_s": d, "peak_rss_mb": m} for p, d, m in [(1, 9, 5), (3, 7, 8), (2, 8, 6)]]
     assert bench_peers.summarize(runs) == {"prefill_tok_s": 2, "decode_tok_s": 8, "peak_rss_mb": 8}
+
+
+def test_probe_lines_list_our_runs_probes_and_decode_speeds():
+    runs = {"rwkv-engine bf16": [{"memory_read_gb_s": 35.18, "decode_tok_s": 10.95}, {"memory_read_gb_s": 62.5, "decode_tok_s": 14.88}],
+            "llama.cpp F16": [{"decode_tok_s": 12.1}]}
+    assert bench_peers.probe_lines(runs) == ["rwkv-engine bf16: probe GB/s 35.2, 62.5; decode tok/s 10.95, 14.88"]

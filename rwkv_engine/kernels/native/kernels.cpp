@@ -496,7 +496,8 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool int8, const ui
 // rows per x load at B = 8 measured within 3% of one. int4 (int8 x): 2 vpdpbusd + the scaling
 // per 64 multiply-adds, and 3 instructions of decoding per row.
 // One row at a time at B = 1 (decode): each thread then reads one sequential stream (the row,
-// and the next row prefetched beside it) instead of R streams a row apart. Measured on Zen 4,
+// and for rows up to kPrefetchMaxRow the next row prefetched beside it) instead of R streams a
+// row apart. Measured on Zen 4,
 // 2 threads, weights streamed from memory, against R = 4: ffn.value (2048 x 7168, rows of 3.5 /
 // 7 KB) int4 1.50-1.61x, int8 1.18-1.22x; other shapes 1.03-1.11x. In cache R = 4 is up to 10%
 // faster for int4 (one fp32 accumulator chain per row), but decode reads from memory.
@@ -720,8 +721,7 @@ void with_batch(int64_t Bc, const F& fn) {
 // A GEMV with its x prepared for the weight format.
 struct Prepared {
   const GemvCall* call;
-  bool bf16_dot;            // dense bf16 weights on DenseBF16DotKernel (bf16_dot)
-  std::vector<uint16_t> xb; // ... with x as bf16
+  std::vector<uint16_t> xb; // dense bf16 weights on DenseBF16DotKernel (bf16_dot): x as bf16
   std::vector<float> xp;    // dense: fp32 x, permuted
   XQ xq;                    // int8 / int4: x rounded (int16 per 64 columns / int8 per 32)
   std::vector<float> xsum;  // int4: sum of the rounded x over each group (the bias term)
@@ -729,10 +729,10 @@ struct Prepared {
 
 Prepared prepare(const GemvCall& c, int64_t B) {
   const Linear& l = *c.l;
-  Prepared p{&c, bf16_dot(c), {}, {}, {}, {}};
+  Prepared p{&c, {}, {}, {}, {}};
   switch (l.kind) {
     case Linear::Kind::kDense:
-      if (p.bf16_dot) p.xb = prepare_xb(c.x, c.xt, B, l.K);
+      if (bf16_dot(c)) p.xb = prepare_xb(c.x, c.xt, B, l.K);
       else p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16);
       break;
     case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
@@ -760,7 +760,7 @@ int64_t block_rows(const Prepared& p, int64_t Bc) {
   with_batch(Bc, [&]<int B>() {
     R = p.call->l->kind != Linear::Kind::kDense ? kIntRows<B> : DenseKernel<DenseF32>::kRows<B>;
 #if defined(RWKV_SIMD_BF16_DOT)
-    if (p.bf16_dot) R = DenseBF16DotKernel::kRows<B>;
+    if (bf16_dot(*p.call)) R = DenseBF16DotKernel::kRows<B>;
 #endif
   });
   return R;
@@ -775,7 +775,7 @@ void run_part(const Prepared& p, int64_t B, int64_t b0, int64_t r0, int64_t r1) 
     switch (l.kind) {
       case Linear::Kind::kDense: {
 #if defined(RWKV_SIMD_BF16_DOT)
-        if (p.bf16_dot) {
+        if (bf16_dot(*p.call)) {
           const DenseBF16DotKernel kern{static_cast<const uint16_t*>(l.w), K, p.xb.data() + b0 * padded_stride(K, 32)};
           run_tiled<Bc>(kern, r0, r1, N, y);
           break;

@@ -6,7 +6,8 @@
   test_native_kernels / test_native_step, which run the level in use in full), batched = alone
   bit for bit included.
 - ARM64 on an x86 machine: the standalone driver selftest.cpp, cross-compiled, runs under
-  qemu-aarch64 on cases whose expected results come from the PyTorch reference.
+  qemu-aarch64 on cases whose expected results come from the PyTorch reference; the same cases
+  run natively at the level in use.
 The terminal summary lists which levels ran and which were skipped, and why (conftest.py).
 """
 
@@ -55,7 +56,7 @@ def test_every_level_compiles(name):
     if shutil.which(cxx) is None:
         _note(name, f"compile skipped: no {cxx}")
         pytest.skip(f"{name}: no {cxx} on PATH (Debian: g++-{lv.arch.replace('_', '-')}-linux-gnu)")
-    assert native.build_kernels(lv, cxx=cxx).exists()  # (the ARM64 driver: test_arm64_kernels_under_qemu)
+    assert native.build_kernels(lv, cxx=cxx).exists()  # (the standalone driver: test_kernel_cases_against_pytorch)
     _note(name, "compiled")
 
 
@@ -168,7 +169,7 @@ def test_builds_are_shared_between_checkouts(tmp_path):
     assert native.library_path(lv, src=copy) != native.library_path(lv)
 
 
-# --- ARM64 under qemu --------------------------------------------------------------------------
+# --- kernel cases: ARM64 under qemu, the level in use natively ---------------------------------
 
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -192,13 +193,20 @@ def _from_raw(b: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(b, dtype=np_dt).copy()).reshape(shape)
 
 
-@pytest.mark.parametrize("name", [lv.name for lv in native.LEVELS if lv.arch == "aarch64"])
-def test_arm64_kernels_under_qemu(tmp_path, name):
+@pytest.mark.parametrize("name", [lv.name for lv in native.LEVELS if lv.arch == "aarch64"] + ["in-use"])
+def test_kernel_cases_against_pytorch(tmp_path, name):
+    """The kernel cases below, run by the standalone program selftest.cpp: the ARM64 levels under
+    qemu-aarch64 (natively on ARM64), and the level in use natively (on x86 the other levels are
+    run by the test_level_* tests above)."""
+    if name == "in-use":
+        name = native.isa()
+        if name is None:
+            pytest.skip("native kernels unavailable here (see log)")
     lv = native.level(name)
-    on_arm = native._arch() == "aarch64"
-    cxx = native._compiler() if on_arm else CROSS["aarch64"]
-    runner = [] if on_arm else ["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu"]
-    if on_arm and _why_not_runnable(name):
+    native_run = lv.arch == native._arch()
+    cxx = native._compiler() if native_run else CROSS["aarch64"]
+    runner = [] if native_run else ["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu"]
+    if native_run and _why_not_runnable(name):
         _note(name, f"run skipped: {_why_not_runnable(name)}")
         pytest.skip(f"{name}: {_why_not_runnable(name)}")
     for tool in [cxx] + runner[:1]:
@@ -252,18 +260,19 @@ def test_arm64_kernels_under_qemu(tmp_path, name):
                 assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[6][i : i + 1]), (name, i)
 
             add(_case(op, [N, K, 1, G, 0], *tensors, x[i : i + 1]), N * 4, alone)
-    # the native step's LoRA products (C -> D and D -> C, tiles cut unevenly): fp32 math on the
+    # the native step's LoRA products (C -> D and D -> C, tiles cut unevenly; rows of 1 KB and more
+    # go a group of rows at a time, and up to 4 rows of x share a weight load): fp32 math on the
     # stored fp32 / bf16 / fp16 values, and each row of a batch the bits it gives alone
-    for K, N in [(320, 24), (40, 320)]:
+    for K, N in [(320, 24), (40, 1100)]:
         for wdt in TK.DTYPES:
             w = torch.randn(K, N, generator=g).to(wdt)
-            x = torch.randn(3, K, generator=g)
+            x = torch.randn(5, K, generator=g)
             ref = x.double() @ w.double()
             rows = {}
-            add(_case(5, [K, N, 3, _DT[wdt]], w, x), 3 * N * 4, gemv_checks(f"lora {wdt}", rows, ref, 3, torch.float32, 1e-6))
-            for i in range(3):
+            add(_case(5, [K, N, 5, _DT[wdt]], w, x), 5 * N * 4, gemv_checks(f"lora {wdt}", rows, ref, 5, torch.float32, 1e-6))
+            for i in range(5):
                 def lora_alone(b, i=i, N=N, rows=rows, name=f"lora {wdt}"):
-                    assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[3][i : i + 1]), (name, i)
+                    assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[5][i : i + 1]), (name, i)
 
                 add(_case(5, [K, N, 1, _DT[wdt]], w, x[i : i + 1]), N * 4, lora_alone)
     # the RWKV-7 WKV over a sequence (SIMD heads of 16 and 64, the plain loop for 8): the recurrence,
@@ -319,7 +328,7 @@ def test_arm64_kernels_under_qemu(tmp_path, name):
     for n, check in checks:
         check(out[pos : pos + n])
         pos += n
-    _note(name, f"ran {len(cases)} kernel cases {'natively' if on_arm else 'under qemu-aarch64'}")
+    _note(name, f"ran {len(cases)} kernel cases {'natively' if native_run else 'under qemu-aarch64'}")
 
 
 def test_a_stale_build_lock_is_removed(tmp_path):

@@ -5,6 +5,7 @@
     python benchmarks/bench_kernels.py --only errors   # quantization error table only
     python benchmarks/bench_kernels.py --only batch --baseline HEAD~3   # batched GEMVs, new vs old
     python benchmarks/bench_kernels.py --only batch --baseline isa:avx2 # the ISA level in use vs AVX2
+    python benchmarks/bench_kernels.py --only step --model DIR --batches 1,8 --baseline HEAD
     python benchmarks/bench_kernels.py --only batch --resident --threads 1  # weights in cache: compute speed
 
 Decode (one token, x [1, K]): for each layer shape of the RWKV-5 World 1.5B model and each weight
@@ -28,6 +29,9 @@ level in use is printed first (RWKV_ENGINE_ISA picks another). `--resident` time
 weight (L3-resident for all but the head) with 20 times the rounds, one call each, for the
 kernels' compute speed rather than the memory stream.
 
+Step (`--only step --model PATH`): whole decode steps of a model at each of `--batches`, with
+`--baseline` switching between the two builds every step (the same weights in the same memory).
+
 Machines are shared and noisy: read the ratios, not the absolute numbers.
 """
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -425,7 +430,38 @@ def bench_errors():
         print(f"| {name} | {bpw[name]:.3f} | " + " | ".join(cells) + " |", flush=True)
 
 
-SECTIONS = ("decode", "crossover", "prefill", "errors", "batch")
+def bench_step(ours, base, model_path: str, batches, steps: int):
+    """Whole decode steps of a model (bf16 activations), ours against a baseline build when given:
+    the kernels switch every step, so both run on the same weights in the same memory (on a VM,
+    fresh memory reads at speeds that differ from one process to the next, which decides
+    separate runs' decode speed more than a kernel change does)."""
+    import rwkv_engine
+
+    model = rwkv_engine.load(model_path, dtype="bf16")
+    sides = {"ours": ours} | ({"baseline": base} if base is not None else {})
+    print(f"\n## Decode steps of {Path(model_path).name}, bf16 activations ({steps} steps per side, "
+          f"{'alternating with the baseline every step' if base is not None else 'ours only'})\n")
+    print("| B | " + " | ".join(f"{k} ms/step (quartiles)" for k in sides) + " | " +
+          ("baseline / ours |" if base is not None else "tok/s |"))
+    print("|---|" + "---|" * (len(sides) + 1))
+    for B in batches:
+        tok = torch.randint(1, 200, (B, 1))
+        _, state = model.forward(tok)
+        times = {k: [] for k in sides}
+        for i in range(steps + 2):
+            for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                sides[name].isa()  # switches to that side's kernels (AtLevel)
+                t = time.perf_counter()
+                _, state = model.forward(tok, state)
+                if i >= 2:
+                    times[name].append(time.perf_counter() - t)
+        q = {k: statistics.quantiles(v, n=4) for k, v in times.items()}
+        cells = [f"{q[k][1] * 1e3:.1f} ({q[k][0] * 1e3:.1f}-{q[k][2] * 1e3:.1f})" for k in sides]
+        last = f"{q['baseline'][1] / q['ours'][1]:.3f}" if base is not None else f"{B / q['ours'][1]:.1f}"
+        print(f"| {B} | " + " | ".join(cells) + f" | {last} |", flush=True)
+
+
+SECTIONS = ("decode", "crossover", "prefill", "errors", "batch", "step")
 
 
 def main(argv=None):
@@ -442,8 +478,11 @@ def main(argv=None):
     ap.add_argument("--resident", action="store_true", help="batch table: one copy of each weight (in cache) "
                     "instead of enough to stream from memory")
     ap.add_argument("--prefill-tokens", type=int, default=512)
-    ap.add_argument("--only", default=",".join(s for s in SECTIONS if s != "batch"),
-                    help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch)")
+    ap.add_argument("--model", help="step section: a checkpoint or converted directory (e.g. one that "
+                    "bench_engine.py or bench_peers.py wrote)")
+    ap.add_argument("--steps", type=int, default=60, help="step section: timed decode steps per side and batch")
+    ap.add_argument("--only", default=",".join(s for s in SECTIONS if s not in ("batch", "step")),
+                    help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch and step)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops = native.load()
@@ -459,10 +498,15 @@ def main(argv=None):
     args.formats_given = args.formats is not None
     formats = (args.formats or "fp32,bf16,fp16,int8,int8g128,int4g32,int4g64,int4g128").split(",")
     shapes = {k: v for k, v in SHAPES.items() if not (args.quick and k.startswith("head"))}
+    if "step" in only and not args.model:
+        ap.error("--only step needs --model")
     _warm_up(ops)
+    base, ours = load_baseline(args.baseline, ops) if args.baseline else (None, ops)
+    if "step" in only:
+        bench_step(ours if base is not None else AtLevel(ops, native.build_kernels(ops.isa())), base, args.model,
+                   [int(b) for b in args.batches.split(",")], args.steps)
     if "batch" in only:
         fmts = args.formats.split(",") if args.formats_given else BATCH_FORMATS.split(",")
-        base, ours = load_baseline(args.baseline, ops) if args.baseline else (None, ops)
         bench_batch(ours, base, fmts, shapes, [int(b) for b in args.batches.split(",")], rounds, args.resident)
     if "decode" in only:
         times = bench_decode(ops, formats, shapes, rounds, args.batch)

@@ -109,7 +109,8 @@ def test_gemv_rows_of_a_batch_equal_each_row_alone(N, K):
     gemvs["int8 per channel"] = lambda x, q=P.quantize_int8(w): ops.gemv_q8(x, *q)
     if K % 128 == 0:
         gemvs["int8 g64"] = lambda x, q=P.quantize_int8(w, 64): ops.gemv_q8(x, *q)
-        for gs in (32, 64, 128):
+    for gs in (32, 64, 128):  # (K = 2048 + 96: int4 g32 with a group past the last 64-column chunk)
+        if K % gs == 0:
             gemvs[f"int4 g{gs}"] = lambda x, q=P.quantize_int4(w, gs, search=False): ops.gemv_q4(x, *q)
     x = torch.randn(16, K, generator=g)
     for name, f in gemvs.items():

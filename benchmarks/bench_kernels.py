@@ -498,8 +498,8 @@ def main(argv=None):
     args.formats_given = args.formats is not None
     formats = (args.formats or "fp32,bf16,fp16,int8,int8g128,int4g32,int4g64,int4g128").split(",")
     shapes = {k: v for k, v in SHAPES.items() if not (args.quick and k.startswith("head"))}
-    if "step" in only and not args.model:
-        ap.error("--only step needs --model")
+    if "step" in only and not (args.model and Path(args.model).exists()):
+        ap.error(f"--only step needs --model, an existing checkpoint or directory (got {args.model!r})")
     _warm_up(ops)
     base, ours = load_baseline(args.baseline, ops) if args.baseline else (None, ops)
     if "step" in only:

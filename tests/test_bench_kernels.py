@@ -30,6 +30,8 @@ def test_step_section_times_decode_steps_per_batch(tmp_path, capsys):
     assert all(float(r[-1].rstrip(" |")) > 0 for r in rows)  # tok/s
 
 
-def test_step_section_needs_a_model():
-    with pytest.raises(SystemExit):
-        bench_kernels.main(["--only", "step"])
+def test_step_section_needs_an_existing_model(tmp_path, capsys):
+    for extra in ([], ["--model", str(tmp_path / "missing")]):
+        with pytest.raises(SystemExit) as e:
+            bench_kernels.main(["--only", "step", *extra])
+        assert e.value.code == 2 and "--only step needs --model" in capsys.readouterr().err

@@ -450,7 +450,7 @@ def bench_step(ours, base, model_path: str, batches, steps: int):
         times = {k: [] for k in sides}
         for i in range(steps + 2):
             for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                sides[name].isa()  # switches to that side's kernels (AtLevel)
+                sides[name].isa()  # with a baseline, switches to that side's kernels (AtLevel)
                 t = time.perf_counter()
                 _, state = model.forward(tok, state)
                 if i >= 2:
@@ -503,8 +503,7 @@ def main(argv=None):
     _warm_up(ops)
     base, ours = load_baseline(args.baseline, ops) if args.baseline else (None, ops)
     if "step" in only:
-        bench_step(ours if base is not None else AtLevel(ops, native.build_kernels(ops.isa())), base, args.model,
-                   [int(b) for b in args.batches.split(",")], args.steps)
+        bench_step(ours, base, args.model, [int(b) for b in args.batches.split(",")], args.steps)
     if "batch" in only:
         fmts = args.formats.split(",") if args.formats_given else BATCH_FORMATS.split(",")
         bench_batch(ours, base, fmts, shapes, [int(b) for b in args.batches.split(",")], rounds, args.resident)

@@ -111,10 +111,11 @@ def probe_lines(runs: dict[str, list[dict]]) -> list[str]:
     runs drew fast memory."""
     out = []
     for label, rs in runs.items():
-        probes = [f"{r['memory_read_gb_s']:.1f}" for r in rs if "memory_read_gb_s" in r]
-        if label.startswith("rwkv-engine") and probes:
-            decode = [f"{r['decode_tok_s']:.2f}" for r in rs if "memory_read_gb_s" in r]
-            out.append(f"{label}: probe GB/s {', '.join(probes)}; decode tok/s {', '.join(decode)}")
+        rs = [r for r in rs if "memory_read_gb_s" in r]
+        if label.startswith("rwkv-engine") and rs:
+            probes = ", ".join(f"{r['memory_read_gb_s']:.1f}" for r in rs)
+            decode = ", ".join(f"{r['decode_tok_s']:.2f}" for r in rs)
+            out.append(f"{label}: probe GB/s {probes}; decode tok/s {decode}")
     return out
 
 

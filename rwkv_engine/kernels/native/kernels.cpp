@@ -64,8 +64,6 @@ inline void store_elem(void* p, DType t, int64_t i, float v) {
   }
 }
 
-inline size_t elem_size(DType t) { return t == DType::kF32 ? 4 : 2; }
-
 // `bytes` bytes at `consumed` bytes into next_block, into L1 (kL2: into L2).
 template <bool kL2 = false>
 inline void prefetch_next(const void* next_block, int64_t consumed, int64_t bytes) {
@@ -79,7 +77,7 @@ struct Out {
   void* p;
   DType t;
   inline void put(int64_t i, float v) const { store_elem(p, t, i, v); }
-  Out offset(int64_t i) const { return {static_cast<char*>(p) + i * elem_size(t), t}; }
+  Out offset(int64_t i) const { return {static_cast<char*>(p) + i * dtype_bytes(t), t}; }
 };
 
 // ---------------------------------------------------------------------------------------------

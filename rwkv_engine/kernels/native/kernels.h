@@ -8,6 +8,7 @@ namespace rwkv_native {
 
 // Element type of x, y and dense weights.
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+constexpr int64_t dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // y[b, n] = sum_k x[b, k] * w[n, k].  x [B, K] and y [B, N] have dtype xt; w [N, K] has dtype wt.
 void gemv_dense(const void* w, DType wt, int64_t N, int64_t K, const void* x, DType xt, int64_t B, void* y);

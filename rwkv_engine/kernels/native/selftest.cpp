@@ -28,7 +28,7 @@ using namespace rwkv_native;
 
 namespace {
 
-size_t esize(int64_t t) { return t == 0 ? 4 : 2; }
+size_t esize(int64_t t) { return static_cast<size_t>(dtype_bytes(DType(t))); }
 
 struct Reader {
   FILE* f;

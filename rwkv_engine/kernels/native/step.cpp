@@ -178,7 +178,7 @@ void lora_rows(const void* W, int64_t N, const float* x, int64_t ldx, int64_t k0
 template <DType T>
 void lora_tile(const void* W, int64_t N, const float* x, int64_t ldx, int64_t B, int64_t k0, int64_t k1, int64_t n0,
                int64_t n1, float* y, int64_t ldy) {
-  constexpr int64_t es = T == DType::kF32 ? 4 : 2;
+  constexpr int64_t es = dtype_bytes(T);
   const int64_t group = N * es >= 1024 ? kLoraGroup : k1 - k0;
   for (int64_t g0 = k0; g0 < k1; g0 += group) {
     const int64_t g1 = std::min(k1, g0 + group);

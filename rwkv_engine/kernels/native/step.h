@@ -22,8 +22,7 @@ struct LoraMatrix {
   int64_t rows = 0, cols = 0;
   // Rows [i * n, (i + 1) * n) as a matrix of their own (RWKV-6's maa_w2 [5, D, C]: n = D).
   LoraMatrix slab(int64_t i, int64_t n) const {
-    const int64_t bytes = t == DType::kF32 ? 4 : 2;
-    return {static_cast<const char*>(w) + i * n * cols * bytes, t, n, cols};
+    return {static_cast<const char*>(w) + i * n * cols * dtype_bytes(t), t, n, cols};
   }
 };
 

@@ -47,6 +47,7 @@ namespace iv = simd::iv;  // the vectors of the int8 / int4 GEMVs
 
 constexpr int kMaxB = 8;                   // rows of x per pass over the weights
 constexpr int64_t kMinParallel = 1 << 16;  // weights below which one thread does the whole call
+constexpr int64_t kMinItem = 1 << 15;      // weights: the smallest work item of a parallel GEMV
 
 inline float load_elem(const void* p, DType t, int64_t i) {
   switch (t) {
@@ -817,20 +818,36 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
   auto prepare_one = [&](int64_t i) { prep[i] = prepare(calls[i], B); };
   if (parallel) parallel_for(n, prepare_one);
   else for (int i = 0; i < n; ++i) prepare_one(i);
-  // Work items: (call, pass of x rows, rows [r0, r1)), sized by blocks_per_item.
+  // Work items: (call, pass of x rows, rows [r0, r1)), taken in this order. An item is at most
+  // blocks_per_item, and towards the end of the job ever smaller (guided: about 1 / (2T) of
+  // the weights left, down to kMinItem weights), so that the threads finish together: with
+  // equal items a thread waited for the other's last one, 6% of a q4 decode step (Zen 4).
   struct Item {
     int call;
     int64_t b0, r0, r1;
   };
-  std::vector<Item> items;
-  for (int i = 0; i < n; ++i) {
-    const Linear& l = *calls[i].l;
+  struct Pass {
+    int call;
+    int64_t b0, R, nblocks;
+  };
+  std::vector<Pass> passes;
+  int64_t left = 0;  // weights of the job not yet in an item
+  for (int i = 0; i < n; ++i)
     for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
       const int64_t R = block_rows(prep[i], std::min<int64_t>(kMaxB, B - b0));
-      const int64_t nblocks = (l.N + R - 1) / R;
-      const int64_t step = blocks_per_item(nblocks, l.N * l.K, T);
-      for (int64_t k = 0; k < nblocks; k += step)
-        items.push_back({i, b0, k * R, std::min(l.N, (k + step) * R)});
+      passes.push_back({i, b0, R, (calls[i].l->N + R - 1) / R});
+      left += calls[i].l->N * calls[i].l->K;
+    }
+  std::vector<Item> items;
+  for (const Pass& ps : passes) {
+    const Linear& l = *calls[ps.call].l;
+    const int64_t step = blocks_per_item(ps.nblocks, l.N * l.K, T), block = ps.R * l.K;
+    for (int64_t k = 0; k < ps.nblocks;) {
+      const int64_t guided = std::max(left / (2 * T), kMinItem) / block;
+      const int64_t take = std::min(ps.nblocks - k, std::clamp<int64_t>(guided, 1, step));
+      items.push_back({ps.call, ps.b0, k * ps.R, std::min(l.N, (k + take) * ps.R)});
+      left -= take * block;
+      k += take;
     }
   }
   auto run_item = [&](int64_t j) {

@@ -621,37 +621,34 @@ void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t la
   const LoraCall up[4] = {{q.w2, low_w.data(), Dw, lw.data(), C}, {q.a2, low_a.data(), Da, la.data(), C},
                           {q.g2, low_g.data(), Dg, g.data(), C}, {q.v2, low_v.data(), Dv, lv.data(), C}};
   lora_products(up, residual ? 4 : 3, B);
-  for_batch(B, [&](int64_t b) {
+  // Per head (everything from here to the output GEMV works on one head's channels): the decay,
+  // iclr, kk, the value residual, the WKV, the head's GroupNorm, + (r . (k * r_k)) v (the
+  // current token's own term), times the gate, rounded to dt.
+  for_heads(B, H, [&](int64_t b, int64_t h) {
+    const int64_t o = h * N, e = o + N;
     // log w = -e^-0.5 sigmoid(w0 + lw); the WKV takes w = exp(log w). iclr = sigmoid(a0 + la).
-    for (int64_t c = 0; c < C; ++c) w[b][c] = std::exp(-kDecayScale7 * sigmoid(q.w0[c] + lw[b][c]));
-    for (int64_t c = 0; c < C; ++c) iclr[b][c] = sigmoid(q.a0[c] + la[b][c]);
-    // kk = normalize(k * k_k) per head (F.normalize: / max(norm, 1e-12))
-    for (int64_t h = 0; h < H; ++h) {
-      double ss = 0;
-      for (int64_t j = 0; j < N; ++j) {
-        const float e = k[b][h * N + j] * q.k_k[h * N + j];
-        kk[b][h * N + j] = e;
-        ss += static_cast<double>(e) * e;
-      }
-      const float inv = 1.0f / std::max(static_cast<float>(std::sqrt(ss)), 1e-12f);
-      for (int64_t j = 0; j < N; ++j) kk[b][h * N + j] *= inv;
+    for (int64_t c = o; c < e; ++c) w[b][c] = std::exp(-kDecayScale7 * sigmoid(q.w0[c] + lw[b][c]));
+    for (int64_t c = o; c < e; ++c) iclr[b][c] = sigmoid(q.a0[c] + la[b][c]);
+    // kk = normalize(k * k_k) over the head (F.normalize: / max(norm, 1e-12))
+    double ss = 0;
+    for (int64_t c = o; c < e; ++c) {
+      const float t = k[b][c] * q.k_k[c];
+      kk[b][c] = t;
+      ss += static_cast<double>(t) * t;
     }
+    const float inv = 1.0f / std::max(static_cast<float>(std::sqrt(ss)), 1e-12f);
+    for (int64_t c = o; c < e; ++c) kk[b][c] *= inv;
     // k = k * (1 + (iclr - 1) * k_a); a = -kk, b = kk * iclr
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = o; c < e; ++c) {
       k[b][c] = k[b][c] * (1 + (iclr[b][c] - 1) * q.k_a[c]);
       ka[b][c] = kk[b][c] * iclr[b][c];
       kk[b][c] = -kk[b][c];
     }
     if (layer == 0) {
-      std::copy(v[b], v[b] + C, v_first + b * C);
+      std::copy(v[b] + o, v[b] + e, v_first + b * C + o);
     } else {  // v = v + (v_first - v) * sigmoid(v0 + lv)
-      for (int64_t c = 0; c < C; ++c) v[b][c] += (v_first[b * C + c] - v[b][c]) * sigmoid(q.v0[c] + lv[b][c]);
+      for (int64_t c = o; c < e; ++c) v[b][c] += (v_first[b * C + c] - v[b][c]) * sigmoid(q.v0[c] + lv[b][c]);
     }
-  });
-  // Per head: the WKV, the head's GroupNorm, + (r . (k * r_k)) v (the current token's own term),
-  // times the gate, rounded to dt.
-  for_heads(B, H, [&](int64_t b, int64_t h) {
-    const int64_t o = h * N;
     float* yh = y[b] + o;
     const float *rh = r[b] + o, *kh = k[b] + o, *vh = v[b] + o, *gh = g[b] + o;
     wkv7_head(rh, kh, vh, w[b] + o, kk[b] + o, ka[b] + o, at(st.in[1], b, layer, L, H * N * N) + h * N * N,

@@ -560,14 +560,16 @@ void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t l
     // log w = -exp(decay_base + tanh(wx @ decay_w1) @ decay_w2)
     lora_products({{q.decay_w1, wx.data(), C, dec.data(), Dd}}, B);
     for (int64_t i = 0; i < B * Dd; ++i) dec.data()[i] = std::tanh(dec.data()[i]);
-    lora_products({{q.decay_w2, dec.data(), Dd, log_w.data(), A}}, B);
-    for (int64_t i = 0; i < B * A; ++i) log_w.data()[i] = -std::exp(q.decay_base[i % A] + log_w.data()[i]);
+    lora_products({{q.decay_w2, dec.data(), Dd, log_w.data(), A}}, B);  // + decay_base, per head below
   }
   linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()},
               {q.att_g, xg.data(), g.data()}}, B, dt);  // (att_g is absent in RWKV-5.0)
-  // Per head: the WKV, the head's GroupNorm, the gate y * silu(gate(xg)), rounded to dt.
+  // Per head: (RWKV-6) log w = -exp(decay_base + the decay LoRA), the WKV, the head's GroupNorm,
+  // the gate y * silu(gate(xg)), rounded to dt.
   for_heads(B, H, [&](int64_t b, int64_t h) {
     const int64_t o = h * N;
+    if (v6)
+      for (int64_t c = o; c < o + N; ++c) log_w[b][c] = -std::exp(q.decay_base[c] + log_w[b][c]);
     const float* wb = v6 ? log_w[b] + o : q.decay + o;
     float* yh = y[b] + o;
     wkv5_head(r[b] + o, k[b] + o, v[b] + o, wb, q.bonus + o, at(st.in[1], b, layer, L, H * N * N) + h * N * N,

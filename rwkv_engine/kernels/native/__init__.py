@@ -38,7 +38,7 @@ The kernels (all take x [B, K] in fp32 / bf16 / fp16 and return [B, N] in x's dt
 any size, it is processed 8 rows per pass over the weights):
 
     gemv_dense(x, w)                      w [N, K] fp32 / bf16 / fp16
-    gemv_q8(x, qweight, scales)           qweight int8 [N, K], scales fp32 [N, G]
+    gemv_q8(x, qweight, scales)           qweight int8 [N, K], scales fp16 [N, G]
     gemv_q4(x, qweight, scales, biases)   qweight uint8 [N, K/2], scales, biases fp16 [N, G],
                                           group size K/G in (32, 64, 128)
     dequant_q8(qweight, scales, r0, r1, dtype, out=None)          rows r0..r1 as a dense [r1-r0, K] tile

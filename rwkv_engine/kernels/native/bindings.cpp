@@ -456,7 +456,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the ISA level of the kernels in use");
   m.def("gemv_dense", &gemv_dense, "y[B,N] = x[B,K] @ w[N,K]^T, w fp32/bf16/fp16; y in x's dtype");
   m.def("gemv_q8", &gemv_q8,
-        "y = x @ (qweight * scales * col_scales)^T; qweight int8 [N,K], scales fp32 [N,G], col_scales fp16 [K] or None",
+        "y = x @ (qweight * scales * col_scales)^T; qweight int8 [N,K], scales fp16 [N,G], col_scales fp16 [K] or None",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("col_scales") = py::none());
   m.def("gemv_q4", &gemv_q4,
         "y = x @ ((codes * scales + biases) * col_scales)^T; qweight uint8 [N,K/2], scales/biases fp16 [N,G]",

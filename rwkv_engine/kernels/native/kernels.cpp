@@ -2,7 +2,7 @@
 // of simd.h and compiled once per ISA level (AVX2, AVX-512, NEON).
 //
 // GEMV: y[b, n] = sum_k x[b, k] * W[n, k] for a short batch x [B, K] (8 rows of x per pass over
-// W) and a weight W [N, K] stored as fp32 / bf16 / fp16, int8 with fp32 scales, or packed int4
+// W) and a weight W [N, K] stored as fp32 / bf16 / fp16, int8 with fp16 scales, or packed int4
 // with fp16 scales and biases (formats defined in rwkv_engine/quant/primitives.py, which is also
 // the reference these kernels are tested against). Plus dequantization into dense tiles (for the
 // prefill GEMM) and the int4 quantizer.

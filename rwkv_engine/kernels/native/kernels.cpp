@@ -828,28 +828,22 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
     int call;
     int64_t b0, r0, r1;
   };
-  struct Pass {
-    int call;
-    int64_t b0, R, nblocks;
-  };
-  std::vector<Pass> passes;
-  int64_t left = 0;  // weights of the job not yet in an item
-  for (int i = 0; i < n; ++i)
+  int64_t left = 0;  // weights of the job not yet in an item (each pass of x rows reads them all)
+  for (int i = 0; i < n; ++i) left += (B + kMaxB - 1) / kMaxB * calls[i].l->N * calls[i].l->K;
+  std::vector<Item> items;
+  for (int i = 0; i < n; ++i) {
+    const Linear& l = *calls[i].l;
     for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
       const int64_t R = block_rows(prep[i], std::min<int64_t>(kMaxB, B - b0));
-      passes.push_back({i, b0, R, (calls[i].l->N + R - 1) / R});
-      left += calls[i].l->N * calls[i].l->K;
-    }
-  std::vector<Item> items;
-  for (const Pass& ps : passes) {
-    const Linear& l = *calls[ps.call].l;
-    const int64_t step = blocks_per_item(ps.nblocks, l.N * l.K, T), block = ps.R * l.K;
-    for (int64_t k = 0; k < ps.nblocks;) {
-      const int64_t guided = std::max(left / (2 * T), kMinItem) / block;
-      const int64_t take = std::min(ps.nblocks - k, std::clamp<int64_t>(guided, 1, step));
-      items.push_back({ps.call, ps.b0, k * ps.R, std::min(l.N, (k + take) * ps.R)});
-      left -= take * block;
-      k += take;
+      const int64_t nblocks = (l.N + R - 1) / R;
+      const int64_t step = blocks_per_item(nblocks, l.N * l.K, T), block = R * l.K;
+      for (int64_t k = 0; k < nblocks;) {
+        const int64_t guided = std::max(left / (2 * T), kMinItem) / block;
+        const int64_t take = std::min(nblocks - k, std::clamp<int64_t>(guided, 1, step));
+        items.push_back({i, b0, k * R, std::min(l.N, (k + take) * R)});
+        left -= take * block;
+        k += take;
+      }
     }
   }
   auto run_item = [&](int64_t j) {

@@ -34,8 +34,15 @@ from pathlib import Path
 
 SHAPE = dict(n_layer=32, n_embd=4096, vocab_size=65536, head_size=64)
 # GB each step needs at most (its target, or the measured peak with some room), checked before it starts
-NEEDS = {"write": 3.0, "convert-q8": 7.0, "convert-q4": 6.0, "bench-q8": 8.5, "bench-q4": 5.5,
-         "bench-pth-q4": 6.0, "bench-pth": 16.5}
+NEEDS = {
+    "write": 3.0,
+    "convert-q8": 7.0,
+    "convert-q4": 6.0,
+    "bench-q8": 8.5,
+    "bench-q4": 5.5,
+    "bench-pth-q4": 6.0,
+    "bench-pth": 16.5,
+}
 STEPS = ("write", "convert-q8", "convert-q4", "bench-q8", "bench-q4", "bench-pth-q4", "bench-pth")
 TARGETS = {"convert-q4": 6000, "bench-q4": 5500, "bench-pth-q4": 5500, "bench-pth": 16500}
 
@@ -55,7 +62,10 @@ def wait_for_memory(step: str, need: float, margin: float, wait_min: float) -> b
         if avail >= need + margin:
             return True
         if time.time() >= deadline:
-            print(f"[{step}] skipped: {avail:.1f} GB available, it needs {need:.1f} GB + {margin:.1f} GB margin", flush=True)
+            print(
+                f"[{step}] skipped: {avail:.1f} GB available, it needs {need:.1f} GB + {margin:.1f} GB margin",
+                flush=True,
+            )
             return False
         print(f"[{step}] waiting for memory: {avail:.1f} GB available, need {need + margin:.1f} GB", flush=True)
         time.sleep(30)
@@ -88,8 +98,11 @@ def write_checkpoint(path: Path, version: str) -> None:
     def block(i: int) -> dict:
         """Layer i's tensors (bf16), from a one-layer random model seeded by i."""
         sd = testing.random_state_dict(version, n_layer=1, n_embd=C, vocab_size=16, head_size=N, seed=1000 + i)
-        return {k.replace("blocks.0.", f"blocks.{i}.", 1): v.to(torch.bfloat16) for k, v in sd.items()
-                if k.startswith("blocks.0.") and ".ln0." not in k}
+        return {
+            k.replace("blocks.0.", f"blocks.{i}.", 1): v.to(torch.bfloat16)
+            for k, v in sd.items()
+            if k.startswith("blocks.0.") and ".ln0." not in k
+        }
 
     template = block(0)
     gen = torch.Generator().manual_seed(7)
@@ -112,11 +125,14 @@ def write_checkpoint(path: Path, version: str) -> None:
     index = {k: j for j, k in enumerate(shapes)}  # torch.save numbers storages in pickling (dict) order
     fd = os.open(tmp, os.O_RDWR)
     with open(tmp, "rb") as f:
+
         def offset(key: str) -> int:
             info = infos[f"data/{index[key]}"]
             f.seek(info.header_offset)
             head = f.read(30)
-            return info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+            return (
+                info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+            )
 
         fingerprints = {}
 
@@ -142,7 +158,7 @@ def write_checkpoint(path: Path, version: str) -> None:
     os.fsync(fd)
     os.close(fd)
     back = torch.load(tmp, mmap=True, weights_only=True)
-    for k in (list(shapes)[:3] + list(shapes)[-3:]):
+    for k in list(shapes)[:3] + list(shapes)[-3:]:
         assert back[k].reshape(-1)[:64].float().sum().item() == fingerprints[k], f"{k} did not land in its place"
     del back
     os.rename(tmp, path)
@@ -152,18 +168,37 @@ def write_checkpoint(path: Path, version: str) -> None:
 
 
 def bench_cmd(model: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rwkv_engine", "bench", model, "--json", "--prompt-len", "64",
-            "--decode-tokens", "8", "--repeats", "1", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "rwkv_engine",
+        "bench",
+        model,
+        "--json",
+        "--prompt-len",
+        "64",
+        "--decode-tokens",
+        "8",
+        "--repeats",
+        "1",
+        *extra,
+    ]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--version", default="7", choices=["7", "5.2"])
-    ap.add_argument("--scratch", default="/work/bigscratch", help="where the checkpoint and outputs live (default: %(default)s)")
+    ap.add_argument(
+        "--scratch", default="/work/bigscratch", help="where the checkpoint and outputs live (default: %(default)s)"
+    )
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
     ap.add_argument("--margin", type=float, default=4.0, help="GB to leave free for others (default: %(default)s)")
     ap.add_argument("--wait", type=float, default=10.0, help="minutes to wait for memory before skipping a step")
-    ap.add_argument("--clean", action="store_true", help="delete the checkpoint and the converted directories at the end")
+    ap.add_argument(
+        "--clean", action="store_true", help="delete the checkpoint and the converted directories at the end"
+    )
     ap.add_argument("--write-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.write_only:
@@ -190,7 +225,9 @@ def main() -> int:
             continue
         if step == "write":
             print(f"[write] writing {pth} (RWKV-{args.version}, {SHAPE})", flush=True)
-            code, secs, rss, _ = run_child([sys.executable, __file__, "--version", args.version, "--write-only", str(pth)])
+            code, secs, rss, _ = run_child(
+                [sys.executable, __file__, "--version", args.version, "--write-only", str(pth)]
+            )
             rows.append((step, "ok" if code == 0 else f"failed ({code})", f"{rss:.0f}", secs, "", ""))
             if code:
                 break
@@ -200,15 +237,20 @@ def main() -> int:
             if out.exists():
                 print(f"[{step}] {out} exists: kept", flush=True)
                 continue
-            code, secs, rss, stdout = run_child([sys.executable, "-m", "rwkv_engine", "convert", str(pth), str(out),
-                                                 "-q", step.split("-")[1]])
+            code, secs, rss, stdout = run_child(
+                [sys.executable, "-m", "rwkv_engine", "convert", str(pth), str(out), "-q", step.split("-")[1]]
+            )
             print(f"[{step}] {stdout.strip()}", flush=True)
             ok = code == 0
             size = sum(f.stat().st_size for f in out.iterdir()) / 1e9 if ok else 0
             rows.append((step, "ok" if ok else f"failed ({code})", f"{rss:.0f}", secs, f"{size:.2f} GB", ""))
             continue
-        model, extra = {"bench-q8": (q8, ()), "bench-q4": (q4, ()), "bench-pth-q4": (pth, ("-q", "q4")),
-                        "bench-pth": (pth, ("--dtype", "auto"))}[step]
+        model, extra = {
+            "bench-q8": (q8, ()),
+            "bench-q4": (q4, ()),
+            "bench-pth-q4": (pth, ("-q", "q4")),
+            "bench-pth": (pth, ("--dtype", "auto")),
+        }[step]
         if not Path(model).exists():
             print(f"[{step}] skipped: {model} is missing", flush=True)
             continue
@@ -218,10 +260,20 @@ def main() -> int:
             continue
         r = json.loads(stdout.strip().splitlines()[-1])
         print(f"[{step}] {json.dumps(r)}", flush=True)
-        rows.append((step, f"ok ({r['dtype']})", f"{r['peak_rss_mb']:.0f}", f"load {r['load_s']:.1f} s",
-                     f"prefill {r['prefill_tok_s']:.1f} tok/s", f"decode {r['decode_tok_s']:.2f} tok/s"))
-    print(f"\nRWKV-{args.version} 7B shape ({SHAPE['n_layer']} x {SHAPE['n_embd']}, vocab {SHAPE['vocab_size']}), "
-          f"{os.cpu_count()} CPUs, MemTotal {mem_total_gb():.0f} GB")
+        rows.append(
+            (
+                step,
+                f"ok ({r['dtype']})",
+                f"{r['peak_rss_mb']:.0f}",
+                f"load {r['load_s']:.1f} s",
+                f"prefill {r['prefill_tok_s']:.1f} tok/s",
+                f"decode {r['decode_tok_s']:.2f} tok/s",
+            )
+        )
+    print(
+        f"\nRWKV-{args.version} 7B shape ({SHAPE['n_layer']} x {SHAPE['n_embd']}, vocab {SHAPE['vocab_size']}), "
+        f"{os.cpu_count()} CPUs, MemTotal {mem_total_gb():.0f} GB"
+    )
     print(f"{'step':14} {'result':22} {'peak RSS MB':>11}  {'time (wall / CPU)':26} {'':22} {''}")
     for step, res, rss, a, b, c in rows:
         target = TARGETS.get(step)

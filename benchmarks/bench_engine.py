@@ -159,8 +159,9 @@ def main() -> None:
 
     # (label, engine, model path, dtype)
     configs = [(f"{e} {d}", e, str(ckpt), d) for d in args.dtypes.split(",") if d for e in args.engines.split(",")]
-    configs += [(f"rwkv-engine {q}", "rwkv-engine", str(converted_dir(work, ckpt, q)), q)
-                for q in args.quant.split(",") if q]
+    configs += [
+        (f"rwkv-engine {q}", "rwkv-engine", str(converted_dir(work, ckpt, q)), q) for q in args.quant.split(",") if q
+    ]
     runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
     for rnd in range(args.rounds):
         # Every other round runs the configurations in reverse order, and each run starts after a
@@ -168,9 +169,20 @@ def main() -> None:
         # run right after a big one would pay for it.
         for label, engine, path, dtype in configs if rnd % 2 == 0 else configs[::-1]:
             time.sleep(5)
-            cmd = [sys.executable, __file__, "--child", f"{engine}|{path}|{dtype}", "--prompt-len",
-                   str(args.prompt_len), "--decode", str(args.decode), "--threads", str(args.threads),
-                   "--version", args.version]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                f"{engine}|{path}|{dtype}",
+                "--prompt-len",
+                str(args.prompt_len),
+                "--decode",
+                str(args.decode),
+                "--threads",
+                str(args.threads),
+                "--version",
+                args.version,
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 print(f"{label} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -184,13 +196,20 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     bw = read_bandwidth_gb_s()
-    med = {label: {k: statistics.median(r[k] for r in rs) for k in ("load_s", "prefill_tok_s", "decode_tok_s")}
-           | {"peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "weight_bytes": rs[0]["weight_bytes"]}
-           for label, rs in runs.items() if rs}
-    print(f"\nRWKV-{args.version} {args.shape} shape, prompt {args.prompt_len} tokens, {args.threads} threads, "
-          f"median of {args.rounds} round(s); memory read {bw:.1f} GB/s\n")
-    print("| engine | load s | prefill tok/s | decode tok/s | peak RSS MB | weights/token MB | decode bound tok/s "
-          "| prefill x ref | decode x ref |")
+    med = {
+        label: {k: statistics.median(r[k] for r in rs) for k in ("load_s", "prefill_tok_s", "decode_tok_s")}
+        | {"peak_rss_mb": max(r["peak_rss_mb"] for r in rs), "weight_bytes": rs[0]["weight_bytes"]}
+        for label, rs in runs.items()
+        if rs
+    }
+    print(
+        f"\nRWKV-{args.version} {args.shape} shape, prompt {args.prompt_len} tokens, {args.threads} threads, "
+        f"median of {args.rounds} round(s); memory read {bw:.1f} GB/s\n"
+    )
+    print(
+        "| engine | load s | prefill tok/s | decode tok/s | peak RSS MB | weights/token MB | decode bound tok/s "
+        "| prefill x ref | decode x ref |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for label, engine, _, dtype in configs:
         if label not in med:
@@ -201,8 +220,10 @@ def main() -> None:
         dx = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}" if base and engine != "rwkv" else "-"
         wb = r["weight_bytes"]
         wcols = f"{wb / 1e6:.0f} | {bw * 1e9 / wb:.1f}" if wb else "- | -"
-        print(f"| {label} | {r['load_s']:.1f} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | "
-              f"{r['peak_rss_mb']:.0f} | {wcols} | {px} | {dx} |")
+        print(
+            f"| {label} | {r['load_s']:.1f} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | "
+            f"{r['peak_rss_mb']:.0f} | {wcols} | {px} | {dx} |"
+        )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -50,13 +49,20 @@ def _rate(fn, tokens: int) -> float:
 
 def bench(version: str, args, scratch: Path) -> dict:
     # bf16, as the official checkpoints are: the export reads it into fp32, the engine keeps bf16
-    sd = testing.cast(testing.random_state_dict(version, n_layer=args.n_layer, n_embd=args.n_embd,
-                                                vocab_size=args.vocab, head_size=64, seed=0), torch.bfloat16)
+    sd = testing.cast(
+        testing.random_state_dict(
+            version, n_layer=args.n_layer, n_embd=args.n_embd, vocab_size=args.vocab, head_size=64, seed=0
+        ),
+        torch.bfloat16,
+    )
     ckpt = testing.save_pth(sd, scratch / f"v{version}.pth")
     del sd
     pte = scratch / f"v{version}-{args.quantization}.pte"
-    proc = subprocess.run([sys.executable, "-c", _EXPORT, str(ckpt), str(pte), args.quantization, str(args.prefill_len)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXPORT, str(ckpt), str(pte), args.quantization, str(args.prefill_len)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"export failed:\n{proc.stderr[-3000:]}")
     exp = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -66,8 +72,9 @@ def bench(version: str, args, scratch: Path) -> dict:
     _unsafe_reset_threadpool(args.threads)
     torch.set_num_threads(args.threads)
     program = rwkv_engine.load(pte)
-    engine = rwkv_engine.load(ckpt, quantization=None if args.quantization == "fp32" else args.quantization,
-                              progress=False)
+    engine = rwkv_engine.load(
+        ckpt, quantization=None if args.quantization == "fp32" else args.quantization, progress=False
+    )
     T = args.prefill_len
     prompt = [(i * 7919) % args.vocab for i in range(T * args.prefill_pieces)]
     rates = {"program": {"decode": [], "prefill": []}, "engine": {"decode": [], "prefill": []}}
@@ -92,9 +99,13 @@ def bench(version: str, args, scratch: Path) -> dict:
     del program, engine
     os.unlink(ckpt)
     return {
-        "version": version, "shape": f"{args.n_layer} x {args.n_embd}, vocab {args.vocab}",
-        "quantization": args.quantization, "pte_mb": exp["bytes"] / 1e6, "export_s": exp["export_seconds"],
-        "export_peak_rss_mb": exp["peak_rss_mb"], **{f"{n}_{k}": v for n, r in best.items() for k, v in r.items()},
+        "version": version,
+        "shape": f"{args.n_layer} x {args.n_embd}, vocab {args.vocab}",
+        "quantization": args.quantization,
+        "pte_mb": exp["bytes"] / 1e6,
+        "export_s": exp["export_seconds"],
+        "export_peak_rss_mb": exp["peak_rss_mb"],
+        **{f"{n}_{k}": v for n, r in best.items() for k, v in r.items()},
         "decode_ratio": best["program"]["decode"] / best["engine"]["decode"],
         "prefill_ratio": best["program"]["prefill"] / best["engine"]["prefill"],
     }
@@ -126,14 +137,18 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     print(f"threads {args.threads}, prefill T={args.prefill_len}; best of {args.rounds} alternating rounds")
-    print("| version | shape | quant | .pte MB | export s | export peak RSS MB | decode tok/s pte / engine (ratio)"
-          " | prefill tok/s pte / engine (ratio) |")
+    print(
+        "| version | shape | quant | .pte MB | export s | export peak RSS MB | decode tok/s pte / engine (ratio)"
+        " | prefill tok/s pte / engine (ratio) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['version']} | {r['shape']} | {r['quantization']} | {r['pte_mb']:.0f} | {r['export_s']:.0f} | "
-              f"{r['export_peak_rss_mb']:.0f} | {r['program_decode']:.1f} / {r['engine_decode']:.1f} "
-              f"({r['decode_ratio']:.2f}x) | {r['program_prefill']:.1f} / {r['engine_prefill']:.1f} "
-              f"({r['prefill_ratio']:.2f}x) |")
+        print(
+            f"| {r['version']} | {r['shape']} | {r['quantization']} | {r['pte_mb']:.0f} | {r['export_s']:.0f} | "
+            f"{r['export_peak_rss_mb']:.0f} | {r['program_decode']:.1f} / {r['engine_decode']:.1f} "
+            f"({r['decode_ratio']:.2f}x) | {r['program_prefill']:.1f} / {r['engine_prefill']:.1f} "
+            f"({r['prefill_ratio']:.2f}x) |"
+        )
 
 
 if __name__ == "__main__":

@@ -119,7 +119,9 @@ def make_tensors(fmt: str, N: int, K: int) -> dict:
             "s": s,
             "z": z,
             "peer_w": torch._convert_weight_to_int4pack_for_cpu(codes, 1),
-            "peer_sz": torch.stack([s.float().T, (z.float() + 8 * s.float()).T], dim=-1).to(torch.bfloat16).contiguous(),
+            "peer_sz": torch.stack([s.float().T, (z.float() + 8 * s.float()).T], dim=-1)
+            .to(torch.bfloat16)
+            .contiguous(),
         }
     raise ValueError(f"unknown format {fmt!r}")
 
@@ -133,7 +135,7 @@ def weight_nbytes(fmt: str, t: dict) -> int:
     return sum(v.numel() * v.element_size() for k, v in t.items() if k in ("w", "q", "s", "z"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _q8_half_scales(ops) -> bool:
     """Whether this build's gemv_q8 takes fp16 scales (fp32 before 306892d: a --baseline build)."""
     try:
@@ -227,10 +229,14 @@ def load_baseline(spec: str, ops):
         return AtLevel(ops, native.build_kernels(spec[4:])), ours
     root = Path(__file__).resolve().parents[1]
     sub = "rwkv_engine/kernels/native"
-    files = subprocess.run(["git", "ls-tree", "--name-only", f"{spec}:{sub}"], cwd=root, check=True,
-                           capture_output=True, text=True).stdout.split()
-    srcs = {f: subprocess.run(["git", "show", f"{spec}:{sub}/{f}"], cwd=root, check=True,
-                              capture_output=True).stdout for f in files if f.endswith((".cpp", ".h"))}
+    files = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{spec}:{sub}"], cwd=root, check=True, capture_output=True, text=True
+    ).stdout.split()
+    srcs = {
+        f: subprocess.run(["git", "show", f"{spec}:{sub}/{f}"], cwd=root, check=True, capture_output=True).stdout
+        for f in files
+        if f.endswith((".cpp", ".h"))
+    }
     h = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(srcs.items()))).hexdigest()[:12]
     d = Path(tempfile.gettempdir()) / f"rwkv_engine_native_base_{h}"
     d.mkdir(exist_ok=True)
@@ -240,10 +246,12 @@ def load_baseline(spec: str, ops):
         return AtLevel(ops, native.build_kernels(ops.isa(), src=d)), ours
     from torch.utils import cpp_extension
 
-    base = cpp_extension.load(name=f"rwkv_engine_native_base_{h}",
-                              sources=[str(d / f) for f in srcs if f.endswith(".cpp")],
-                              extra_cflags=list(native._CFLAGS) + list(native.level("avx2").flags),
-                              extra_ldflags=list(native._LDFLAGS))
+    base = cpp_extension.load(
+        name=f"rwkv_engine_native_base_{h}",
+        sources=[str(d / f) for f in srcs if f.endswith(".cpp")],
+        extra_cflags=list(native._CFLAGS) + list(native.level("avx2").flags),
+        extra_ldflags=list(native._LDFLAGS),
+    )
     return base, ours
 
 
@@ -255,9 +263,11 @@ def bench_batch(ops, base, formats, shapes, batches, rounds, resident=False):
     copy of each weight (cache-resident), 20x the rounds."""
     who = {"ours": ops} if base is None else {"base": base, "ours": ops}
     rounds = rounds * 20 if resident else rounds
-    print(f"\n## Batched GEMV, x [B, K], {torch.get_num_threads()} threads, GMAC/s = B*N*K / time, weights "
-          f"{'cache-resident' if resident else 'streamed from memory'} "
-          f"(best of {rounds} rounds{', alternating with the baseline' if base else ''})\n")
+    print(
+        f"\n## Batched GEMV, x [B, K], {torch.get_num_threads()} threads, GMAC/s = B*N*K / time, weights "
+        f"{'cache-resident' if resident else 'streamed from memory'} "
+        f"(best of {rounds} rounds{', alternating with the baseline' if base else ''})\n"
+    )
     cols = [f"{w} GMAC/s" for w in who] + [f"{w} GB/s" for w in who] + (["base/ours time"] if base else [])
     print("| shape | format | B | " + " | ".join(cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
@@ -268,8 +278,9 @@ def bench_batch(ops, base, formats, shapes, batches, rounds, resident=False):
             n = len(items)
             for B in batches:
                 x = torch.randn(B, K).to(x_dtype(fmt))
-                t = best_of_rounds({w: [lambda it=it, m=m: run_ours(fmt, m, x, it) for it in items]
-                                    for w, m in who.items()}, rounds)
+                t = best_of_rounds(
+                    {w: [lambda it=it, m=m: run_ours(fmt, m, x, it) for it in items] for w, m in who.items()}, rounds
+                )
                 t = {w: v / n for w, v in t.items()}
                 cells = [f"{B * N * K / t[w] / 1e9:.1f}" for w in who] + [f"{nbytes / t[w] / 1e9:.1f}" for w in who]
                 if base:
@@ -285,8 +296,18 @@ def token_estimate(times, formats):
     print("\n## Estimated 1.5B decode, matrices only (24 layers x 8 + head)\n")
     print("| scheme (body / head) | torch tok/s | ours tok/s |")
     print("|---|---|---|")
-    plans = [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("int8", "int8"), ("int8g128", "int8g128"),
-             ("int4g32", "int8"), ("int4g64", "int8"), ("int4g128", "int8"), ("int4g32", "bf16"), ("int4g32", "int4g32")]
+    plans = [
+        ("fp32", "fp32"),
+        ("bf16", "bf16"),
+        ("fp16", "fp16"),
+        ("int8", "int8"),
+        ("int8g128", "int8g128"),
+        ("int4g32", "int8"),
+        ("int4g64", "int8"),
+        ("int4g128", "int8"),
+        ("int4g32", "bf16"),
+        ("int4g32", "int4g32"),
+    ]
     for body, head in plans:
         if body not in formats or head not in formats:
             continue
@@ -299,7 +320,7 @@ def token_estimate(times, formats):
 
 
 def bench_crossover(ops, rounds):
-    print(f"\n## GEMV vs dequantized-tile GEMM by rows of x (7168x2048, bf16 x, ms per call)\n")
+    print("\n## GEMV vs dequantized-tile GEMM by rows of x (7168x2048, bf16 x, ms per call)\n")
     N, K = 7168, 2048
     w = torch.randn(N, K) / K**0.5
     mods = {
@@ -312,7 +333,7 @@ def bench_crossover(ops, rounds):
     for M in (1, 2, 4, 8, 12, 16, 32):
         x = torch.randn(M, K).bfloat16()
         cells = []
-        for name, m in mods.items():
+        for _name, m in mods.items():
             if isinstance(m, QL.DenseLinear):
                 fns = {"gemv": [lambda: ops.gemv_dense(x, m.weight)], "gemm": [lambda: _dense_prefill(m, x)]}
             else:
@@ -339,11 +360,15 @@ def _lin(w):
 
 
 def bench_prefill(ops, T, rounds):
-    print(f"\n## Prefill GEMM, x [{T}, K] bf16 (fp32 for torch fp32), GFLOP/s (best of {rounds}); "
-          f"ratio = our speed / torch's (fp32 F.linear for int8 / int4)\n")
+    print(
+        f"\n## Prefill GEMM, x [{T}, K] bf16 (fp32 for torch fp32), GFLOP/s (best of {rounds}); "
+        f"ratio = our speed / torch's (fp32 F.linear for int8 / int4)\n"
+    )
     print(f"prefill compute dtype for bf16 x here: {QL.prefill_dtype(torch.bfloat16)}\n")
-    print("| shape | torch fp32 | torch bf16 | torch int8pack | torch int4pack g32 | ours bf16 DenseLinear | ours int8g128 | ours int4g32 "
-          "| ratio bf16 (vs torch bf16) | ratio int8 | ratio int4 |")
+    print(
+        "| shape | torch fp32 | torch bf16 | torch int8pack | torch int4pack g32 | ours bf16 DenseLinear | ours int8g128 | ours int4g32 "
+        "| ratio bf16 (vs torch bf16) | ratio int8 | ratio int4 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for sname in ("att/ffn.r 2048x2048", "ffn.key 7168x2048"):
         N, K = SHAPES[sname]
@@ -390,10 +415,12 @@ def bench_errors():
         "head 16384x2048": sd["head.weight"],
     }
     del sd
+
     def col(f):  # the same format on weight / column scales, as the modules store it
         def run(w):
             c = P.column_scales(w)
             return f(w / c.float()) * c.float()
+
         return run
 
     fmts = {
@@ -410,13 +437,24 @@ def bench_errors():
     }
     for name in ("int8 per channel", "int8 g128", "int4 g32", "int4 g64", "int4 g128"):
         fmts[name + " + col scales (module default)"] = col(fmts[name])
-    print("\n## Quantization error: relative RMS of x @ W^T, heavy-tailed random weights "
-          "(testing.random_state_dict(outliers=True)), x ~ N(0, 1) [32, K]\n")
+    print(
+        "\n## Quantization error: relative RMS of x @ W^T, heavy-tailed random weights "
+        "(testing.random_state_dict(outliers=True)), x ~ N(0, 1) [32, K]\n"
+    )
     print("| format | bytes/weight | " + " | ".join(mats) + " |")
     print("|---|---|" + "---|" * len(mats))
-    bpw = {"bf16": 2, "fp16": 2, "int8 per channel": 1.0, "int8 g128": 1 + 4 / 128, "int8 g32": 1 + 4 / 32,
-           "int4 g32 symmetric": 0.5 + 2 / 32, "int4 g32 no search": 0.5 + 4 / 32, "int4 g32": 0.5 + 4 / 32,
-           "int4 g64": 0.5 + 4 / 64, "int4 g128": 0.5 + 4 / 128}
+    bpw = {
+        "bf16": 2,
+        "fp16": 2,
+        "int8 per channel": 1.0,
+        "int8 g128": 1 + 4 / 128,
+        "int8 g32": 1 + 4 / 32,
+        "int4 g32 symmetric": 0.5 + 2 / 32,
+        "int4 g32 no search": 0.5 + 4 / 32,
+        "int4 g32": 0.5 + 4 / 32,
+        "int4 g64": 0.5 + 4 / 64,
+        "int4 g128": 0.5 + 4 / 128,
+    }
     for name in list(bpw):
         bpw[name + " + col scales (module default)"] = bpw[name]  # + 2 bytes per column: negligible
     g = torch.Generator().manual_seed(0)
@@ -439,17 +477,23 @@ def bench_step(ours, base, model_path: str, batches, steps: int):
 
     model = rwkv_engine.load(model_path, dtype="bf16")
     sides = {"ours": ours} | ({"baseline": base} if base is not None else {})
-    print(f"\n## Decode steps of {Path(model_path).name}, bf16 activations ({steps} steps per side, "
-          f"{'alternating with the baseline every step' if base is not None else 'ours only'})\n")
-    print("| B | " + " | ".join(f"{k} ms/step (quartiles)" for k in sides) + " | " +
-          ("baseline / ours |" if base is not None else "tok/s |"))
+    print(
+        f"\n## Decode steps of {Path(model_path).name}, bf16 activations ({steps} steps per side, "
+        f"{'alternating with the baseline every step' if base is not None else 'ours only'})\n"
+    )
+    print(
+        "| B | "
+        + " | ".join(f"{k} ms/step (quartiles)" for k in sides)
+        + " | "
+        + ("baseline / ours |" if base is not None else "tok/s |")
+    )
     print("|---|" + "---|" * (len(sides) + 1))
     for B in batches:
         tok = torch.randint(1, 200, (B, 1))
         _, state = model.forward(tok)
         times = {k: [] for k in sides}
         for i in range(steps + 2):
-            for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+            for name in list(sides) if i % 2 == 0 else list(sides)[::-1]:
                 sides[name].isa()  # with a baseline, switches to that side's kernels (AtLevel)
                 t = time.perf_counter()
                 _, state = model.forward(tok, state)
@@ -469,28 +513,41 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="decode only, 10 rounds, no head shape")
-    ap.add_argument("--formats", help="comma list (default: all for decode, "
-                    f"{BATCH_FORMATS} for batch)")
+    ap.add_argument("--formats", help=f"comma list (default: all for decode, {BATCH_FORMATS} for batch)")
     ap.add_argument("--batch", type=int, default=1, help="rows of x in the decode table")
     ap.add_argument("--batches", default="1,4,8", help="rows of x in the batch table")
-    ap.add_argument("--baseline", metavar="REV", help="batch table: also time the kernels of this git revision, "
-                    "or of this tree at another ISA level (isa:avx2)")
-    ap.add_argument("--resident", action="store_true", help="batch table: one copy of each weight (in cache) "
-                    "instead of enough to stream from memory")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="batch table: also time the kernels of this git revision, or of this tree at another ISA level (isa:avx2)",
+    )
+    ap.add_argument(
+        "--resident",
+        action="store_true",
+        help="batch table: one copy of each weight (in cache) instead of enough to stream from memory",
+    )
     ap.add_argument("--prefill-tokens", type=int, default=512)
-    ap.add_argument("--model", help="step section: a checkpoint or converted directory (e.g. one that "
-                    "bench_engine.py or bench_peers.py wrote)")
+    ap.add_argument(
+        "--model",
+        help="step section: a checkpoint or converted directory (e.g. one that "
+        "bench_engine.py or bench_peers.py wrote)",
+    )
     ap.add_argument("--steps", type=int, default=60, help="step section: timed decode steps per side and batch")
-    ap.add_argument("--only", default=",".join(s for s in SECTIONS if s not in ("batch", "step")),
-                    help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch and step)")
+    ap.add_argument(
+        "--only",
+        default=",".join(s for s in SECTIONS if s not in ("batch", "step")),
+        help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch and step)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ops = native.load()
     if ops is None:
         print("native kernels unavailable on this machine (see the log); nothing to compare")
         return 1
-    print(f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"native ISA level {ops.isa()}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"native ISA level {ops.isa()}"
+    )
     rounds = 10 if args.quick else args.rounds
     only = set(filter(None, args.only.split(",")))
     if not only <= set(SECTIONS):

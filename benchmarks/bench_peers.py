@@ -57,9 +57,30 @@ VOCAB = "rwkv_vocab_v20230424.txt"  # convert_hf_to_gguf.py reads the World voca
 # width: (our scheme, llama.cpp type)
 FORMATS = {"16": ("bf16", "F16"), "8": ("q8", "Q8_0"), "4": ("q4", "Q4_0")}
 # ISA extensions worth naming beside a CPU benchmark (x86 /proc/cpuinfo "flags", ARM64 "Features")
-ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-             "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
-             "asimd", "asimdhp", "asimddp", "i8mm", "bf16", "sve", "sve2")
+ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "asimd",
+    "asimdhp",
+    "asimddp",
+    "i8mm",
+    "bf16",
+    "sve",
+    "sve2",
+)
 
 
 # --- pure helpers ------------------------------------------------------------------------------
@@ -100,9 +121,11 @@ def parse_llama_bench(text: str) -> dict:
 
 def summarize(runs: list[dict]) -> dict:
     """Medians of the speeds over rounds, the largest peak RSS."""
-    return {"prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+    return {
+        "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+        "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+    }
 
 
 def probe_lines(runs: dict[str, list[dict]]) -> list[str]:
@@ -122,14 +145,17 @@ def probe_lines(runs: dict[str, list[dict]]) -> list[str]:
 def table(rows: list[tuple[str, str, str, dict | None, dict | None]]) -> str:
     """A markdown table of (format, our scheme, llama.cpp type, our summary, theirs), with the
     ratios ours / theirs; a side that did not run shows "-"."""
+
     def cell(r, key, fmt):
         return format(r[key], fmt) if r else "-"
 
     def ratio(a, b, key):
         return f"{a[key] / b[key]:.2f}" if a and b else "-"
 
-    lines = ["| width | rwkv-engine / llama.cpp | prefill tok/s | x | decode tok/s | x | peak RSS MB | x |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| width | rwkv-engine / llama.cpp | prefill tok/s | x | decode tok/s | x | peak RSS MB | x |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for width, ours_name, their_name, ours, theirs in rows:
         lines.append(
             f"| {width}-bit | {ours_name} / {their_name} "
@@ -138,7 +164,8 @@ def table(rows: list[tuple[str, str, str, dict | None, dict | None]]) -> str:
             f"| {cell(ours, 'decode_tok_s', '.2f')} / {cell(theirs, 'decode_tok_s', '.2f')} "
             f"| {ratio(ours, theirs, 'decode_tok_s')} "
             f"| {cell(ours, 'peak_rss_mb', '.0f')} / {cell(theirs, 'peak_rss_mb', '.0f')} "
-            f"| {ratio(ours, theirs, 'peak_rss_mb')} |")
+            f"| {ratio(ours, theirs, 'peak_rss_mb')} |"
+        )
     return "\n".join(lines)
 
 
@@ -165,8 +192,10 @@ def check_run(cmd: list, what: str, log: Path | None = None, **kwargs) -> None:
     if log:
         log.write_text(out.stdout)
     if out.returncode != 0:
-        sys.exit(f"bench_peers: {what} failed (exit {out.returncode}):\n{out.stdout[-3000:]}"
-                 + (f"\n(full output in {log})" if log else ""))
+        sys.exit(
+            f"bench_peers: {what} failed (exit {out.returncode}):\n{out.stdout[-3000:]}"
+            + (f"\n(full output in {log})" if log else "")
+        )
 
 
 def llama_tree(cache: Path) -> Path:
@@ -177,15 +206,28 @@ def llama_tree(cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         log_step(f"downloading the llama-cpp-python {LLAMA_CPP_PYTHON} sdist (it carries llama.cpp) ...")
-        check_run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], "pip download of llama-cpp-python")
+        check_run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                tmp,
+            ],
+            "pip download of llama-cpp-python",
+        )
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
         with tarfile.open(sdist) as tar:
             members = []
             for m in tar.getmembers():
                 if m.name.startswith(prefix):
-                    m.name = m.name[len(prefix):]
+                    m.name = m.name[len(prefix) :]
                     members.append(m)
             tar.extractall(Path(tmp) / "llama.cpp", members=members, filter="data")
         os.replace(Path(tmp) / "llama.cpp", tree)
@@ -203,16 +245,35 @@ def build_llama(tree: Path, jobs: int) -> Path:
         shutil.rmtree(build)
     if not (build / "CMakeCache.txt").exists():
         log_step(f"configuring llama.cpp in {build} ...")
-        check_run(["cmake", "-S", tree, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-                   "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_CUDA=OFF",
-                   "-DGGML_VULKAN=OFF", "-DGGML_METAL=OFF"], "cmake configure of llama.cpp",
-                  log=tree / "cmake-configure.log")
+        check_run(
+            [
+                "cmake",
+                "-S",
+                tree,
+                "-B",
+                build,
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF",
+                "-DGGML_CUDA=OFF",
+                "-DGGML_VULKAN=OFF",
+                "-DGGML_METAL=OFF",
+            ],
+            "cmake configure of llama.cpp",
+            log=tree / "cmake-configure.log",
+        )
     bins = build / "bin"
     if not ((bins / "llama-bench").exists() and (bins / "llama-quantize").exists()):
         log_step(f"building llama-bench and llama-quantize with {jobs} jobs (many minutes on 2 cores) ...")
-    check_run(["cmake", "--build", build, "--target", "llama-bench", "llama-quantize", "-j", str(jobs)],
-              "building llama.cpp", log=tree / "cmake-build.log")
+    check_run(
+        ["cmake", "--build", build, "--target", "llama-bench", "llama-quantize", "-j", str(jobs)],
+        "building llama.cpp",
+        log=tree / "cmake-build.log",
+    )
     stamp.write_text(flags)
     return bins
 
@@ -231,8 +292,11 @@ def gguf_files(work: Path, ckpt: Path, tree: Path, bins: Path, types: list[str],
         shutil.copy(ROOT / "rwkv_engine" / "data" / VOCAB, fla / VOCAB)
         env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the tree's gguf-py, not PyPI's
         tmp = f16.with_suffix(".tmp")
-        check_run([sys.executable, tree / "convert_hf_to_gguf.py", fla, "--outtype", "f16", "--outfile", tmp],
-                  "convert_hf_to_gguf.py", env=env)
+        check_run(
+            [sys.executable, tree / "convert_hf_to_gguf.py", fla, "--outtype", "f16", "--outfile", tmp],
+            "convert_hf_to_gguf.py",
+            env=env,
+        )
         os.replace(tmp, f16)
         shutil.rmtree(fla)
     out = {}
@@ -251,8 +315,22 @@ def gguf_files(work: Path, ckpt: Path, tree: Path, bins: Path, types: list[str],
 
 
 def run_ours(model: Path, args) -> dict:
-    cmd = [sys.executable, "-m", "rwkv_engine", "bench", str(model), "--json", "--prompt-len", str(args.prompt_len),
-           "--decode-tokens", str(args.decode), "--repeats", str(args.repeats), "--threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rwkv_engine",
+        "bench",
+        str(model),
+        "--json",
+        "--prompt-len",
+        str(args.prompt_len),
+        "--decode-tokens",
+        str(args.decode),
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+    ]
     if not model.is_dir():
         cmd += ["--dtype", "bf16"]
     # `python -m` puts the working directory first on sys.path: the tree of this script is measured.
@@ -283,8 +361,23 @@ def run_peak_rss(cmd: list[str]) -> tuple[int, str, str, float]:
 
 
 def run_llama(bins: Path, model: Path, args) -> dict:
-    cmd = [str(bins / "llama-bench"), "-m", str(model), "-p", str(args.prompt_len), "-n", str(args.decode),
-           "-t", str(args.threads), "-r", str(args.repeats), "-o", "json", "-lm", args.llama_load_mode]
+    cmd = [
+        str(bins / "llama-bench"),
+        "-m",
+        str(model),
+        "-p",
+        str(args.prompt_len),
+        "-n",
+        str(args.decode),
+        "-t",
+        str(args.threads),
+        "-r",
+        str(args.repeats),
+        "-o",
+        "json",
+        "-lm",
+        args.llama_load_mode,
+    ]
     code, out, err, peak = run_peak_rss(cmd)
     if code != 0:
         raise RuntimeError(err[-2000:])
@@ -303,15 +396,27 @@ def main() -> None:
     ap.add_argument("--formats", default="16,8,4", help="widths to compare, of 16, 8, 4 (default: %(default)s)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64, help="decode tokens timed per pass (default: %(default)s)")
-    ap.add_argument("--repeats", type=int, default=3, help="prefill/decode passes per run, both engines (default: %(default)s)")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="prefill/decode passes per run, both engines (default: %(default)s)"
+    )
     ap.add_argument("--rounds", type=int, default=2, help="runs of every configuration, taking turns (medians)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both engines (default: all cores)")
-    ap.add_argument("--workdir", default="/tmp/rwkv-engine-bench", help="checkpoints and converted copies (bench_engine's)")
-    ap.add_argument("--cache", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rwkv-engine-bench",
-                    help="where llama.cpp is unpacked and built (default: %(default)s)")
-    ap.add_argument("--llama-load-mode", default="auto", choices=["auto", "none", "mmap"],
-                    help="llama-bench -lm: auto (default, as a user runs it: the GGUF mapped from the page cache) "
-                         "or none (read into memory allocated per run, as ours are)")
+    ap.add_argument(
+        "--workdir", default="/tmp/rwkv-engine-bench", help="checkpoints and converted copies (bench_engine's)"
+    )
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rwkv-engine-bench",
+        help="where llama.cpp is unpacked and built (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--llama-load-mode",
+        default="auto",
+        choices=["auto", "none", "mmap"],
+        help="llama-bench -lm: auto (default, as a user runs it: the GGUF mapped from the page cache) "
+        "or none (read into memory allocated per run, as ours are)",
+    )
     ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 2), help="build jobs (default: %(default)s)")
     args = ap.parse_args()
     if args.small:
@@ -357,18 +462,25 @@ def main() -> None:
     commit = llama_runs[0]["build_commit"] if llama_runs else "?"  # "unknown": the sdist carries no git history
     L, C, V = SHAPES[args.shape]
     print(f"\nCPU: {model_name}; ISA: {' '.join(isa) or '?'}; {args.threads} threads")
-    print(f"rwkv-engine {our_version()}" + (f" (native level {our_runs[0]['isa']})" if our_runs and "isa" in our_runs[0] else "")
-          + f"; llama.cpp {commit + ' ' if commit not in ('unknown', '?') else ''}(llama-cpp-python {LLAMA_CPP_PYTHON} sdist)")
-    print(f"RWKV-7 {args.shape} shape ({L} x {C}, vocab {V}), random weights; prompt {args.prompt_len} tokens, "
-          f"decode {args.decode}; median of {args.rounds} alternating round(s); x = rwkv-engine / llama.cpp\n")
+    print(
+        f"rwkv-engine {our_version()}"
+        + (f" (native level {our_runs[0]['isa']})" if our_runs and "isa" in our_runs[0] else "")
+        + f"; llama.cpp {commit + ' ' if commit not in ('unknown', '?') else ''}(llama-cpp-python {LLAMA_CPP_PYTHON} sdist)"
+    )
+    print(
+        f"RWKV-7 {args.shape} shape ({L} x {C}, vocab {V}), random weights; prompt {args.prompt_len} tokens, "
+        f"decode {args.decode}; median of {args.rounds} alternating round(s); x = rwkv-engine / llama.cpp\n"
+    )
     got = {label: summarize(rs) for label, rs in runs.items() if rs}
     rows = []
     for w in widths:
         ours, theirs = FORMATS[w]
         rows.append((w, ours, theirs, got.get(f"rwkv-engine {ours}"), got.get(f"llama.cpp {theirs}")))
     print(table(rows))
-    print("\nBy round (the probe reads memory allocated as our weights are; on a VM the same machine can give a"
-          " process memory that reads at half the speed of another's):")
+    print(
+        "\nBy round (the probe reads memory allocated as our weights are; on a VM the same machine can give a"
+        " process memory that reads at half the speed of another's):"
+    )
     print("\n".join(probe_lines(runs)))
 
 

@@ -62,18 +62,31 @@ def bits_on_1b5(version: str, quantization: str, group_size: int | None = None, 
     lora = {}
     if version in ("6.0", "7"):
         r = testing.lora_ranks(version, C)
-        lora = dict(lora_mix=r["mix"], lora_decay=r["decay"]) if version == "6.0" else \
-            dict(lora_decay=r["decay"], lora_iclr=r["iclr"], lora_value=r["value"], lora_gate=r["gate"])
+        lora = (
+            dict(lora_mix=r["mix"], lora_decay=r["decay"])
+            if version == "6.0"
+            else dict(lora_decay=r["decay"], lora_iclr=r["iclr"], lora_value=r["value"], lora_gate=r["gate"])
+        )
     heads = dict(n_head=C // 64, head_size=64) if version != "4" else {}
-    cfg = ModelConfig(version=version, n_layer=24, n_embd=C, vocab_size=65536, dim_att=C,
-                      ffn_dim=4 * C if version in ("4", "7") else 7168, **heads, **lora)
+    cfg = ModelConfig(
+        version=version,
+        n_layer=24,
+        n_embd=C,
+        vocab_size=65536,
+        dim_att=C,
+        ffn_dim=4 * C if version in ("4", "7") else 7168,
+        **heads,
+        **lora,
+    )
     with torch.device("meta"):
         model = RWKV(cfg)
     quantize_model(model, quantization, group_size, policy, empty=True)
     return linear_bits(model)
 
 
-def measure(path: Path, prompt: list[int], steps: list[int], ref: torch.Tensor, **load_kw) -> tuple[float, float, float]:
+def measure(
+    path: Path, prompt: list[int], steps: list[int], ref: torch.Tensor, **load_kw
+) -> tuple[float, float, float]:
     model = rwkv_engine.load(path, **load_kw)
     q = testing.logits_along(model, prompt, steps)
     agree = (q[-len(steps) - 1 :].argmax(-1) == ref[-len(steps) - 1 :].argmax(-1)).float().mean().item()
@@ -81,8 +94,9 @@ def measure(path: Path, prompt: list[int], steps: list[int], ref: torch.Tensor, 
 
 
 def setup(version: str, n_layer: int, n_embd: int, workdir: Path):
-    sd = testing.random_state_dict(version, n_layer=n_layer, n_embd=n_embd, vocab_size=VOCAB, head_size=64,
-                                   seed=3, outliers=True)
+    sd = testing.random_state_dict(
+        version, n_layer=n_layer, n_embd=n_embd, vocab_size=VOCAB, head_size=64, seed=3, outliers=True
+    )
     path = testing.save_pth(sd, workdir / f"rwkv{version}-{n_layer}x{n_embd}.pth")
     prompt = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     fp32 = rwkv_engine.load(path)
@@ -115,8 +129,26 @@ POLICIES = [
 
 MATRICES = {
     "7": ("att.receptance", "att.key", "att.value", "att.output", "ffn.key", "ffn.value"),
-    "6.0": ("att.receptance", "att.key", "att.value", "att.gate", "att.output", "ffn.key", "ffn.value", "ffn.receptance"),
-    "5.2": ("att.receptance", "att.key", "att.value", "att.gate", "att.output", "ffn.key", "ffn.value", "ffn.receptance"),
+    "6.0": (
+        "att.receptance",
+        "att.key",
+        "att.value",
+        "att.gate",
+        "att.output",
+        "ffn.key",
+        "ffn.value",
+        "ffn.receptance",
+    ),
+    "5.2": (
+        "att.receptance",
+        "att.key",
+        "att.value",
+        "att.gate",
+        "att.output",
+        "ffn.key",
+        "ffn.value",
+        "ffn.receptance",
+    ),
 }
 
 
@@ -131,7 +163,9 @@ def main() -> None:
         for n_layer, n_embd in ((4, 512), (24, 256)):
             path, prompt, steps, ref = setup(v, n_layer, n_embd, Path(tmp))
             print(f"\nRWKV-{v}, {n_layer} layers x {n_embd}, vocab {VOCAB}: logits against fp32")
-            print("| scheme | rel. RMS error | greedy agree | bits/weight | bits/weight, 1.5B shape |\n|---|---|---|---|---|")
+            print(
+                "| scheme | rel. RMS error | greedy agree | bits/weight | bits/weight, 1.5B shape |\n|---|---|---|---|---|"
+            )
             rows = SCHEMES + [(f"q4, {name}", dict(quantization="q4", policy=pol)) for name, pol in POLICIES]
             for name, kw in rows:
                 err, agree, bits = measure(path, prompt, steps, ref, **kw)
@@ -141,16 +175,22 @@ def main() -> None:
             print(f"\nonly block i in int4 (group 32), the rest fp32 ({n_layer} layers x {n_embd})")
             print("| block | rel. RMS error |\n|---|---|")
             for i in sorted({0, 1, 2, 3, n_layer // 2, n_layer - 1}):
-                err, _, _ = measure(path, prompt, steps, ref, quantization="q4",
-                                    policy={f"blocks.{i}.*": "q4", "*": "keep"})
+                err, _, _ = measure(
+                    path, prompt, steps, ref, quantization="q4", policy={f"blocks.{i}.*": "q4", "*": "keep"}
+                )
                 print(f"| {i} | {err:.4f} |", flush=True)
             if v not in MATRICES:
                 continue
             print(f"\nonly one kind of matrix in int4 (group 32), the rest fp32 ({n_layer} layers x {n_embd})")
             print("| matrix | in block 0 | in every block |\n|---|---|---|")
             for m in MATRICES[v] + ("head",):
-                one = float("nan") if m == "head" else measure(
-                    path, prompt, steps, ref, quantization="q4", policy={f"blocks.0.{m}": "q4", "*": "keep"})[0]
+                one = (
+                    float("nan")
+                    if m == "head"
+                    else measure(
+                        path, prompt, steps, ref, quantization="q4", policy={f"blocks.0.{m}": "q4", "*": "keep"}
+                    )[0]
+                )
                 pattern = "head" if m == "head" else f"blocks.*.{m}"
                 every = measure(path, prompt, steps, ref, quantization="q4", policy={pattern: "q4", "*": "keep"})[0]
                 print(f"| {m} | {one:.4f} | {every:.4f} |", flush=True)

@@ -30,9 +30,11 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SYSTEM = ("You are a helpful, careful assistant for a small hardware shop. You answer questions about "
-          "tools, opening hours and orders in two sentences or fewer, you never invent prices, and when "
-          "a question is unclear you ask one short question back. ") * 6
+SYSTEM = (
+    "You are a helpful, careful assistant for a small hardware shop. You answer questions about "
+    "tools, opening hours and orders in two sentences or fewer, you never invent prices, and when "
+    "a question is unclear you ask one short question back. "
+) * 6
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -74,10 +76,19 @@ async def _drive(url: str, model: str, streams: int, requests: int, max_tokens: 
         async with httpx.AsyncClient(timeout=600) as http:
             while not queue.empty():
                 i = queue.get_nowait()
-                body = {"model": model, "max_tokens": max_tokens, "temperature": 1.0, "top_p": 0.5, "seed": i,
-                        "stream": True, "stream_options": {"include_usage": True},
-                        "messages": [{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": f"Customer {i}: do you sell a size {i % 9 + 1} wrench?"}]}
+                body = {
+                    "model": model,
+                    "max_tokens": max_tokens,
+                    "temperature": 1.0,
+                    "top_p": 0.5,
+                    "seed": i,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": f"Customer {i}: do you sell a size {i % 9 + 1} wrench?"},
+                    ],
+                }
                 t0 = time.perf_counter()
                 first = None
                 async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -102,19 +113,32 @@ def run_one(model_dir: Path, replicas: int, args) -> dict:
 
     from rwkv_engine.serve.ray import build_app, free_port
 
-    ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             object_store_memory=256 << 20)
+    ray.init(include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1", object_store_memory=256 << 20)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app([str(model_dir), "--replicas", str(replicas), "--max-batch", str(args.max_batch),
-                         "--replica-cpus", str(args.replica_cpus), "--prefill-chunk", str(args.prefill_chunk)]),
-              name="rwkv-engine", route_prefix="/")
+    serve.run(
+        build_app(
+            [
+                str(model_dir),
+                "--replicas",
+                str(replicas),
+                "--max-batch",
+                str(args.max_batch),
+                "--replica-cpus",
+                str(args.replica_cpus),
+                "--prefill-chunk",
+                str(args.prefill_chunk),
+            ]
+        ),
+        name="rwkv-engine",
+        route_prefix="/",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
-        asyncio.run(_drive(url, model_dir.name, 2, 2, 4))              # warm-up (kernels, caches)
+        asyncio.run(_drive(url, model_dir.name, 2, 2, 4))  # warm-up (kernels, caches)
         before = _metrics(url)
         seconds, tokens, ttfts = asyncio.run(_drive(url, model_dir.name, args.streams, args.requests, args.max_tokens))
-        time.sleep(2.5)                                                 # replicas publish metrics every second
+        time.sleep(2.5)  # replicas publish metrics every second
         after = _metrics(url)
         memory = _replica_memory()
     finally:
@@ -126,10 +150,17 @@ def run_one(model_dir: Path, replicas: int, args) -> dict:
     hits = delta.get("rwkv_engine_prompt_cache_hits_total", 0.0)
     misses = delta.get("rwkv_engine_prompt_cache_misses_total", 0.0)
     ttfts.sort()
-    return {"replicas": replicas, "tok_s": tokens / seconds, "requests": args.requests,
-            "ttft_p50": ttfts[len(ttfts) // 2], "ttft_p99": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
-            "affinity": affinity / routed if routed else 0.0, "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "rss_mb": [round(r, 1) for _, r, _ in memory], "pss_mb": [round(p, 1) for _, _, p in memory]}
+    return {
+        "replicas": replicas,
+        "tok_s": tokens / seconds,
+        "requests": args.requests,
+        "ttft_p50": ttfts[len(ttfts) // 2],
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))],
+        "affinity": affinity / routed if routed else 0.0,
+        "cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "rss_mb": [round(r, 1) for _, r, _ in memory],
+        "pss_mb": [round(p, 1) for _, _, p in memory],
+    }
 
 
 def main() -> None:
@@ -151,23 +182,32 @@ def main() -> None:
     tag = f"v52-{args.layers}x{args.embd}"
     pth, model_dir = args.workdir / f"{tag}.pth", args.workdir / f"{tag}-q8"
     if not model_dir.exists():
-        sd = testing.random_state_dict("5.2", n_layer=args.layers, n_embd=args.embd, vocab_size=65536,
-                                       head_size=64, seed=0)
+        sd = testing.random_state_dict(
+            "5.2", n_layer=args.layers, n_embd=args.embd, vocab_size=65536, head_size=64, seed=0
+        )
         testing.save_pth(sd, pth)
         del sd
-        subprocess.run([sys.executable, "-m", "rwkv_engine", "convert", str(pth), str(model_dir), "-q", "q8"], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "rwkv_engine", "convert", str(pth), str(model_dir), "-q", "q8"], check=True
+        )
         pth.unlink()
     info = open("/proc/cpuinfo").read()
     cpu = re.search(r"^model name\s*:\s*(.*)$", info, re.M).group(1)
     isa = "AVX-512" if " avx512f" in info else "AVX2" if " avx2" in info else "no AVX2"
-    print(f"CPU: {cpu} ({isa}), {os.cpu_count()} cores; model {tag} q8 ({model_dir}); {args.streams} streams, "
-          f"{args.requests} chats of {args.max_tokens} tokens sharing a {len(SYSTEM)}-character system prompt")
+    print(
+        f"CPU: {cpu} ({isa}), {os.cpu_count()} cores; model {tag} q8 ({model_dir}); {args.streams} streams, "
+        f"{args.requests} chats of {args.max_tokens} tokens sharing a {len(SYSTEM)}-character system prompt"
+    )
     rows = [run_one(model_dir, n, args) for n in (1, 2)]
-    print("| replicas | aggregate tok/s | x 1 replica | TTFT p50 / p99 s | routed by affinity | prompt-cache hit rate | RSS MB per replica | PSS MB per replica |")
+    print(
+        "| replicas | aggregate tok/s | x 1 replica | TTFT p50 / p99 s | routed by affinity | prompt-cache hit rate | RSS MB per replica | PSS MB per replica |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['replicas']} | {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} "
-              f"| {r['affinity']:.0%} | {r['cache_hit_rate']:.0%} | {', '.join(map(str, r['rss_mb']))} | {', '.join(map(str, r['pss_mb']))} |")
+        print(
+            f"| {r['replicas']} | {r['tok_s']:.1f} | {r['tok_s'] / rows[0]['tok_s']:.2f} | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} "
+            f"| {r['affinity']:.0%} | {r['cache_hit_rate']:.0%} | {', '.join(map(str, r['rss_mb']))} | {', '.join(map(str, r['pss_mb']))} |"
+        )
 
 
 if __name__ == "__main__":

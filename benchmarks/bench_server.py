@@ -50,16 +50,55 @@ from bench_engine import SHAPES, converted_dir, make_checkpoint
 
 MODEL = "bench"
 PHASES = ("forward", "sample", "stream")  # of a decode step, as the engine times them
-WORDS = ("river stone light paper engine garden window silver morning violin harbour lantern meadow "
-         "copper thunder velvet orchard compass").split()
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "paper",
+    "engine",
+    "garden",
+    "window",
+    "silver",
+    "morning",
+    "violin",
+    "harbour",
+    "lantern",
+    "meadow",
+    "copper",
+    "thunder",
+    "velvet",
+    "orchard",
+    "compass",
+]
 
 
 def start_server(ckpt: Path, args, log_path: Path, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
     """The server on a free port, running the rwkv_engine package of `tree` (None: the installed one)."""
-    cmd = [sys.executable, "-c", "import sys; from rwkv_engine.cli import main; sys.exit(main())", "serve", str(ckpt),
-           "--served-model-name", MODEL, "--port", "0", "--log-level", "warning", "--dtype", args.dtype,
-           "--device", args.device, "--max-batch", str(max(args.concurrency)), "--max-queue", "256",
-           "--prefill-chunk", str(args.prefill_chunk), "--max-prompt-tokens", "65536"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from rwkv_engine.cli import main; sys.exit(main())",
+        "serve",
+        str(ckpt),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--max-batch",
+        str(max(args.concurrency)),
+        "--max-queue",
+        "256",
+        "--prefill-chunk",
+        str(args.prefill_chunk),
+        "--max-prompt-tokens",
+        "65536",
+    ]
     log = open(log_path, "w")
     # `python -c` puts its working directory first on sys.path: the package of `tree` wins.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
@@ -118,11 +157,24 @@ async def stream(http, path: str, body: dict) -> dict:
 async def decode_round(url: str, c: int, tokens: int, salt: int) -> dict:
     import httpx
 
-    bodies = [{"model": MODEL, "prompt": f"Note {salt}-{i}: the {WORDS[i % len(WORDS)]} is", "max_tokens": tokens,
-               "stream": True, "stream_options": {"include_usage": True}, "temperature": 1.0, "top_p": 0.9,
-               "top_k": 40, "seed": i, "logit_bias": {"0": -100}} for i in range(c)]
+    bodies = [
+        {
+            "model": MODEL,
+            "prompt": f"Note {salt}-{i}: the {WORDS[i % len(WORDS)]} is",
+            "max_tokens": tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 1.0,
+            "top_p": 0.9,
+            "top_k": 40,
+            "seed": i,
+            "logit_bias": {"0": -100},
+        }
+        for i in range(c)
+    ]
     names = ["rwkv_engine_decode_steps_total", "rwkv_engine_decode_rows_total"] + [
-        f'rwkv_engine_engine_seconds_total{{phase="{phase}"}}' for phase in PHASES]
+        f'rwkv_engine_engine_seconds_total{{phase="{phase}"}}' for phase in PHASES
+    ]
     before = [metric(url, n) for n in names]
     limits = httpx.Limits(max_connections=c + 4)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
@@ -133,7 +185,8 @@ async def decode_round(url: str, c: int, tokens: int, salt: int) -> dict:
     after_first = total - c  # tokens decoded once every stream had its first
     per_stream = [(r["usage"]["completion_tokens"] - 1) / (r["end"] - r["first"]) for r in results]
     return {
-        "c": c, "tokens": total,
+        "c": c,
+        "tokens": total,
         "wall": max(r["end"] for r in results) - min(r["start"] for r in results),
         "aggregate": after_first / window if window > 0 else float("nan"),
         "per_stream": statistics.median(per_stream),
@@ -154,10 +207,17 @@ async def ttft_pair(url: str, system_tokens: int, salt: int, tokens: int) -> dic
     while len(tok.encode(" ".join(words))) < system_tokens:
         words += [f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(64)]
     system = " ".join(words)
-    body = {"model": MODEL, "messages": [{"role": "system", "content": system},
-                                         {"role": "user", "content": "Summarise the list."}],
-            "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True},
-            "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": salt}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the list."}],
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 40,
+        "seed": salt,
+    }
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
         cold = await stream(http, "/v1/chat/completions", body)
         warm = await stream(http, "/v1/chat/completions", body)
@@ -180,12 +240,18 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="serve a converted copy with this scheme (e.g. q8)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated stream counts (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per decode stream (default: %(default)s)")
-    ap.add_argument("--system-tokens", type=int, default=2048,
-                    help="system prompt length, about (default: %(default)s)")
+    ap.add_argument(
+        "--system-tokens", type=int, default=2048, help="system prompt length, about (default: %(default)s)"
+    )
     ap.add_argument("--repeats", type=int, default=2, help="cold/cached TTFT pairs (default: %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--baseline", type=Path, default=None, metavar="DIR",
-                    help="also serve the rwkv_engine package in DIR, rounds alternating with this tree's")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also serve the rwkv_engine package in DIR, rounds alternating with this tree's",
+    )
     ap.add_argument("--workdir", default="/tmp/rwkv-engine-bench")
     args = ap.parse_args()
     if args.small:
@@ -210,8 +276,11 @@ def main() -> None:
         for i, (name, tree) in enumerate(trees.items()):
             t0 = time.perf_counter()
             servers[name] = start_server(ckpt, args, work / f"bench_server{i or ''}.log", tree)
-            print(f"{name}: server up in {time.perf_counter() - t0:.1f} s at {servers[name][1]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{name}: server up in {time.perf_counter() - t0:.1f} s at {servers[name][1]}",
+                file=sys.stderr,
+                flush=True,
+            )
             asyncio.run(decode_round(servers[name][1], 1, 4, salt=-1))  # warm-up
         for c in args.concurrency:
             for name, (_, url) in servers.items():
@@ -227,32 +296,43 @@ def main() -> None:
             proc.wait(60)
 
     L, C, V = SHAPES[args.shape]
-    print(f"\nrwkv-engine serve, RWKV-5.2 {args.shape} shape ({L} x {C}, vocab {V}), {args.dtype} "
-          f"(quantization {args.quantization or 'none'}) on {args.device}, "
-          f"max batch {max(args.concurrency)}, {os.cpu_count()} CPUs"
-          + (f"; baseline: {args.baseline}" if args.baseline else "") + "\n")
+    print(
+        f"\nrwkv-engine serve, RWKV-5.2 {args.shape} shape ({L} x {C}, vocab {V}), {args.dtype} "
+        f"(quantization {args.quantization or 'none'}) on {args.device}, "
+        f"max batch {max(args.concurrency)}, {os.cpu_count()} CPUs"
+        + (f"; baseline: {args.baseline}" if args.baseline else "")
+        + "\n"
+    )
     label = "| server " if len(trees) > 1 else ""
-    print(f"{label}| streams | tokens | wall s | aggregate decode tok/s | per-stream tok/s | median TTFT ms "
-          f"| mean batch | engine ms / step: forward + sample + stream |")
+    print(
+        f"{label}| streams | tokens | wall s | aggregate decode tok/s | per-stream tok/s | median TTFT ms "
+        f"| mean batch | engine ms / step: forward + sample + stream |"
+    )
     print("|---" * (8 + bool(label)) + "|")
     for k in range(len(args.concurrency)):
         for name in trees:
             r = rounds[name][k]
             ms = r["step_ms"]
             split = " + ".join(f"{ms[ph]:.1f}" for ph in PHASES) if any(ms.values()) else "-"
-            print(f"{f'| {name} ' if label else ''}| {r['c']} | {r['tokens']} | {r['wall']:.1f} | "
-                  f"{r['aggregate']:.1f} | {r['per_stream']:.1f} | {r['ttft'] * 1e3:.0f} | {r['mean_batch']:.2f} | "
-                  f"{split} |")
+            print(
+                f"{f'| {name} ' if label else ''}| {r['c']} | {r['tokens']} | {r['wall']:.1f} | "
+                f"{r['aggregate']:.1f} | {r['per_stream']:.1f} | {r['ttft'] * 1e3:.0f} | {r['mean_batch']:.2f} | "
+                f"{split} |"
+            )
     if args.repeats:
         print()
-        print(f"{label}| system prompt tokens | TTFT cold ms | TTFT cached ms | speed-up | cached tokens | same output |")
+        print(
+            f"{label}| system prompt tokens | TTFT cold ms | TTFT cached ms | speed-up | cached tokens | same output |"
+        )
         print("|---" * (6 + bool(label)) + "|")
         for k in range(args.repeats):
             for name in trees:
                 p = pairs[name][k]
-                print(f"{f'| {name} ' if label else ''}| {p['prompt_tokens']} | {p['cold_ttft'] * 1e3:.0f} | "
-                      f"{p['warm_ttft'] * 1e3:.0f} | {p['cold_ttft'] / p['warm_ttft']:.1f}x | "
-                      f"{p['warm_cached']} (cold: {p['cold_cached']}) | {'yes' if p['identical'] else 'NO'} |")
+                print(
+                    f"{f'| {name} ' if label else ''}| {p['prompt_tokens']} | {p['cold_ttft'] * 1e3:.0f} | "
+                    f"{p['warm_ttft'] * 1e3:.0f} | {p['cold_ttft'] / p['warm_ttft']:.1f}x | "
+                    f"{p['warm_cached']} (cold: {p['cold_cached']}) | {'yes' if p['identical'] else 'NO'} |"
+                )
 
 
 if __name__ == "__main__":

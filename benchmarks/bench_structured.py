@@ -36,8 +36,12 @@ SCHEMA = {
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "role": {"enum": ["admin", "user", "guest"]},
         "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 4},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
-                    "required": ["city"], "additionalProperties": False},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 16}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "age", "role", "address"],
     "additionalProperties": False,
@@ -150,14 +154,18 @@ def bench_engines(tok, args) -> None:
                         s["valid"] += 1
                     except (ValueError, jsonschema.ValidationError):
                         pass
-    print("\n| engine | tokenizer from vocab s | compile ms (median) | mask ms mean | mask ms p95 | valid / ended walks |")
+    print(
+        "\n| engine | tokenizer from vocab s | compile ms (median) | mask ms mean | mask ms p95 | valid / ended walks |"
+    )
     print("|---|---|---|---|---|---|")
     for e in engines:
         s = stats[e.name]
         mask = sorted(s["mask"])
-        print(f"| {e.name} | {e.tokenizer_s:.2f} | {1e3 * statistics.median(s['compile']):.1f} | "
-              f"{1e3 * statistics.mean(mask):.3f} | {1e3 * mask[int(0.95 * len(mask))]:.3f} | "
-              f"{s['valid']} / {s['ended']} (of {s['walks']}) |")
+        print(
+            f"| {e.name} | {e.tokenizer_s:.2f} | {1e3 * statistics.median(s['compile']):.1f} | "
+            f"{1e3 * statistics.mean(mask):.3f} | {1e3 * mask[int(0.95 * len(mask))]:.3f} | "
+            f"{s['valid']} / {s['ended']} (of {s['walks']}) |"
+        )
 
 
 def bench_sampler(tok, args) -> None:
@@ -170,8 +178,10 @@ def bench_sampler(tok, args) -> None:
     grammar = json_grammar(ENDLESS, tok, 65536)
     params = SamplingParams(temperature=1.0, top_p=0.3, presence_penalty=0.5, frequency_penalty=0.5)
     with tempfile.TemporaryDirectory() as d:
-        path = save_pth(random_state_dict(version="5.2", n_layer=12, n_embd=768, vocab_size=65536, head_size=64,
-                                          seed=1), Path(d) / "small.pth")
+        path = save_pth(
+            random_state_dict(version="5.2", n_layer=12, n_embd=768, vocab_size=65536, head_size=64, seed=1),
+            Path(d) / "small.pth",
+        )
         model = rwkv_engine.load(path)
     gen = torch.Generator().manual_seed(0)
     print("\n| batch | constrained rows | sample_batch ms / step | x unconstrained | forward ms / step (0.1B) |")
@@ -185,8 +195,10 @@ def bench_sampler(tok, args) -> None:
             forward_ms = 1e3 * (time.perf_counter() - t0) / 5
         base = None
         for n in sorted({0, 1, B}):
-            samplers = [Sampler(params.replace(seed=b), 65536, constraint=grammar.constraint() if b < n else None)
-                        for b in range(B)]
+            samplers = [
+                Sampler(params.replace(seed=b), 65536, constraint=grammar.constraint() if b < n else None)
+                for b in range(B)
+            ]
             times = []
             for _ in range(args.steps):
                 logits = torch.randn(B, 65536, generator=gen) * 3

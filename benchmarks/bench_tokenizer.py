@@ -70,11 +70,15 @@ def main(argv=None) -> int:
     ref_enc, ref_dec = rows[0][2], rows[0][3]
     print(f"tokens: {len(ref_ids):,} ({size / len(ref_ids):.2f} bytes/token)")
     print()
-    print(f"{'tokenizer':<26} {'load s':>7} {'encode MB/s':>12} {'x ref':>7} "
-          f"{'decode MB/s':>12} {'x ref':>7}  ids+text == reference")
+    print(
+        f"{'tokenizer':<26} {'load s':>7} {'encode MB/s':>12} {'x ref':>7} "
+        f"{'decode MB/s':>12} {'x ref':>7}  ids+text == reference"
+    )
     for name, load_s, enc, dec, _n, agrees in rows:
-        print(f"{name:<26} {load_s:>7.2f} {enc:>12.1f} {enc / ref_enc:>7.1f} "
-              f"{dec:>12.1f} {dec / ref_dec:>7.1f}  {'yes' if agrees else 'NO'}")
+        print(
+            f"{name:<26} {load_s:>7.2f} {enc:>12.1f} {enc / ref_enc:>7.1f} "
+            f"{dec:>12.1f} {dec / ref_dec:>7.1f}  {'yes' if agrees else 'NO'}"
+        )
     return 0 if ok else 1
 
 

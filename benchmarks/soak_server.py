@@ -43,15 +43,32 @@ import time
 from pathlib import Path
 
 import httpx
-
 from bench_engine import SHAPES, make_checkpoint
 from bench_server import wait_ready
 
 MODEL = "soak"
 HEADER_TIMEOUT = 3
 BODY_TIMEOUT = 3
-WORDS = ("river stone light paper engine garden window silver morning violin harbour lantern meadow "
-         "copper thunder velvet orchard compass").split()
+WORDS = [
+    "river",
+    "stone",
+    "light",
+    "paper",
+    "engine",
+    "garden",
+    "window",
+    "silver",
+    "morning",
+    "violin",
+    "harbour",
+    "lantern",
+    "meadow",
+    "copper",
+    "thunder",
+    "velvet",
+    "orchard",
+    "compass",
+]
 
 
 def checkpoint(work: Path, shape: str) -> Path:
@@ -60,8 +77,9 @@ def checkpoint(work: Path, shape: str) -> Path:
 
         path = work / "soak-tiny.pth"
         if not path.exists():
-            testing.save_pth(testing.random_state_dict("5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16),
-                             path)
+            testing.save_pth(
+                testing.random_state_dict("5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16), path
+            )
         return path
     path = work / f"rwkv5-{shape}.pth"
     make_checkpoint(path, "5.2", shape)
@@ -69,10 +87,31 @@ def checkpoint(work: Path, shape: str) -> Path:
 
 
 def start_server(ckpt: Path, args, log_path: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "rwkv_engine", "serve", str(ckpt), "--served-model-name", MODEL, "--port", "0",
-           "--log-level", "warning", "--dtype", args.dtype, "--max-batch", str(args.streams),
-           "--max-queue", "64", "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
-           "--shutdown-timeout", "5"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rwkv_engine",
+        "serve",
+        str(ckpt),
+        "--served-model-name",
+        MODEL,
+        "--port",
+        "0",
+        "--log-level",
+        "warning",
+        "--dtype",
+        args.dtype,
+        "--max-batch",
+        str(args.streams),
+        "--max-queue",
+        "64",
+        "--header-timeout",
+        str(HEADER_TIMEOUT),
+        "--body-timeout",
+        str(BODY_TIMEOUT),
+        "--shutdown-timeout",
+        "5",
+    ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return proc, wait_ready(proc, log_path)
@@ -80,8 +119,8 @@ def start_server(ckpt: Path, args, log_path: Path) -> tuple[subprocess.Popen, st
 
 class Tally:
     def __init__(self):
-        self.outcomes = collections.Counter()   # what happened, expected or not
-        self.errors = collections.Counter()     # what should not have happened, by kind
+        self.outcomes = collections.Counter()  # what happened, expected or not
+        self.errors = collections.Counter()  # what should not have happened, by kind
         self.ttft: list[float] = []
         self.tokens = 0
         self.rss: list[tuple[float, float, float]] = []  # (t, MiB, /health ms)
@@ -100,9 +139,16 @@ async def stream_worker(url: str, rng: random.Random, deadline: float, tally: Ta
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         while time.monotonic() < deadline:
             drop = rng.random() < disconnect_rate
-            body = {"model": MODEL, "prompt": prompt(rng), "max_tokens": rng.randint(16, 160), "stream": True,
-                    "temperature": rng.choice([0, 0.7, 1.0]), "top_p": 0.9, "logit_bias": {"0": -100},
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": MODEL,
+                "prompt": prompt(rng),
+                "max_tokens": rng.randint(16, 160),
+                "stream": True,
+                "temperature": rng.choice([0, 0.7, 1.0]),
+                "top_p": 0.9,
+                "logit_bias": {"0": -100},
+                "stream_options": {"include_usage": True},
+            }
             t0, first, events, done, finish, usage = time.perf_counter(), None, 0, False, None, None
             try:
                 async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -156,7 +202,7 @@ def _bad_requests(url: str) -> list[tuple[str, bytes | dict, dict, int | None]]:
         ("5000-digit logit_bias key", {**ok, "logit_bias": {"1" * 5000: 1}}, {}, 400),
         ("unknown model", {**ok, "model": "gpt-4o"}, {}, 404),
         ("unknown field", {**ok, "max_tokenz": 1}, {}, 400),
-        ("token id outside the vocabulary", {**ok, "prompt": [1, 10 ** 9]}, {}, 400),
+        ("token id outside the vocabulary", {**ok, "prompt": [1, 10**9]}, {}, 400),
         ("foreign Host", ok, {"Host": f"evil.example:{port}"}, 403),
         ("cross-site Origin", ok, {"Origin": "http://evil.example"}, 403),
         ("cut body", b"", {}, None),
@@ -173,7 +219,7 @@ async def malformed_worker(url: str, rng: random.Random, deadline: float, tally:
             try:
                 if label == "cut body":
                     _, w = await asyncio.open_connection(host, int(port))
-                    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 300\r\n\r\n{\"mo")
+                    w.write(b'POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 300\r\n\r\n{"mo')
                     await w.drain()
                     w.close()
                     tally.outcomes["malformed: cut body"] += 1
@@ -187,8 +233,11 @@ async def malformed_worker(url: str, rng: random.Random, deadline: float, tally:
                     if got != status:
                         tally.error(f"malformed: {label} got {got}")
                 else:
-                    kw = {"content": body, "headers": {"content-type": "application/json", **headers}} \
-                        if isinstance(body, bytes) else {"json": body, "headers": headers}
+                    kw = (
+                        {"content": body, "headers": {"content-type": "application/json", **headers}}
+                        if isinstance(body, bytes)
+                        else {"json": body, "headers": headers}
+                    )
                     r = await http.post("/v1/completions", **kw)
                     tally.outcomes[f"malformed: {label}"] += 1
                     if r.status_code != status or "error" not in r.json():
@@ -200,8 +249,11 @@ async def malformed_worker(url: str, rng: random.Random, deadline: float, tally:
 
 async def stall_one(host: str, port: int, rng: random.Random, tally: Tally):
     half_body = rng.random() < 0.5
-    data = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 200\r\n\r\n{\"model\"" if half_body
-            else b"POST /v1/completions HTTP/1.1\r\nHost: local")
+    data = (
+        b'POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 200\r\n\r\n{"model"'
+        if half_body
+        else b"POST /v1/completions HTTP/1.1\r\nHost: local"
+    )
     limit = (BODY_TIMEOUT if half_body else HEADER_TIMEOUT) + 10
     t0 = time.monotonic()
     try:
@@ -266,20 +318,26 @@ def percentile(values: list[float], q: float) -> float:
 
 def report(tally: Tally, start: float, metrics_text: str, log: str, exit_code: int, args) -> None:
     seconds = tally.streams_end - start
-    print(f"\nsoak: {args.streams} streams, {seconds / 60:.1f} min, shape {args.shape}, "
-          f"disconnect rate {args.disconnect_rate}, {args.stalled} stalled sockets at a time")
+    print(
+        f"\nsoak: {args.streams} streams, {seconds / 60:.1f} min, shape {args.shape}, "
+        f"disconnect rate {args.disconnect_rate}, {args.stalled} stalled sockets at a time"
+    )
     print("\noutcomes:")
     for kind, n in sorted(tally.outcomes.items()):
         print(f"  {n:7d}  {kind}")
     print("\nerrors by kind:" + ("" if tally.errors else " none"))
     for kind, n in sorted(tally.errors.items()):
         print(f"  {n:7d}  {kind}")
-    print(f"\ntime to first token: p50 {1000 * percentile(tally.ttft, 0.5):.0f} ms, "
-          f"p99 {1000 * percentile(tally.ttft, 0.99):.0f} ms ({len(tally.ttft)} streams)")
+    print(
+        f"\ntime to first token: p50 {1000 * percentile(tally.ttft, 0.5):.0f} ms, "
+        f"p99 {1000 * percentile(tally.ttft, 0.99):.0f} ms ({len(tally.ttft)} streams)"
+    )
     print(f"aggregate: {tally.tokens} tokens in {seconds:.0f} s = {tally.tokens / seconds:.1f} tok/s")
     if tally.stall_close:
-        print(f"stalled sockets closed after: p50 {statistics.median(tally.stall_close):.1f} s, "
-              f"max {max(tally.stall_close):.1f} s")
+        print(
+            f"stalled sockets closed after: p50 {statistics.median(tally.stall_close):.1f} s, "
+            f"max {max(tally.stall_close):.1f} s"
+        )
     print("\n  t (s)   RSS (MiB)   /health (ms)")
     for t, mib, ms in tally.rss:
         print(f"  {t:5.0f}   {mib:9.0f}   {ms:12.1f}")
@@ -295,11 +353,15 @@ async def soak(url: str, pid: int, args) -> Tally:
     start = time.monotonic()
     deadline = start + 60 * args.minutes
     rng = random.Random(args.seed)
-    tasks = [stream_worker(url, random.Random(rng.random()), deadline, tally, args.disconnect_rate)
-             for _ in range(args.streams)]
-    tasks += [malformed_worker(url, random.Random(rng.random()), deadline, tally),
-              stall_worker(url, random.Random(rng.random()), deadline, tally, args.stalled),
-              monitor(url, pid, start, deadline, tally)]
+    tasks = [
+        stream_worker(url, random.Random(rng.random()), deadline, tally, args.disconnect_rate)
+        for _ in range(args.streams)
+    ]
+    tasks += [
+        malformed_worker(url, random.Random(rng.random()), deadline, tally),
+        stall_worker(url, random.Random(rng.random()), deadline, tally, args.stalled),
+        monitor(url, pid, start, deadline, tally),
+    ]
     await asyncio.gather(*tasks)
     return tally
 

@@ -26,9 +26,9 @@ import asyncio
 import json
 import os
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 from .errors import InputError
 
@@ -38,7 +38,7 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 
 @dataclass(frozen=True)
 class Line:
-    number: int        # 0-based line number in IN
+    number: int  # 0-based line number in IN
     text: str
 
 
@@ -46,8 +46,12 @@ def _failure(line: Line, custom_id, status: int, message: str, body: dict | None
     if body is None:
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
     error = dict(body.get("error") or {"message": message})
-    return {"line": line.number, "custom_id": custom_id, "response": {"status_code": status, "body": body},
-            "error": {"message": error.get("message", message), "type": error.get("type"), "code": error.get("code")}}
+    return {
+        "line": line.number,
+        "custom_id": custom_id,
+        "response": {"status_code": status, "body": body},
+        "error": {"message": error.get("message", message), "type": error.get("type"), "code": error.get("code")},
+    }
 
 
 def parse_line(line: Line) -> tuple[object, str, dict] | dict:
@@ -59,12 +63,16 @@ def parse_line(line: Line) -> tuple[object, str, dict] | dict:
     if not isinstance(obj, dict):
         return _failure(line, None, 400, f"line {line.number + 1} is not a JSON object")
     custom_id = None
-    if "body" in obj and "url" in obj:       # OpenAI Batch API line
+    if "body" in obj and "url" in obj:  # OpenAI Batch API line
         custom_id, url, body = obj.get("custom_id"), obj.get("url"), obj.get("body")
         method = str(obj.get("method", "POST")).upper()
         if method != "POST" or url not in ENDPOINTS:
-            return _failure(line, custom_id, 400, f"line {line.number + 1}: {method} {url} is not a batch endpoint; "
-                                                  f"one of POST {', '.join(ENDPOINTS)}")
+            return _failure(
+                line,
+                custom_id,
+                400,
+                f"line {line.number + 1}: {method} {url} is not a batch endpoint; one of POST {', '.join(ENDPOINTS)}",
+            )
         if not isinstance(body, dict):
             return _failure(line, custom_id, 400, f"line {line.number + 1}: body is not a JSON object")
     else:
@@ -93,7 +101,7 @@ class AppClient:
             return parsed
         custom_id, url, body = parsed
         r = await client.post(url, json=body)
-        while r.status_code == 429:          # the engine's queue is full: wait for a slot, never drop the line
+        while r.status_code == 429:  # the engine's queue is full: wait for a slot, never drop the line
             await asyncio.sleep(float(r.headers.get("retry-after", 1)))
             r = await client.post(url, json=body)
         try:
@@ -102,8 +110,12 @@ class AppClient:
             payload = {"error": {"message": r.text or f"HTTP {r.status_code}", "type": "server_error"}}
         if r.status_code != 200:
             return _failure(line, custom_id, r.status_code, f"HTTP {r.status_code}", payload)
-        return {"line": line.number, "custom_id": custom_id, "response": {"status_code": 200, "body": payload},
-                "error": None}
+        return {
+            "line": line.number,
+            "custom_id": custom_id,
+            "response": {"status_code": 200, "body": payload},
+            "error": None,
+        }
 
     async def answer_all(self, lines: Iterable[Line], write: Callable[[dict], None], concurrency: int) -> None:
         """Answer every line, at most `concurrency` at once; `write` gets the answers in line order."""
@@ -147,7 +159,7 @@ def resume_point(out_path: Path) -> int:
     if not out_path.exists():
         return 0
     data = out_path.read_bytes()
-    keep = data.rfind(b"\n") + 1               # everything after the last newline is a partial line
+    keep = data.rfind(b"\n") + 1  # everything after the last newline is a partial line
     lines = data[:keep].splitlines()
     for i, raw in enumerate(lines):
         try:
@@ -155,8 +167,10 @@ def resume_point(out_path: Path) -> int:
         except ValueError:
             obj = None
         if not isinstance(obj, dict) or obj.get("line") != i:
-            raise InputError(f"{out_path}: line {i + 1} is not this command's answer to line {i + 1}; "
-                             "give a new output file or remove it")
+            raise InputError(
+                f"{out_path}: line {i + 1} is not this command's answer to line {i + 1}; "
+                "give a new output file or remove it"
+            )
     if keep < len(data):
         with open(out_path, "r+b") as f:
             f.truncate(keep)

@@ -20,12 +20,17 @@ This module knows nothing of HTTP, the terminal or the engine: the server
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 TURN_SEPARATOR = "\n\n"
 
-ROLE_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant",
-              "tool": "Tool"}  # a tool's result (rwkv_engine/tool_calls.py)
+ROLE_NAMES = {
+    "system": "System",
+    "developer": "System",
+    "user": "User",
+    "assistant": "Assistant",
+    "tool": "Tool",
+}  # a tool's result (rwkv_engine/tool_calls.py)
 
 
 def normalize_text(text: str) -> str:

@@ -71,6 +71,4 @@ class ModelConfig:
 
     def state_signature(self) -> str:
         """A string that two models share exactly when their recurrent states are interchangeable."""
-        return (
-            f"rwkv-{self.version}:L{self.n_layer}:C{self.n_embd}:A{self.dim_att}:H{self.n_head}:N{self.head_size}"
-        )
+        return f"rwkv-{self.version}:L{self.n_layer}:C{self.n_embd}:A{self.dim_att}:H{self.n_head}:N{self.head_size}"

@@ -54,8 +54,16 @@ def _linear_kinds(model) -> dict[str, list]:
     return kinds
 
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
-              torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.float64: "F64"}
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float64: "F64",
+}
 
 
 class SafetensorsWriter:
@@ -78,8 +86,10 @@ class SafetensorsWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-(8 + len(blob)) % 8)
         base = 8 + len(blob)
-        self.slots = {k: (base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
-                      for k in order}
+        self.slots = {
+            k: (base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+            for k in order
+        }
         self.specs = specs
         self.written: set[str] = set()
         self.path = path
@@ -89,7 +99,9 @@ class SafetensorsWriter:
 
     def write(self, name: str, t: torch.Tensor) -> None:
         if name not in self.slots or name in self.written:
-            raise CheckpointError(f"{self.path}: unexpected tensor {name!r}" + (" (twice)" if name in self.written else ""))
+            raise CheckpointError(
+                f"{self.path}: unexpected tensor {name!r}" + (" (twice)" if name in self.written else "")
+            )
         shape, dt = self.specs[name]
         if tuple(t.shape) != tuple(shape) or t.dtype != dt:
             raise CheckpointError(f"{self.path}: tensor {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dt}")
@@ -137,8 +149,14 @@ def _write_dir(out: Path, model, specs: dict, write_tensors, tokenizer_source: P
             raise
         writer.close()
         meta = _meta(model, getattr(model, "quantization", None))
-        config = {"architectures": ["RWKV"], "model_type": MODEL_TYPE, "vocab_size": model.config.vocab_size,
-                  "num_hidden_layers": model.config.n_layer, "hidden_size": model.config.n_embd, "rwkv_engine": meta}
+        config = {
+            "architectures": ["RWKV"],
+            "model_type": MODEL_TYPE,
+            "vocab_size": model.config.vocab_size,
+            "num_hidden_layers": model.config.n_layer,
+            "hidden_size": model.config.n_embd,
+            "rwkv_engine": meta,
+        }
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer_source is not None:
             shutil.copy(tokenizer_source, tmp / tokenizer_source.name)
@@ -216,7 +234,7 @@ def _read_embedding_rows(model, weights: Path) -> None:
     emb.file_rows = FileRows(weights, offset, tuple(emb.weight.shape), emb.weight.dtype, emb.weight)
 
 
-def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -> "torch.nn.Module":
+def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -> torch.nn.Module:
     """Build the model recorded in an rwkv-engine directory (on the CPU) from its mapped tensors."""
     from safetensors import safe_open
 
@@ -238,8 +256,10 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
         raise InputError(f"{path} was converted for dtype {meta['dtype']}; convert it again for another dtype")
     q = meta.get("quantization")
     if quantization is not None and (q is None or get_scheme(quantization).name != q.get("name")):
-        raise InputError(f"{path} is already converted (quantization {q and q.get('name')}); "
-                         "load it without --quantization, or convert the original checkpoint")
+        raise InputError(
+            f"{path} is already converted (quantization {q and q.get('name')}); "
+            "load it without --quantization, or convert the original checkpoint"
+        )
     with torch.device("meta"):
         model = RWKV(cfg, dt, meta.get("rescale_every", 0))
         for name, (kind, arg) in linears.items():
@@ -263,7 +283,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
         raise CheckpointError(f"{weights}: cannot read ({str(e).splitlines()[0][:200]})") from None
-    initial = {k[len(_INITIAL):]: tensors.pop(k) for k in list(tensors) if k.startswith(_INITIAL)}
+    initial = {k[len(_INITIAL) :]: tensors.pop(k) for k in list(tensors) if k.startswith(_INITIAL)}
     # The LoRA matrices are in the source checkpoint's 16-bit type, or fp32 (every directory
     # written before they kept it): the type they have in the file.
     model.set_lora_dtype(lora_dtype({tensors[k].dtype for k in model.lora_names() if k in tensors}))
@@ -271,14 +291,18 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     missing = sorted(set(expected) - set(tensors))
     unknown = sorted(set(tensors) - set(expected))
     if missing or unknown:
-        raise CheckpointError(f"{weights}: does not match its config.json (missing {missing[:3]}, unknown {unknown[:3]})")
+        raise CheckpointError(
+            f"{weights}: does not match its config.json (missing {missing[:3]}, unknown {unknown[:3]})"
+        )
     for k, t in list(tensors.items()):
         if k.endswith(".scales") and t.dtype == torch.float32 and expected[k].dtype == torch.float16:
             # int8 scales were fp32 in directories written before they became fp16 (Q8_0-style)
             tensors[k] = t = t.half()
         if tuple(t.shape) != tuple(expected[k].shape) or t.dtype != expected[k].dtype:
-            raise CheckpointError(f"{weights}: tensor {k} is {tuple(t.shape)} {t.dtype}, "
-                                  f"expected {tuple(expected[k].shape)} {expected[k].dtype}")
+            raise CheckpointError(
+                f"{weights}: tensor {k} is {tuple(t.shape)} {t.dtype}, "
+                f"expected {tuple(expected[k].shape)} {expected[k].dtype}"
+            )
     for k, t in tensors.items():  # the weights a decode step streams, to huge pages (memory.py)
         if k != "emb.weight" and (moved := to_huge_pages(t, mapped=True)) is not t:
             release_pages(t)  # the file's pages of it, now copied
@@ -287,5 +311,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     _read_embedding_rows(model, weights)
     model.initial_state = initial
     model.quantization = get_scheme(q["name"], q.get("group_size")) if q else None
-    model.quantization_report = {name: " ".join(str(a) for a in kind if a is not None) for name, kind in linears.items()}
+    model.quantization_report = {
+        name: " ".join(str(a) for a in kind if a is not None) for name, kind in linears.items()
+    }
     return model

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import InputError
 from .scoring import continuation_scores, sequence_nll
@@ -35,11 +35,12 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise InputError("evaluation needs lm-evaluation-harness: pip install \"rwkv-engine[eval]\" "
-                     f"(could not import lm_eval: {e})") from None
+    raise InputError(
+        f'evaluation needs lm-evaluation-harness: pip install "rwkv-engine[eval]" (could not import lm_eval: {e})'
+    ) from None
 
 ROLLING_PIECE = 512  # tokens per forward when scoring a whole document
-EOT = 0              # the World vocabulary's end-of-text id
+EOT = 0  # the World vocabulary's end-of-text id
 
 
 def _progress(total: int, desc: str, disable: bool):
@@ -52,8 +53,18 @@ def _progress(total: int, desc: str, disable: bool):
 class RWKVEngineLM(TemplateLM):
     """An lm_eval model over a loaded rwkv-engine model and its tokenizer."""
 
-    def __init__(self, model=None, tokenizer=None, batch_size: int = 8, *, pretrained: str | None = None,
-                 dtype: str | None = None, quantization: str | None = None, device: str = "cpu", **_ignored):
+    def __init__(
+        self,
+        model=None,
+        tokenizer=None,
+        batch_size: int = 8,
+        *,
+        pretrained: str | None = None,
+        dtype: str | None = None,
+        quantization: str | None = None,
+        device: str = "cpu",
+        **_ignored,
+    ):
         super().__init__()
         if model is None:
             if pretrained is None:
@@ -118,7 +129,7 @@ class RWKVEngineLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
-        for (text,) in (_progress_iter(requests, "loglikelihood_rolling", disable_tqdm)):
+        for (text,) in _progress_iter(requests, "loglikelihood_rolling", disable_tqdm):
             tokens = self.tok_encode(text)
             out.append(-sequence_nll(self.model, [EOT] + tokens, ROLLING_PIECE)[0] if tokens else 0.0)
         return out
@@ -146,6 +157,7 @@ class RWKVEngineLM(TemplateLM):
                 elif isinstance(event, Finished):
                     ends[i] = event
                     done.release()
+
             return sink
 
         config = EngineConfig(max_batch=self.batch_size, max_queue=max(1, len(jobs)), state_cache_bytes=0)
@@ -194,9 +206,16 @@ def _sampling(kwargs: dict, SamplingParams):
     )
 
 
-def evaluate(lm: RWKVEngineLM, tasks: Sequence[str], *, include_path: str | None = None,
-             num_fewshot: int | None = None, limit: int | float | None = None, seed: int = 0,
-             log_samples: bool = False) -> dict:
+def evaluate(
+    lm: RWKVEngineLM,
+    tasks: Sequence[str],
+    *,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    seed: int = 0,
+    log_samples: bool = False,
+) -> dict:
     """lm_eval's `simple_evaluate` on `lm`: the result dict (`results`, `versions`, `n-shot`, ...)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
@@ -208,9 +227,20 @@ def evaluate(lm: RWKVEngineLM, tasks: Sequence[str], *, include_path: str | None
         manager = TaskManager(include_path=include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise InputError(f"unknown lm_eval task(s): {', '.join(unknown)}"
-                         + ("" if include_path else " (add --include-path DIR for task YAMLs of your own)"))
-    return simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                           task_manager=manager, log_samples=log_samples, random_seed=seed,
-                           numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-                           batch_size=lm.batch_size)
+        raise InputError(
+            f"unknown lm_eval task(s): {', '.join(unknown)}"
+            + ("" if include_path else " (add --include-path DIR for task YAMLs of your own)")
+        )
+    return simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        batch_size=lm.batch_size,
+    )

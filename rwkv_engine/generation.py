@@ -35,8 +35,8 @@ one `Sampler` (rwkv_engine.sampling) and one `TextStream` per sequence.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
@@ -121,7 +121,7 @@ class TextStream:
             out, self._held, self.finish_reason = text, "", final
         else:
             keep = self._partial_stop_suffix(text)
-            out, self._held = text[: len(text) - keep], text[len(text) - keep:]
+            out, self._held = text[: len(text) - keep], text[len(text) - keep :]
         self.text += out
         return out
 
@@ -160,8 +160,9 @@ def encode_prompt(tokenizer, prompt: str | Sequence[int] | torch.Tensor, vocab_s
 class Generation:
     """Iterator of the text chunks of one completion; see the module docstring."""
 
-    def __init__(self, model, tokenizer, prompt, params: SamplingParams, state=None,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self, model, tokenizer, prompt, params: SamplingParams, state=None, generator: torch.Generator | None = None
+    ):
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
         vocab_size = model.config.vocab_size
@@ -228,8 +229,9 @@ class Generation:
                 return
 
 
-def generate(model, tokenizer, prompt, params: SamplingParams | None = None, state=None,
-             generator: torch.Generator | None = None) -> Generation:
+def generate(
+    model, tokenizer, prompt, params: SamplingParams | None = None, state=None, generator: torch.Generator | None = None
+) -> Generation:
     """Generate a continuation of `prompt` (text or token ids), starting from `state` (None = fresh).
 
     Returns a `Generation`: iterate it for text chunks; afterwards read `.state`, `.stats`,

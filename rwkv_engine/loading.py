@@ -26,8 +26,8 @@ import struct
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +44,12 @@ from .quant.schemes import convert_weight, describe, get_scheme, plan, replace_m
 Tensor = torch.Tensor
 
 DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
 }
 
 # With fp16 weights, halve the residual every this many blocks (FORMATS A.7, RESCALE_LAYER).
@@ -120,8 +123,9 @@ class Checkpoint:
         self.mapped: set[str] = set()  # tensors that live in a read-only file mapping
         self.hf_config: dict | None = None
 
-    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, getter: Callable[[], Tensor],
-            mapped: bool = False) -> None:
+    def add(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, getter: Callable[[], Tensor], mapped: bool = False
+    ) -> None:
         if name in self._getters:
             raise CheckpointError(f"{self.where}: tensor {name!r} appears twice")
         if mapped:
@@ -187,11 +191,14 @@ def _sniff(path: Path) -> str:
 def _add_torch_file(ck: Checkpoint, path: Path, kind: str) -> None:
     size = path.stat().st_size
     if kind == "torch-legacy" and size >= _PROGRESS_MIN_BYTES:
-        print(f"note: {path} is in PyTorch's legacy (pre-1.6, non-zip) format, which cannot be memory-mapped: "
-              f"its {size / 1e9:.1f} GB are read into memory whole before converting. Re-save it once in the "
-              f"zip format to load it one tensor at a time: python -c \"import torch, sys; "
-              f"torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])\" OLD.pth NEW.pth",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: {path} is in PyTorch's legacy (pre-1.6, non-zip) format, which cannot be memory-mapped: "
+            f"its {size / 1e9:.1f} GB are read into memory whole before converting. Re-save it once in the "
+            f'zip format to load it one tensor at a time: python -c "import torch, sys; '
+            f'torch.save(torch.load(sys.argv[1], weights_only=True), sys.argv[2])" OLD.pth NEW.pth',
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=kind == "torch-zip")
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
@@ -231,8 +238,17 @@ def _add_safetensors_file(ck: Checkpoint, path: Path) -> None:
         ck.add(k, shapes[k], dtypes[k], lambda k=k, f=f: f.get_tensor(k), mapped=True)
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-                       "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 
 
 def _add_file(ck: Checkpoint, path: Path) -> None:
@@ -289,15 +305,19 @@ def open_checkpoint(path: Path) -> Checkpoint:
 # --- 3. canonical (BlinkDL) names --------------------------------------------------------------
 
 _HF_RENAMES = {
-    "time_mix_key": "time_mix_k", "time_mix_value": "time_mix_v",
-    "time_mix_receptance": "time_mix_r", "time_mix_gate": "time_mix_g",
+    "time_mix_key": "time_mix_k",
+    "time_mix_value": "time_mix_v",
+    "time_mix_receptance": "time_mix_r",
+    "time_mix_gate": "time_mix_g",
 }
 
 
 # flash-linear-attention RWKV-7 (fla-hub/rwkv7-*, FORMATS B.4)
 _FLA_TOP = {
-    "model.embeddings.weight": "emb.weight", "model.norm.weight": "ln_out.weight",
-    "model.norm.bias": "ln_out.bias", "lm_head.weight": "head.weight",
+    "model.embeddings.weight": "emb.weight",
+    "model.norm.weight": "ln_out.weight",
+    "model.norm.bias": "ln_out.bias",
+    "lm_head.weight": "head.weight",
 }
 _FLA_PARTS = {"attn": "att", "ffn": "ffn", "pre_norm": "ln0", "attn_norm": "ln1", "ffn_norm": "ln2"}
 _FLA_PROJ = {"r_proj": "receptance", "k_proj": "key", "v_proj": "value", "o_proj": "output", "g_norm": "ln_x"}
@@ -336,7 +356,7 @@ def canonical_name(name: str) -> str:
     if name.startswith("rwkv."):
         name = name[5:]
         if name.startswith("embeddings."):
-            return "emb." + name[len("embeddings."):]
+            return "emb." + name[len("embeddings.") :]
         m = re.fullmatch(r"blocks\.(\d+)\.(\w+)\.(.+)", name)
         if m:
             i, part, rest = m.groups()
@@ -352,17 +372,21 @@ def canonical_name(name: str) -> str:
 def _version(ck: Checkpoint) -> str:
     keys = ck.keys()
     if keys and all(k.endswith(".att.time_state") for k in keys):
-        raise CheckpointError(f"{ck.where}: a state-only file (time_state tensors, no weights); merge its tensors "
-                              "into the checkpoint of the model it was tuned on and load that")
+        raise CheckpointError(
+            f"{ck.where}: a state-only file (time_state tensors, no weights); merge its tensors "
+            "into the checkpoint of the model it was tuned on and load that"
+        )
     if "emb.weight" not in ck or not any(k.startswith("blocks.") for k in keys):
         raise CheckpointError(f"{ck.where}: not an RWKV checkpoint (no emb.weight / blocks.* tensors)")
     if any(".att.time_misc_" in k for k in keys):
-        raise UnsupportedModelError(f"{ck.where}: an RWKV-7 preview checkpoint (time_misc_* names); "
-                                    "rwkv-engine runs the released x070 format")
+        raise UnsupportedModelError(
+            f"{ck.where}: an RWKV-7 preview checkpoint (time_misc_* names); rwkv-engine runs the released x070 format"
+        )
     if any(k.endswith((".att.r_k", ".att.x_r", ".att.w0")) for k in keys):
         if any(".ffn.s_emb" in k for k in keys):
-            raise UnsupportedModelError(f"{ck.where}: an RWKV-7 DeepEmbed checkpoint (ffn.s_emb); "
-                                        "rwkv-engine runs standard RWKV-7 only")
+            raise UnsupportedModelError(
+                f"{ck.where}: an RWKV-7 DeepEmbed checkpoint (ffn.s_emb); rwkv-engine runs standard RWKV-7 only"
+            )
         return "7"
     if any("time_maa" in k for k in keys):
         return "6.0"
@@ -414,23 +438,41 @@ def infer_config(ck: Checkpoint) -> ModelConfig:
         n_head = _size(ck, "blocks.0.att.time_decay", 0) if family == 5 else 0
     elif family == 6:
         n_head = _size(ck, "blocks.0.att.time_faaaa", 0)
-        lora = dict(lora_mix=_size(ck, "blocks.0.att.time_maa_w2", 1),
-                    lora_decay=_size(ck, "blocks.0.att.time_decay_w1", 1))
+        lora = dict(
+            lora_mix=_size(ck, "blocks.0.att.time_maa_w2", 1), lora_decay=_size(ck, "blocks.0.att.time_decay_w1", 1)
+        )
     else:  # 7; layer 0's value-residual LoRA is unused (and absent in fla files): read layer 1's
         n_head = _size(ck, "blocks.0.att.r_k", 0)
-        lora = dict(lora_decay=_size(ck, "blocks.0.att.w1", 1), lora_iclr=_size(ck, "blocks.0.att.a1", 1),
-                    lora_gate=_size(ck, "blocks.0.att.g1", 1),
-                    lora_value=_size(ck, "blocks.1.att.v1", 1) if n_layer > 1 else 0)
+        lora = dict(
+            lora_decay=_size(ck, "blocks.0.att.w1", 1),
+            lora_iclr=_size(ck, "blocks.0.att.a1", 1),
+            lora_gate=_size(ck, "blocks.0.att.g1", 1),
+            lora_value=_size(ck, "blocks.1.att.v1", 1) if n_layer > 1 else 0,
+        )
     head_size = A // n_head if n_head else 0
-    cfg = ModelConfig(version=version, n_layer=n_layer, n_embd=C, vocab_size=V, ffn_dim=F_, dim_att=A,
-                      n_head=n_head, head_size=head_size, **lora)
+    cfg = ModelConfig(
+        version=version,
+        n_layer=n_layer,
+        n_embd=C,
+        vocab_size=V,
+        ffn_dim=F_,
+        dim_att=A,
+        n_head=n_head,
+        head_size=head_size,
+        **lora,
+    )
     if hf is not None:
         checks = [("num_hidden_layers", n_layer), ("hidden_size", C), ("vocab_size", V)]
         if family == 6:
             checks += [("head_size", head_size), ("attention_hidden_size", A)]
         if family == 7:  # flash-linear-attention's config (FORMATS B.4)
-            checks += [("head_dim", head_size), ("num_heads", n_head), ("decay_low_rank_dim", cfg.lora_decay),
-                       ("a_low_rank_dim", cfg.lora_iclr), ("gate_low_rank_dim", cfg.lora_gate)]
+            checks += [
+                ("head_dim", head_size),
+                ("num_heads", n_head),
+                ("decay_low_rank_dim", cfg.lora_decay),
+                ("a_low_rank_dim", cfg.lora_iclr),
+                ("gate_low_rank_dim", cfg.lora_gate),
+            ]
             if n_layer > 1:
                 checks.append(("v_low_rank_dim", cfg.lora_value))
         for field, value in checks:
@@ -468,7 +510,9 @@ def _target_name(name: str, family: int) -> str | None:
     return name
 
 
-def _transform(name: str, t: Tensor, cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, real_bonus: bool) -> Tensor:
+def _transform(
+    name: str, t: Tensor, cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, real_bonus: bool
+) -> Tensor:
     """The tensor our module holds for the canonical tensor `name`."""
     layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
     if cfg.family >= 6:
@@ -533,8 +577,15 @@ class Progress:
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=what, file=sys.stderr, leave=False,
-                            postfix=f"0/{n_tensors} tensors")
+            self.bar = tqdm(
+                total=total_bytes,
+                unit="B",
+                unit_scale=True,
+                desc=what,
+                file=sys.stderr,
+                leave=False,
+                postfix=f"0/{n_tensors} tensors",
+            )
 
     def update(self, nbytes: int) -> None:
         self.done_tensors += 1
@@ -547,8 +598,12 @@ class Progress:
             self.bar.close()
         if self.enabled and ok:
             s = time.perf_counter() - self.start
-            print(f"{self.what}: {self.done_tensors} tensors, {self.total / 1e9:.2f} GB in {s:.1f} s "
-                  f"({self.total / 1e9 / max(s, 1e-9):.2f} GB/s)", file=sys.stderr, flush=True)
+            print(
+                f"{self.what}: {self.done_tensors} tensors, {self.total / 1e9:.2f} GB in {s:.1f} s "
+                f"({self.total / 1e9 / max(s, 1e-9):.2f} GB/s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _check_names(ck: Checkpoint, cfg: ModelConfig, expected) -> dict[str, str | None]:
@@ -578,8 +633,16 @@ class Plan:
     memory is the result (for `load`) plus about twice the largest tensor in fp32.
     """
 
-    def __init__(self, ck: Checkpoint, cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, scheme, policy,
-                 dtype_reason: str):
+    def __init__(
+        self,
+        ck: Checkpoint,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        rescale_every: int,
+        scheme,
+        policy,
+        dtype_reason: str,
+    ):
         self.ck, self.cfg, self.dtype, self.rescale_every = ck, cfg, dtype, rescale_every
         with torch.device("meta"):
             self.model = RWKV(cfg, dtype, rescale_every)
@@ -587,8 +650,9 @@ class Plan:
         # The biggest tensors first (the embedding and the head): the transients of reading them
         # (their source pages, the folded embedding's rows) then add to a small result, not to
         # nearly the whole model's, which sets the peak of a quantizing load.
-        self.mapping = dict(sorted(_check_names(ck, cfg, self.model.state_dict()).items(),
-                                   key=lambda kv: -math.prod(ck.shape(kv[0]))))
+        self.mapping = dict(
+            sorted(_check_names(ck, cfg, self.model.state_dict()).items(), key=lambda kv: -math.prod(ck.shape(kv[0])))
+        )
         # The LoRA matrices keep a 16-bit checkpoint's type: their values exactly, in half the
         # memory of fp32 (770 MB at the 7B shape); the modules upcast them where they are used.
         self.lora = set(self.model.lora_names())
@@ -651,8 +715,9 @@ class Plan:
                 out = {target: t}
             if self.huge_pages:  # the weights a decode step streams (memory.to_huge_pages)
                 out = {k: v if k == "emb.weight" else to_huge_pages(v) for k, v in out.items()}
-            if name in ck.mapped and all(v.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
-                                         for v in out.values()):
+            if name in ck.mapped and all(
+                v.untyped_storage().data_ptr() != src.untyped_storage().data_ptr() for v in out.values()
+            ):
                 release_pages(src)  # consumed: its file pages need not stay resident
             del src, t
             release_free_memory()  # the transients' pages, before the next tensor's
@@ -695,7 +760,9 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
         return {}
     if not all(present):
         absent = [i for i, p in enumerate(present) if not p]
-        raise CheckpointError(f"{ck.where}: time_state is missing in blocks {absent[:5]} (a state-tuned file has one per block)")
+        raise CheckpointError(
+            f"{ck.where}: time_state is missing in blocks {absent[:5]} (a state-tuned file has one per block)"
+        )
     H, N = cfg.n_head, cfg.head_size
     states = []
     for n in names:
@@ -703,8 +770,9 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
         while len(shape) > 3 and shape[0] == 1:  # leading unit axes (a batch of one) are harmless
             shape = shape[1:]
         if shape != (H, N, N):
-            raise CheckpointError(f"{ck.where}: tensor {n} has shape {tuple(ck.shape(n))}, expected {(H, N, N)} "
-                                  f"({H} heads of {N}x{N})")
+            raise CheckpointError(
+                f"{ck.where}: tensor {n} has shape {tuple(ck.shape(n))}, expected {(H, N, N)} ({H} heads of {N}x{N})"
+            )
         states.append(ck.get(n).float().reshape(H, N, N).transpose(1, 2))
     return {"att_kv": torch.stack(states).contiguous()}
 
@@ -742,8 +810,15 @@ def load(
     one summary line there.
     """
     tune_malloc()
-    plan_ = prepare(path_or_id, device, dtype, quantization=quantization, group_size=group_size, policy=policy,
-                    rescale_every=rescale_every)
+    plan_ = prepare(
+        path_or_id,
+        device,
+        dtype,
+        quantization=quantization,
+        group_size=group_size,
+        policy=policy,
+        rescale_every=rescale_every,
+    )
     if not isinstance(plan_, Plan):  # a converted directory or an exported program: loaded as it is
         return plan_
     device = plan_.device
@@ -805,8 +880,9 @@ def prepare(
     implied = scheme.dtype if scheme is not None else None
     if explicit is not None:
         if implied is not None and implied != explicit:
-            raise InputError(f"quantization {quantization!r} implies dtype {str(implied)[6:]}, "
-                             f"but dtype {dtype!r} was asked for")
+            raise InputError(
+                f"quantization {quantization!r} implies dtype {str(implied)[6:]}, but dtype {dtype!r} was asked for"
+            )
         dt, reason = explicit, "explicit"
     elif implied is not None:
         dt, reason = implied, f"implied by {quantization}"
@@ -853,8 +929,10 @@ def _load_program(path: Path, device, dtype, quantization, group_size, policy):
         raise InputError(f"{path} is an exported ExecuTorch program: it runs on the CPU (device cpu), not {device}")
     fixed = dtype not in (None, "auto", "fp32", torch.float32)
     if fixed or any(x is not None for x in (quantization, group_size, policy)):
-        raise InputError(f"{path} is an exported ExecuTorch program: its dtype and quantization were fixed "
-                         f"when it was exported (drop --dtype / --quantization)")
+        raise InputError(
+            f"{path} is an exported ExecuTorch program: its dtype and quantization were fixed "
+            f"when it was exported (drop --dtype / --quantization)"
+        )
     from .export.runtime import ProgramModel
 
     return ProgramModel(path)

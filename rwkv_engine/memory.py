@@ -126,8 +126,12 @@ def to_huge_pages(t, min_bytes: int = HUGE_PAGE, mapped: bool = False):
     for other devices."""
     import torch
 
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() * t.element_size() < min_bytes \
-            or not huge_pages_available(mapped):
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.device.type != "cpu"
+        or t.numel() * t.element_size() < min_bytes
+        or not huge_pages_available(mapped)
+    ):
         return t
     out = huge_page_empty(t.shape, t.dtype)
     out.copy_(t)

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 
@@ -180,7 +180,9 @@ class SamplingParams:
             if self.json_object:
                 raise InputError("json_schema and json_object are exclusive (a schema already asks for JSON)")
             if not isinstance(self.json_schema, (Mapping, str)):
-                raise InputError(f"json_schema must be a JSON schema (a mapping or its JSON text), got {self.json_schema!r}")
+                raise InputError(
+                    f"json_schema must be a JSON schema (a mapping or its JSON text), got {self.json_schema!r}"
+                )
 
     @staticmethod
     def _ids(name: str, ids) -> tuple[int, ...]:
@@ -196,7 +198,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def replace(self, **changes) -> "SamplingParams":
+    def replace(self, **changes) -> SamplingParams:
         """A validated copy with some fields changed."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
@@ -450,8 +452,9 @@ class Sampler:
     that `apply_penalties` / `update_counts` define.
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int, generator: torch.Generator | None = None,
-                 constraint=None):
+    def __init__(
+        self, params: SamplingParams, vocab_size: int, generator: torch.Generator | None = None, constraint=None
+    ):
         params.check_vocab(vocab_size)
         self.params = params
         self.constraint = constraint  # a structured.Constraint: grammar mask per step (None = free)
@@ -517,14 +520,16 @@ class Sampler:
             self._count[i] += 1
 
     @staticmethod
-    def sample_batch(samplers: Sequence["Sampler"], logits: Tensor) -> list[int]:
+    def sample_batch(samplers: Sequence[Sampler], logits: Tensor) -> list[int]:
         """One token for each row of logits [B, V], row b sampled by samplers[b]."""
         if logits.dim() != 2 or logits.shape[0] != len(samplers):
             raise InputError(f"sample_batch: logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
         adjusted = logits.to(torch.float32, copy=True)
         for s, row in zip(samplers, adjusted):
             s._adjust_(row)
-        constrained = [(b, s.constraint) for b, s in enumerate(samplers) if s.constraint is not None and s.constraint.active]
+        constrained = [
+            (b, s.constraint) for b, s in enumerate(samplers) if s.constraint is not None and s.constraint.active
+        ]
         if constrained:
             from .structured import apply_masks
 

@@ -10,7 +10,7 @@ in pieces of `chunk` tokens with the state carried, so memory stays bounded for 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,9 @@ def sequence_nll(model, ids: Sequence[int], chunk: int = 512) -> tuple[float, in
 
 
 @torch.inference_mode()
-def continuation_scores(model, context: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[tuple[float, bool]]:
+def continuation_scores(
+    model, context: Sequence[int], continuations: Sequence[Sequence[int]]
+) -> list[tuple[float, bool]]:
     """(sum of log p(continuation | context), every token the argmax) for each continuation.
 
     The context is prefilled once; its last logits score each continuation's first token and its
@@ -48,8 +50,9 @@ def continuation_scores(model, context: Sequence[int], continuations: Sequence[S
     if not context or not all(continuations):
         raise ValueError("the context and every continuation must hold at least one token")
     logits, state = model.forward(list(context))
-    first, first_greedy = token_logprobs(logits.expand(len(continuations), -1),
-                                         torch.tensor([c[0] for c in continuations]))
+    first, first_greedy = token_logprobs(
+        logits.expand(len(continuations), -1), torch.tensor([c[0] for c in continuations])
+    )
     scores = [(float(first[j]), bool(first_greedy[j])) for j in range(len(continuations))]
     by_len: dict[int, list[int]] = defaultdict(list)
     for j, cont in enumerate(continuations):
@@ -59,9 +62,9 @@ def continuation_scores(model, context: Sequence[int], continuations: Sequence[S
         rows = max(1, LOGIT_ROWS // (n - 1))
         for k in range(0, len(members), rows):
             part = members[k : k + rows]
-            tokens = torch.tensor([list(continuations[j]) for j in part])            # [B, n]
+            tokens = torch.tensor([list(continuations[j]) for j in part])  # [B, n]
             out, _ = model.forward(tokens[:, :-1], State.cat([state] * len(part)), all_logits=True)
-            lp, greedy = token_logprobs(out, tokens[:, 1:])                         # [B, n-1]
+            lp, greedy = token_logprobs(out, tokens[:, 1:])  # [B, n-1]
             for row, j in enumerate(part):
                 total, ok = scores[j]
                 scores[j] = (total + float(lp[row].double().sum()), ok and bool(greedy[row].all()))

@@ -21,8 +21,8 @@ file (no pickle) that `State.load` reads back.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -79,13 +79,13 @@ class State:
 
     # --- value operations -------------------------------------------------------------------
 
-    def clone(self) -> "State":
+    def clone(self) -> State:
         return State({k: v.clone() for k, v in self._tensors.items()}, self.signature)
 
-    def to(self, device) -> "State":
+    def to(self, device) -> State:
         return State({k: v.to(device) for k, v in self._tensors.items()}, self.signature)
 
-    def __getitem__(self, index) -> "State":
+    def __getitem__(self, index) -> State:
         """Rows of the batch: an int keeps a batch axis of 1; slices, lists and tensors select rows."""
         if isinstance(index, int):
             B = self.batch_size
@@ -95,7 +95,7 @@ class State:
         return State({k: v[index] for k, v in self._tensors.items()}, self.signature)
 
     @staticmethod
-    def cat(states: Sequence["State"]) -> "State":
+    def cat(states: Sequence[State]) -> State:
         states = list(states)
         if not states:
             raise StateError("State.cat needs at least one state")
@@ -105,9 +105,11 @@ class State:
                 raise StateError(f"cannot concatenate states of different models: {first.signature} and {s.signature}")
         return State({k: torch.cat([s._tensors[k] for s in states]) for k in first.fields}, first.signature)
 
-    def allclose(self, other: "State", rtol: float = 1e-5, atol: float = 1e-6) -> bool:
-        return self.signature == other.signature and set(self.fields) == set(other.fields) and all(
-            torch.allclose(v, other._tensors[k], rtol=rtol, atol=atol) for k, v in self._tensors.items()
+    def allclose(self, other: State, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+        return (
+            self.signature == other.signature
+            and set(self.fields) == set(other.fields)
+            and all(torch.allclose(v, other._tensors[k], rtol=rtol, atol=atol) for k, v in self._tensors.items())
         )
 
     # --- files ------------------------------------------------------------------------------
@@ -125,7 +127,7 @@ class State:
         return path
 
     @staticmethod
-    def load(path: str | os.PathLike, device="cpu") -> "State":
+    def load(path: str | os.PathLike, device="cpu") -> State:
         """Read a state written by `State.save`."""
         from safetensors import safe_open
 

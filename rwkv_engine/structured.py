@@ -39,7 +39,7 @@ import functools
 import json
 import math
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -50,8 +50,17 @@ EOS_TOKEN_ID = 0
 TOOL_CALL_MARKER = "<tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: "," and ":" without spaces
 
-__all__ = ["Grammar", "Constraint", "ToolCallTrigger", "grammar_for", "constraint_for", "json_grammar",
-           "call_grammar", "apply_masks", "TOOL_CALL_MARKER"]
+__all__ = [
+    "Grammar",
+    "Constraint",
+    "ToolCallTrigger",
+    "grammar_for",
+    "constraint_for",
+    "json_grammar",
+    "call_grammar",
+    "apply_masks",
+    "TOOL_CALL_MARKER",
+]
 
 
 def _llguidance():
@@ -113,7 +122,7 @@ class Grammar:
             raise InputError(f"the grammar cannot be used: {m.get_error()}")
         return m
 
-    def constraint(self) -> "Constraint":
+    def constraint(self) -> Constraint:
         return Constraint(self.matcher())
 
 
@@ -254,8 +263,10 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) ->
             row.masked_fill_(~torch.from_numpy(allowed[j]).to(row.device), -math.inf)
             empty = bool(row.amax() == -math.inf)
         if empty:
-            raise InputError("the grammar allows no token that the sampling parameters allow "
-                             "(logit_bias or banned tokens forbid all of them)")
+            raise InputError(
+                "the grammar allows no token that the sampling parameters allow "
+                "(logit_bias or banned tokens forbid all of them)"
+            )
 
 
 # --- grammars -------------------------------------------------------------------------------------
@@ -304,8 +315,14 @@ def call_schema(tools: Sequence[Mapping]) -> dict:
     options = []
     for f in tools:
         params = f.get("parameters") or {"type": "object", "properties": {}}
-        options.append({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
@@ -315,7 +332,8 @@ def call_grammar(tools: Sequence[Mapping], tokenizer, vocab_size: int, forced: b
     schema = dict(call_schema(tools), **{"x-guidance": JSON_OPTIONS})
     if forced:
         text = _llguidance().LLMatcher.grammar_from_lark(
-            f'start: " " {json.dumps(TOOL_CALL_MARKER)} %json {json.dumps(schema)}')
+            f'start: " " {json.dumps(TOOL_CALL_MARKER)} %json {json.dumps(schema)}'
+        )
     else:
         text = _llguidance().LLMatcher.grammar_from_json_schema(schema)
     return _cached_grammar(text, tokenizer, vocab_size, "the tools' parameter schemas")
@@ -348,7 +366,7 @@ def parse_call(text: str) -> tuple[str, str] | None:
     head = text.lstrip(" ")
     if not head.startswith(TOOL_CALL_MARKER):
         return None
-    body = head[len(TOOL_CALL_MARKER):]
+    body = head[len(TOOL_CALL_MARKER) :]
     try:
         call = json.loads(body)
     except ValueError:
@@ -357,5 +375,5 @@ def parse_call(text: str) -> tuple[str, str] | None:
         return None
     m = CALL_HEAD.match(body)
     if m and body.endswith("}"):
-        return call["name"], body[m.end():-1]
+        return call["name"], body[m.end() : -1]
     return call["name"], json.dumps(call["arguments"], ensure_ascii=False, separators=(",", ":"))

@@ -275,16 +275,29 @@ def hf_config(sd: dict[str, Tensor], version: str) -> dict:
         "vocab_size": V,
     }
     if version == "4":
-        cfg.update(architectures=["RwkvForCausalLM"], model_type="rwkv",
-                   intermediate_size=sd["blocks.0.ffn.key.weight"].shape[0])
+        cfg.update(
+            architectures=["RwkvForCausalLM"],
+            model_type="rwkv",
+            intermediate_size=sd["blocks.0.ffn.key.weight"].shape[0],
+        )
     elif version == "6.0":
         H = sd["blocks.0.att.time_faaaa"].shape[0]
-        cfg.update(architectures=["Rwkv6ForCausalLM"], model_type="rwkv6", intermediate_size=None,
-                   head_size=cfg["attention_hidden_size"] // H, head_size_divisor=8)
+        cfg.update(
+            architectures=["Rwkv6ForCausalLM"],
+            model_type="rwkv6",
+            intermediate_size=None,
+            head_size=cfg["attention_hidden_size"] // H,
+            head_size_divisor=8,
+        )
     else:
         td = sd["blocks.0.att.time_decay"]
-        cfg.update(architectures=["Rwkv5ForCausalLM"], model_type="rwkv5", intermediate_size=None,
-                   head_size=cfg["attention_hidden_size"] // td.shape[0], head_size_divisor=8)
+        cfg.update(
+            architectures=["Rwkv5ForCausalLM"],
+            model_type="rwkv5",
+            intermediate_size=None,
+            head_size=cfg["attention_hidden_size"] // td.shape[0],
+            head_size_divisor=8,
+        )
     return cfg
 
 
@@ -302,7 +315,7 @@ def to_fla(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     out = {"model.embeddings.weight": sd["emb.weight"], "lm_head.weight": sd["head.weight"]}
     for k, v in sd.items():
         if k.startswith("ln_out."):
-            out["model.norm." + k[len("ln_out."):]] = v
+            out["model.norm." + k[len("ln_out.") :]] = v
         if not k.startswith("blocks."):
             continue
         _, i, part, rest = k.split(".", 3)
@@ -329,16 +342,32 @@ def fla_config(sd: dict[str, Tensor]) -> dict:
     H, N = sd["blocks.0.att.r_k"].shape
     F = sd["blocks.0.ffn.key.weight"].shape[0]
     return {
-        "architectures": ["RWKV7ForCausalLM"], "model_type": "rwkv7",
-        "hidden_size": C, "num_hidden_layers": L, "head_dim": N, "num_heads": H,
-        "hidden_ratio": F / C, "intermediate_size": F,
-        "decay_low_rank_dim": sd["blocks.0.att.w1"].shape[1], "a_low_rank_dim": sd["blocks.0.att.a1"].shape[1],
+        "architectures": ["RWKV7ForCausalLM"],
+        "model_type": "rwkv7",
+        "hidden_size": C,
+        "num_hidden_layers": L,
+        "head_dim": N,
+        "num_heads": H,
+        "hidden_ratio": F / C,
+        "intermediate_size": F,
+        "decay_low_rank_dim": sd["blocks.0.att.w1"].shape[1],
+        "a_low_rank_dim": sd["blocks.0.att.a1"].shape[1],
         "v_low_rank_dim": sd[f"blocks.{min(1, L - 1)}.att.v1"].shape[1],
         "gate_low_rank_dim": sd["blocks.0.att.g1"].shape[1],
-        "hidden_act": "sqrelu", "norm_first": True, "norm_bias": True, "norm_eps": 1e-5,
-        "value_dim": [C] * L, "attn_mode": "chunk", "fuse_norm": False, "fuse_cross_entropy": True,
-        "use_l2warp": True, "vocab_size": V, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": 0, "use_cache": True,
+        "hidden_act": "sqrelu",
+        "norm_first": True,
+        "norm_bias": True,
+        "norm_eps": 1e-5,
+        "value_dim": [C] * L,
+        "attn_mode": "chunk",
+        "fuse_norm": False,
+        "fuse_cross_entropy": True,
+        "use_l2warp": True,
+        "vocab_size": V,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "use_cache": True,
     }
 
 
@@ -380,8 +409,10 @@ def save_hf_dir(
         part = {k: hf[k] for k in keys[s::shards]}
         write(part, name)
         weight_map.update({k: name for k in part})
-    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in hf.values())},
-             "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(v.numel() * v.element_size() for v in hf.values())},
+        "weight_map": weight_map,
+    }
     (directory / f"{base}.{ext}.index.json").write_text(json.dumps(index, indent=2))
     return directory
 

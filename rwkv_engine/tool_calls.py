@@ -27,7 +27,7 @@ reply to a call (to any of the tools, or to the named one). One call per reply.
 from __future__ import annotations
 
 import json
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .structured import CALL_HEAD, TOOL_CALL_MARKER, ToolCallTrigger, call_grammar, parse_call
 
@@ -47,7 +47,9 @@ def render_tools(tools: Sequence[Mapping]) -> str:
             entry["description"] = f["description"]
         entry["parameters"] = f.get("parameters") or {"type": "object", "properties": {}}
         lines.append(compact(entry))
-    lines.append(f'To call a tool, reply with {TOOL_CALL_MARKER}{{"name":"NAME","arguments":{{...}}}} and nothing else.')
+    lines.append(
+        f'To call a tool, reply with {TOOL_CALL_MARKER}{{"name":"NAME","arguments":{{...}}}} and nothing else.'
+    )
     return "\n".join(lines)
 
 
@@ -121,16 +123,16 @@ class CallStream:
         return self._call()
 
     def _call(self) -> list[tuple[str, str]]:
-        body = self.held.lstrip(" ")[len(TOOL_CALL_MARKER):]
+        body = self.held.lstrip(" ")[len(TOOL_CALL_MARKER) :]
         out = []
         if self._head is None:
             self._head = CALL_HEAD.match(body)
             if self._head is None:
                 return []
             out.append(("call", json.loads(f'"{self._head.group(1)}"')))
-        arguments = body[self._head.end():]
+        arguments = body[self._head.end() :]
         end = len(arguments) - 1  # (the last character may be the "}" that closes the call)
         if end > self._sent:
-            out.append(("arguments", arguments[self._sent:end]))
+            out.append(("arguments", arguments[self._sent : end]))
             self._sent = end
         return out

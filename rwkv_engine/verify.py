@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-from .testing import greedy_tokens, rel_rms
+from .testing import rel_rms
 
 Tensor = torch.Tensor
 
@@ -121,7 +121,9 @@ def trace_rwkv_package(path: Path, family: int, n_layer: int, prompt: list[int],
         out = Path(d) / "trace.pt"
         proc = subprocess.run(
             [sys.executable, "-c", _RWKV_PACKAGE, str(path), str(out), str(family), str(n), ",".join(map(str, prompt))],
-            capture_output=True, text=True, env={**os.environ},
+            capture_output=True,
+            text=True,
+            env={**os.environ},
         )
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
@@ -181,11 +183,15 @@ def format_report(report: dict, subject: str, reference: str) -> str:
         mark = "  <- first jump" if row["layer"] == report["first_jump_layer"] else ""
         lines.append(f"{row['layer']:>5}  " + "  ".join(f"{row[c]:>11.3e}" for c in cols) + mark)
     lines.append("")
-    lines.append(f"logits, last prompt token: {report['prompt_logits']:.3e}"
-                 f" (greedy {'agrees' if report['prompt_greedy_agrees'] else 'differs'})")
+    lines.append(
+        f"logits, last prompt token: {report['prompt_logits']:.3e}"
+        f" (greedy {'agrees' if report['prompt_greedy_agrees'] else 'differs'})"
+    )
     if report["steps"]:
-        lines.append(f"logits over {report['steps']} decode steps: mean {report['step_logits_mean']:.3e}, "
-                     f"max {report['step_logits_max']:.3e}; greedy agreement {report['greedy_agreement']}/{report['steps']}")
+        lines.append(
+            f"logits over {report['steps']} decode steps: mean {report['step_logits_mean']:.3e}, "
+            f"max {report['step_logits_max']:.3e}; greedy agreement {report['greedy_agreement']}/{report['steps']}"
+        )
     first, jump = report["first_error_layer"], report["first_jump_layer"]
     lines.append(f"first layer with an error above {JUMP_FLOOR:g}: {'none' if first is None else first}")
     if jump is None:

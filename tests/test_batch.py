@@ -38,8 +38,16 @@ def request_lines() -> list[str]:
         sampling = GREEDY if i % 2 else seeded(100 + i)
         lines.append(json.dumps({"model": NAME, "prompt": prompt, "max_tokens": 12, **sampling}))
     lines.append(json.dumps({"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 10, **seeded(7)}))
-    lines.append(json.dumps({"custom_id": "openai-batch-line", "method": "POST", "url": "/v1/completions",
-                             "body": {"model": NAME, "prompt": "Hello", "max_tokens": 5, "stream": True, **GREEDY}}))
+    lines.append(
+        json.dumps(
+            {
+                "custom_id": "openai-batch-line",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": NAME, "prompt": "Hello", "max_tokens": 5, "stream": True, **GREEDY},
+            }
+        )
+    )
     lines.append("{this is not json")
     lines.append(json.dumps({"model": NAME, "prompt": "x", "temperature": -1}))
     lines.append(json.dumps({"model": "another-model", "prompt": "x"}))
@@ -60,8 +68,12 @@ def ref(model_path):
 
 
 def _batch(model_path, inp, out, *flags):
-    return subprocess.run([sys.executable, "-m", "rwkv_engine", "batch", str(model_path), str(inp), str(out),
-                           "--max-batch", "3", *flags], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "rwkv_engine", "batch", str(model_path), str(inp), str(out), "--max-batch", "3", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,15 +135,15 @@ def test_resume_after_interruption(model_path, first_run, tmp_path):
     inp, out, answers = first_run
     full = out.read_text().splitlines(keepends=True)
     cut = tmp_path / "out.jsonl"
-    cut.write_text("".join(full[:3]) + full[3][: len(full[3]) // 2], encoding="utf-8")   # 3 lines + a partial one
+    cut.write_text("".join(full[:3]) + full[3][: len(full[3]) // 2], encoding="utf-8")  # 3 lines + a partial one
     run = _batch(model_path, inp, cut)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "resuming at line 4" in run.stderr
     resumed = [json.loads(x) for x in cut.read_text().splitlines()]
-    assert resumed[:3] == answers[:3]                                     # kept, not redone
+    assert resumed[:3] == answers[:3]  # kept, not redone
     assert [_strip(a) for a in resumed] == [_strip(a) for a in answers]
 
-    again = _batch(model_path, inp, cut)                                  # all done: nothing to redo
+    again = _batch(model_path, inp, cut)  # all done: nothing to redo
     assert again.returncode == 0 and "nothing to do" in again.stderr
     assert len(cut.read_text().splitlines()) == len(answers)
 
@@ -141,11 +153,17 @@ def test_cli_errors(model_path, tmp_path):
     inp.write_text('{"prompt": "x"}\n')
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text('{"something": "else"}\n')
-    for args, words in (([tmp_path / "missing.jsonl", tmp_path / "o.jsonl"], "no such file"),
-                        ([inp, inp], "must not be the input"),
-                        ([inp, foreign], "not this command's answer")):
-        run = subprocess.run([sys.executable, "-m", "rwkv_engine", "batch", str(model_path), *map(str, args)],
-                             capture_output=True, text=True, timeout=300)
+    for args, words in (
+        ([tmp_path / "missing.jsonl", tmp_path / "o.jsonl"], "no such file"),
+        ([inp, inp], "must not be the input"),
+        ([inp, foreign], "not this command's answer"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "rwkv_engine", "batch", str(model_path), *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode != 0 and words in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 

@@ -20,8 +20,12 @@ def test_step_section_times_decode_steps_per_batch(tmp_path, capsys):
     ckpt = testing.save_pth(testing.random_state_dict("7", n_layer=2, n_embd=64, vocab_size=256), tmp_path / "m.pth")
     threads = torch.get_num_threads()
     try:
-        assert bench_kernels.main(["--only", "step", "--model", str(ckpt), "--batches", "1,3", "--steps", "4",
-                                   "--threads", "1"]) == 0
+        assert (
+            bench_kernels.main(
+                ["--only", "step", "--model", str(ckpt), "--batches", "1,3", "--steps", "4", "--threads", "1"]
+            )
+            == 0
+        )
     finally:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out

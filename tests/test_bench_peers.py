@@ -11,11 +11,15 @@ import bench_peers  # noqa: E402
 
 
 def test_cpu_summary_x86_and_arm():
-    x86 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
-           "flags\t\t: fpu sse avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 avx512vbmi\n"
-           "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n")
+    x86 = (
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+        "flags\t\t: fpu sse avx2 fma f16c avx512f avx512bw avx512_vnni avx512_bf16 avx512vbmi\n"
+        "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n"
+    )
     assert bench_peers.cpu_summary(x86) == (
-        "AMD EPYC (family 25, model 17)", ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"])
+        "AMD EPYC (family 25, model 17)",
+        ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"],
+    )
     arm = "processor\t: 0\nFeatures\t: fp asimd asimdhp asimddp i8mm sve\nCPU implementer\t: 0x41\n"
     assert bench_peers.cpu_summary(arm)[1] == ["asimd", "asimdhp", "asimddp", "i8mm", "sve"]
 
@@ -23,10 +27,19 @@ def test_cpu_summary_x86_and_arm():
 def test_parse_llama_bench_takes_best_prefill_and_median_decode():
     # the shape of `llama-bench -o json` (tools/llama-bench/llama-bench.cpp, json_printer), trimmed
     def test(n_prompt, n_gen, ts):
-        return {"build_commit": "0c1e570", "cpu_info": "AMD EPYC", "n_threads": 2, "n_prompt": n_prompt,
-                "n_gen": n_gen, "avg_ts": sum(ts) / len(ts), "samples_ts": ts}
+        return {
+            "build_commit": "0c1e570",
+            "cpu_info": "AMD EPYC",
+            "n_threads": 2,
+            "n_prompt": n_prompt,
+            "n_gen": n_gen,
+            "avg_ts": sum(ts) / len(ts),
+            "samples_ts": ts,
+        }
 
-    out = bench_peers.parse_llama_bench(json.dumps([test(512, 0, [90.0, 120.0, 100.0]), test(0, 64, [20.0, 30.0, 22.0])]))
+    out = bench_peers.parse_llama_bench(
+        json.dumps([test(512, 0, [90.0, 120.0, 100.0]), test(0, 64, [20.0, 30.0, 22.0])])
+    )
     assert out == {"prefill_tok_s": 120.0, "decode_tok_s": 22.0, "build_commit": "0c1e570", "cpu_info": "AMD EPYC"}
 
 
@@ -44,6 +57,11 @@ def test_summarize_medians_speeds_and_keeps_the_largest_peak():
 
 
 def test_probe_lines_list_our_runs_probes_and_decode_speeds():
-    runs = {"rwkv-engine bf16": [{"memory_read_gb_s": 35.18, "decode_tok_s": 10.95}, {"memory_read_gb_s": 62.5, "decode_tok_s": 14.88}],
-            "llama.cpp F16": [{"decode_tok_s": 12.1}]}
+    runs = {
+        "rwkv-engine bf16": [
+            {"memory_read_gb_s": 35.18, "decode_tok_s": 10.95},
+            {"memory_read_gb_s": 62.5, "decode_tok_s": 14.88},
+        ],
+        "llama.cpp F16": [{"decode_tok_s": 12.1}],
+    }
     assert bench_peers.probe_lines(runs) == ["rwkv-engine bf16: probe GB/s 35.2, 62.5; decode tok/s 10.95, 14.88"]

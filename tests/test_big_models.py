@@ -43,8 +43,9 @@ print(json.dumps({"peak": hwm(), "before": before, "result": result}))
 @pytest.fixture(scope="module")
 def mid(tmp_path_factory):
     """A 8 x 1024 RWKV-7 bf16 .pth (334 MB, above the progress threshold) and its largest tensor's fp32 bytes."""
-    sd = testing.cast(testing.random_state_dict("7", n_layer=8, n_embd=1024, vocab_size=32768, head_size=64, seed=3),
-                      torch.bfloat16)
+    sd = testing.cast(
+        testing.random_state_dict("7", n_layer=8, n_embd=1024, vocab_size=32768, head_size=64, seed=3), torch.bfloat16
+    )
     largest = max(t.numel() for t in sd.values()) * 4
     path = testing.save_pth(sd, tmp_path_factory.mktemp("mid") / "mid.pth")
     return path, largest
@@ -55,8 +56,12 @@ def mid(tmp_path_factory):
 def test_streaming_peak_rss_bound(mid, tmp_path, mode, q):
     """Peak RSS <= result + 2 x the largest tensor in fp32 + 400 MB (the big-models issue's bound)."""
     path, largest = mid
-    r = subprocess.run([sys.executable, "-c", _MEASURE, mode, str(path), q, str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _MEASURE, mode, str(path), q, str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     # Counted from the process's peak before loading (the interpreter, torch and the kernels:
@@ -72,14 +77,18 @@ def test_streaming_peak_rss_bound(mid, tmp_path, mode, q):
 
 
 def _state_bytes(model) -> dict:
-    return {k: v.contiguous().view(torch.uint8).clone() if v.dim() else v.reshape(1).view(torch.uint8).clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: v.contiguous().view(torch.uint8).clone() if v.dim() else v.reshape(1).view(torch.uint8).clone()
+        for k, v in model.state_dict().items()
+    }
 
 
 @pytest.mark.parametrize("version,dtype,scheme", [("7", torch.bfloat16, "q4"), ("5.2", torch.float16, "q8")])
 def test_streamed_quantization_equals_in_memory(tmp_path, version, dtype, scheme):
-    sd = testing.cast(testing.random_state_dict(version, n_layer=3, n_embd=256, vocab_size=512, head_size=32,
-                                                seed=11, outliers=True), dtype)
+    sd = testing.cast(
+        testing.random_state_dict(version, n_layer=3, n_embd=256, vocab_size=512, head_size=32, seed=11, outliers=True),
+        dtype,
+    )
     path = testing.save_pth(sd, tmp_path / "m.pth")
     dt = "bf16" if dtype == torch.bfloat16 else "fp16"
     in_memory = rwkv_engine.load(path, dtype=dt)  # every weight in memory, then quantized in place
@@ -106,7 +115,7 @@ def test_native_int8_quantizer_and_column_scales_equal_the_reference(dtype):
         w[7, 9] = 3e4 if dtype != torch.float16 else 6e4  # far outside the rest: clamped column scale
         c = P.column_scales(w)
         assert torch.equal(c.view(torch.int16), ops.column_scales(w).view(torch.int16))
-        for gs in ((32, None, K // 2) if K % 64 == 0 else (None, 32)):
+        for gs in (32, None, K // 2) if K % 64 == 0 else (None, 32):
             for cs in (None, c):
                 q0, s0 = P.quantize_int8(w, gs, cs)
                 q1, s1 = ops.quantize_q8(w, gs, cs)
@@ -120,8 +129,10 @@ def test_native_int8_quantizer_and_column_scales_equal_the_reference(dtype):
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
     sd = testing.random_state_dict("5.2", n_layer=2, n_embd=64, vocab_size=300, head_size=16, seed=4)
-    return {name: testing.save_pth(testing.cast(sd, dt), d / f"{name}.pth")
-            for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    return {
+        name: testing.save_pth(testing.cast(sd, dt), d / f"{name}.pth")
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))
+    }
 
 
 def test_dtype_auto_keeps_the_checkpoint_type_and_explicit_wins(tiny):
@@ -141,8 +152,11 @@ def test_dtype_auto_for_quantized_models_follows_the_device(tiny, monkeypatch):
     m = rwkv_engine.load(tiny["bf16"], quantization="q8")
     assert m.dtype == (torch.bfloat16 if fast else torch.float32)
     # A CPU without bf16 matrix units: quantized weights get fp32 activations, dense bf16 stays bf16.
-    monkeypatch.setattr(linear, "_CPU_FLAGS", {"_is_avx512_bf16_supported": False, "_is_amx_tile_supported": False,
-                                               "_is_amx_fp16_supported": False})
+    monkeypatch.setattr(
+        linear,
+        "_CPU_FLAGS",
+        {"_is_avx512_bf16_supported": False, "_is_amx_tile_supported": False, "_is_amx_fp16_supported": False},
+    )
     assert rwkv_engine.load(tiny["bf16"], quantization="q8").dtype == torch.float32
     assert rwkv_engine.load(tiny["fp16"], quantization="q4").dtype == torch.float32
     assert rwkv_engine.load(tiny["bf16"]).dtype == torch.bfloat16
@@ -151,7 +165,9 @@ def test_dtype_auto_for_quantized_models_follows_the_device(tiny, monkeypatch):
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "rwkv_engine", *args], capture_output=True, text=True, timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "rwkv_engine", *args], capture_output=True, text=True, timeout=300, **kw
+    )
 
 
 def test_cli_dtype_auto_in_help_and_bench(tiny):
@@ -162,7 +178,9 @@ def test_cli_dtype_auto_in_help_and_bench(tiny):
     res = json.loads(r.stdout)
     assert res["dtype"] == "bfloat16" and res["dtype_reason"] == "auto: bf16 checkpoint"
     assert res["matmul_dtype"] in ("bfloat16", "float32")
-    r = _cli("bench", str(tiny["bf16"]), "--dtype", "fp32", "--prompt-len", "8", "--decode-tokens", "2", "--repeats", "1")
+    r = _cli(
+        "bench", str(tiny["bf16"]), "--dtype", "fp32", "--prompt-len", "8", "--decode-tokens", "2", "--repeats", "1"
+    )
     assert r.returncode == 0 and "float32 (explicit)" in r.stdout, r.stdout + r.stderr
 
 
@@ -171,15 +189,21 @@ def test_cli_dtype_auto_in_help_and_bench(tiny):
 
 def test_progress_bar_on_a_terminal_and_nothing_for_small_models(tiny):
     pexpect = pytest.importorskip("pexpect")
-    code = ("import rwkv_engine, rwkv_engine.loading as L; L._PROGRESS_MIN_BYTES = 0; "
-            f"rwkv_engine.load({str(tiny['fp32'])!r}); print('DONE')")
+    code = (
+        "import rwkv_engine, rwkv_engine.loading as L; L._PROGRESS_MIN_BYTES = 0; "
+        f"rwkv_engine.load({str(tiny['fp32'])!r}); print('DONE')"
+    )
     child = pexpect.spawn(sys.executable, ["-c", code], env=dict(os.environ), timeout=120, encoding="utf-8")
     child.expect("DONE")
     text = child.before
     child.close()
     assert "loading" in text and "tensors" in text and "|" in text, text  # tqdm's bar: bytes, tensors, rate
-    r = subprocess.run([sys.executable, "-c", f"import rwkv_engine; rwkv_engine.load({str(tiny['fp32'])!r})"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", f"import rwkv_engine; rwkv_engine.load({str(tiny['fp32'])!r})"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stderr == "" and r.stdout == ""  # small: silent
 
 

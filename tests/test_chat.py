@@ -27,8 +27,10 @@ from .conftest import states_equal
 pexpect = pytest.importorskip("pexpect")
 
 REPO = Path(__file__).resolve().parents[1]
-PREAMBLE = ("User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full "
-            "details. Please feel free to ask any question and I will always answer it.\n\n")
+PREAMBLE = (
+    "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full "
+    "details. Please feel free to ask any question and I will always answer it.\n\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +55,15 @@ class Chat:
         env = dict(os.environ, TERM="dumb", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
         # SIGINT as a shell gives a foreground program: a test run started in the background of a
         # non-interactive shell inherits it ignored, and Python then leaves Ctrl-C ignored too.
-        self.child = pexpect.spawn(sys.executable, ["-m", "rwkv_engine", "chat", str(model_path), *args],
-                                   cwd=str(cwd), env=env, encoding="utf-8", timeout=60,
-                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self.child = pexpect.spawn(
+            sys.executable,
+            ["-m", "rwkv_engine", "chat", str(model_path), *args],
+            cwd=str(cwd),
+            env=env,
+            encoding="utf-8",
+            timeout=60,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         self.child.expect_exact("User: ")
         self.banner = self.child.before
 
@@ -68,18 +76,18 @@ class Chat:
         self.child.sendline(message)
         screen = self._screen()
         assert screen.startswith(message + "\nAssistant: ") and screen.endswith("\n\n"), screen
-        return screen[len(message + "\nAssistant: "):-2]
+        return screen[len(message + "\nAssistant: ") : -2]
 
     def command(self, line: str) -> str:
         self.child.sendline(line)
         screen = self._screen()
         assert screen.startswith(line + "\n"), screen
-        return screen[len(line) + 1:]
+        return screen[len(line) + 1 :]
 
     def regen(self) -> str:
         out = self.command("/regen")
         assert out.startswith("Assistant: ") and out.endswith("\n\n"), out
-        return out[len("Assistant: "):-2]
+        return out[len("Assistant: ") : -2]
 
     def exit(self) -> int:
         self.child.sendline("/exit")
@@ -173,8 +181,18 @@ def test_stateless_system_prompt_and_ctrl_c(model_path, model, tok, tmp_path):
     # No token that holds a newline: a reply can never end on "\n\n", so the long one below is
     # still running when Ctrl-C comes (sampled at temperature 1 it otherwise ended early now and then).
     no_newlines = [a for i in range(1, 65536) if b"\n" in tok.decode_bytes([i]) for a in ("--logit-bias", f"{i}=-inf")]
-    chat = Chat(model_path, tmp_path, "--stateless", "--system", "You are a pirate.", "--temperature", "0",
-                "--max-tokens", "5", *no_newlines)
+    chat = Chat(
+        model_path,
+        tmp_path,
+        "--stateless",
+        "--system",
+        "You are a pirate.",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "5",
+        *no_newlines,
+    )
     a = chat.send("hello")
     chat.send("what?")
     assert chat.send("hello") == a  # every turn starts from the system state
@@ -239,8 +257,9 @@ def test_session_behaviour(model, tok, tmp_path):
     assert empty.system_ids == [] and empty.system == ""
 
     sampled = SamplingParams(**DEFAULTS).replace(max_tokens=4, top_p=0.9)
-    same = [replies(ChatSession(model, tok, sampled.replace(seed=seed), system=""), ["hi", "more"])
-            for seed in (5, 5, 6)]
+    same = [
+        replies(ChatSession(model, tok, sampled.replace(seed=seed), system=""), ["hi", "more"]) for seed in (5, 5, 6)
+    ]
     assert same[0] == same[1] and same[0] != same[2]
 
     with pytest.raises(InputError):

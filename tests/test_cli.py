@@ -8,10 +8,10 @@ processes of a test are started together, so the machine's cores overlap their s
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import rwkv_engine
 from rwkv_engine.cli import COMMANDS, main
@@ -24,8 +24,15 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PY
 
 
 def start(*args, stdin=subprocess.DEVNULL, cwd=None):
-    return subprocess.Popen([sys.executable, "-m", "rwkv_engine", *map(str, args)], stdin=stdin,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=cwd, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "rwkv_engine", *map(str, args)],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        cwd=cwd,
+        text=True,
+    )
 
 
 def finish(proc, input=None):
@@ -66,7 +73,9 @@ def test_generate_streams_and_stops(model_path, tmp_path):
     prompt = "The quick brown fox"
     flags = ["--seed", "3", "--max-tokens", "8", "--top-p", "0.9"]
     model = rwkv_engine.load(model_path)
-    gen = generate(model, WorldTokenizer(), prompt, SamplingParams(**{**DEFAULTS, "seed": 3, "max_tokens": 8, "top_p": 0.9}))
+    gen = generate(
+        model, WorldTokenizer(), prompt, SamplingParams(**{**DEFAULTS, "seed": 3, "max_tokens": 8, "top_p": 0.9})
+    )
     text = gen.read()
     assert len(gen.tokens) == 8
     # A stop string from the middle of that text: the output must end right before it.
@@ -83,8 +92,20 @@ def test_generate_streams_and_stops(model_path, tmp_path):
     assert "finish: stop" in err and "tok/s" in err
     rc, help_text, _ = finish(helps)
     assert rc == 0
-    for flag in ("--temperature", "--top-p", "--top-k", "--presence-penalty", "--frequency-penalty",
-                 "--penalty-decay", "--max-tokens", "--seed", "--stop", "--device", "--dtype", "--tokenizer"):
+    for flag in (
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--presence-penalty",
+        "--frequency-penalty",
+        "--penalty-decay",
+        "--max-tokens",
+        "--seed",
+        "--stop",
+        "--device",
+        "--dtype",
+        "--tokenizer",
+    ):
         assert flag in help_text
 
 
@@ -142,8 +163,12 @@ def test_dispatcher_errors_in_process(capsys, monkeypatch):
     # whatever a subcommand raises that a user can cause: one line, non-zero
     import rwkv_engine.cli.generate as gen_cmd
 
-    for exc, status in [(StateError("bad state file"), 1), (FileNotFoundError(2, "No such file", "x.bin"), 1),
-                        (KeyboardInterrupt(), 130)]:
+    for exc, status in [
+        (StateError("bad state file"), 1),
+        (FileNotFoundError(2, "No such file", "x.bin"), 1),
+        (KeyboardInterrupt(), 130),
+    ]:
+
         def boom(args, exc=exc):
             raise exc
 

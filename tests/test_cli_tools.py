@@ -25,20 +25,46 @@ def world_model(tmp_path_factory):
 
 
 def test_bench_json(world_model):
-    out = _run("bench", str(world_model), "--prompt-len", "40", "--decode-tokens", "4", "--batch", "2",
-               "--json", "-q", "q8", "--group-size", "32")
+    out = _run(
+        "bench",
+        str(world_model),
+        "--prompt-len",
+        "40",
+        "--decode-tokens",
+        "4",
+        "--batch",
+        "2",
+        "--json",
+        "-q",
+        "q8",
+        "--group-size",
+        "32",
+    )
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
-    for key in ("load_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "weight_bytes_per_token", "bandwidth_gb_s",
-                "memory_read_gb_s", "decode_bound_tok_s"):
+    for key in (
+        "load_s",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "peak_rss_mb",
+        "weight_bytes_per_token",
+        "bandwidth_gb_s",
+        "memory_read_gb_s",
+        "decode_bound_tok_s",
+    ):
         assert r[key] > 0, key
     assert r["quantization"] == "q8" and r["batch"] == 2 and r["version"] == "5.2"
     assert r["isa"] == native.isa()  # the ISA level of the native kernels (None: PyTorch paths)
     # the level forced by RWKV_ENGINE_ISA, in the text report too
     lowest = native.supported_levels()[0][0].name if native.isa() else "none"
     env = dict(os.environ, RWKV_ENGINE_ISA=lowest)
-    out = subprocess.run([sys.executable, "-m", "rwkv_engine", "bench", str(world_model), "--prompt-len", "8",
-                          "--decode-tokens", "2"], capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "rwkv_engine", "bench", str(world_model), "--prompt-len", "8", "--decode-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("native kernels"))
     assert line.split()[2] == (lowest if lowest != "none" else "off"), line

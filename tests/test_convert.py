@@ -25,8 +25,9 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "rwkv_engine", *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("scheme,extra", [("q8", ["--group-size", "32"]), ("q4", ["--group-size", "32"]),
-                                          ("q0bf16", []), ("q0f16", [])])
+@pytest.mark.parametrize(
+    "scheme,extra", [("q8", ["--group-size", "32"]), ("q4", ["--group-size", "32"]), ("q0bf16", []), ("q0f16", [])]
+)
 def test_converted_equals_on_the_fly(src, tmp_path, scheme, extra):
     out = tmp_path / f"out-{scheme}"
     r = _cli("convert", str(src), str(out), "-q", scheme, *extra)
@@ -113,7 +114,11 @@ def test_int8_scales_of_older_directories_load(src, tmp_path):
     old = {k: t.float() if k.endswith(".scales") else t for k, t in tensors.items()}
     save_file(old, str(out / "model.safetensors"), metadata={"format": "pt"})
     model = rwkv_engine.load(out)
-    assert all(m.scales.dtype == torch.float16 for m in model.modules() if hasattr(m, "qweight") and m.qweight.dtype == torch.int8)
+    assert all(
+        m.scales.dtype == torch.float16
+        for m in model.modules()
+        if hasattr(m, "qweight") and m.qweight.dtype == torch.int8
+    )
     assert torch.equal(model.forward(IDS)[0], new)
 
 

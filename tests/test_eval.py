@@ -82,7 +82,9 @@ metric_list:
 def task_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tasks")
     for name, rows in (("mc", MC), ("gen", GEN), ("docs", DOCS)):
-        (d / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        (d / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+        )
     for name, text in TASKS.items():
         (d / f"{name}.yaml").write_text(text.format(dir=d), encoding="utf-8")
     return d
@@ -143,8 +145,9 @@ def test_generate_until_equals_generate(lm, results):
     samples = results["samples"]["rwkvtest_gen"]
     assert len(samples) == len(GEN)
     for s in samples:
-        gen = generate(lm.model, lm.tokenizer, s["doc"]["prompt"],
-                       SamplingParams(temperature=0, max_tokens=6, stop=("\n",)))
+        gen = generate(
+            lm.model, lm.tokenizer, s["doc"]["prompt"], SamplingParams(temperature=0, max_tokens=6, stop=("\n",))
+        )
         want = "".join(gen)
         assert s["resps"][0][0] == want
 
@@ -167,18 +170,39 @@ class _Req:
 
 def test_cli_eval(model_path, task_dir, tmp_path):
     out_json = tmp_path / "r.json"
-    run = subprocess.run([sys.executable, "-m", "rwkv_engine", "eval", str(model_path), "--tasks", "rwkvtest_mc",
-                          "--include-path", str(task_dir), "--output-path", str(out_json)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rwkv_engine",
+            "eval",
+            str(model_path),
+            "--tasks",
+            "rwkvtest_mc",
+            "--include-path",
+            str(task_dir),
+            "--output-path",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "rwkvtest_mc" in run.stdout and "acc" in run.stdout      # lm_eval's table
+    assert "rwkvtest_mc" in run.stdout and "acc" in run.stdout  # lm_eval's table
     saved = json.loads(out_json.read_text())
     assert "acc,none" in saved["results"]["rwkvtest_mc"] and "samples" not in saved
 
 
 def test_cli_eval_errors(model_path, task_dir):
-    for args, words in ((["--tasks", "no_such_task_xyz", "--include-path", str(task_dir)], "unknown lm_eval task"),
-                        (["--tasks", "rwkvtest_mc", "--include-path", str(task_dir / "nope")], "not a directory")):
-        run = subprocess.run([sys.executable, "-m", "rwkv_engine", "eval", str(model_path), *args],
-                             capture_output=True, text=True, timeout=600)
+    for args, words in (
+        (["--tasks", "no_such_task_xyz", "--include-path", str(task_dir)], "unknown lm_eval task"),
+        (["--tasks", "rwkvtest_mc", "--include-path", str(task_dir / "nope")], "not a directory"),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "rwkv_engine", "eval", str(model_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode != 0 and words in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]

@@ -20,7 +20,7 @@ from rwkv_engine import testing
 from rwkv_engine.errors import CheckpointError, InputError
 from rwkv_engine.export import ProgramModel, export_program
 
-from .conftest import SIZES, rel_rms
+from .conftest import rel_rms
 
 VERSIONS = ["4", "5.2", "6.0", "7"]
 PREFILL = 8

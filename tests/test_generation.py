@@ -57,7 +57,7 @@ def test_stop_string_split_across_tokens_is_never_shown(tok):
 def test_held_prefix_is_released_when_no_stop_follows(tok):
     s = TextStream(tok, SamplingParams(stop=["\n\nUser"], stop_token_ids=[]))
     assert s.push(tok.encode("ok")[0]) == "ok"  # nothing that could start a stop: shown at once
-    assert s.push(tok.encode("\n")[0]) == ""    # could be the start of "\n\nUser"
+    assert s.push(tok.encode("\n")[0]) == ""  # could be the start of "\n\nUser"
     assert s.push(tok.encode("\n")[0]) == ""
     assert s.push(tok.encode("Us")[0]) == ""
     assert s.push(tok.encode("x")[0]) == "\n\nUsx"
@@ -65,19 +65,19 @@ def test_held_prefix_is_released_when_no_stop_follows(tok):
 
 
 def test_utf8_split_over_tokens(tok):
-    ids = tok.encode("a\U0001F600b")
+    ids = tok.encode("a\U0001f600b")
     assert len(ids) >= 4  # the emoji takes three byte-level tokens
     s, chunks = stream_all(tok, ids, stop_token_ids=[])
-    assert "".join(chunks) == "a\U0001F600b" and "\ufffd" not in "".join(chunks)
+    assert "".join(chunks) == "a\U0001f600b" and "\ufffd" not in "".join(chunks)
 
 
 def test_random_streams_match_one_shot_decode(tok):
-    pieces = ["a", "b", "\n", "\n\n", "ab", " ", "ba", "\u00e9", "\U0001F600"]
+    pieces = ["a", "b", "\n", "\n\n", "ab", " ", "ba", "\u00e9", "\U0001f600"]
     rng = random.Random(0)
     for _ in range(200):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
         ids = tok.encode(text)
-        stops = rng.sample(["\n\n", "ab", "b\nb", "\U0001F600a", "zz"], k=rng.randint(1, 2))
+        stops = rng.sample(["\n\n", "ab", "b\nb", "\U0001f600a", "zz"], k=rng.randint(1, 2))
         max_tokens = rng.choice([None, 3, 100])
         s, chunks = stream_all(tok, ids, stop=stops, stop_token_ids=[], max_tokens=max_tokens)
         used = ids if max_tokens is None else ids[:max_tokens]
@@ -217,11 +217,25 @@ def test_greedy_with_penalties_matches_reference_pipeline(make_pth):
 
     pipe.sample_logits = record
     n, prompt = 40, "5 17 42"
-    args = rwkv_utils.PIPELINE_ARGS(temperature=0, top_p=0.5, alpha_presence=0.4, alpha_frequency=0.3,
-                                    alpha_decay=0.99, token_ban=[7], token_stop=[0])
+    args = rwkv_utils.PIPELINE_ARGS(
+        temperature=0,
+        top_p=0.5,
+        alpha_presence=0.4,
+        alpha_frequency=0.3,
+        alpha_decay=0.99,
+        token_ban=[7],
+        token_stop=[0],
+    )
     pipe.generate(prompt, token_count=n, args=args)
-    params = SamplingParams(temperature=0, presence_penalty=0.4, frequency_penalty=0.3, penalty_decay=0.99,
-                            banned_token_ids=[7], stop_token_ids=[0], max_tokens=n)
+    params = SamplingParams(
+        temperature=0,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        penalty_decay=0.99,
+        banned_token_ids=[7],
+        stop_token_ids=[0],
+        max_tokens=n,
+    )
     ours = generate(small, _Ids(), prompt, params)
     ours.read()
     assert ours.tokens == picked[: len(ours.tokens)] and len(ours.tokens) >= 10

@@ -102,7 +102,9 @@ def test_wkv4_large_keys_stay_finite():
     fresh = (torch.zeros(B, C), torch.zeros(B, C), torch.full((B, C), -1e30))
     y, num, den, mx = wkv4(k, v, w, u, *fresh)
     assert torch.isfinite(y).all() and torch.isfinite(num).all() and torch.isfinite(den).all()
-    assert rel_rms(y, wkv4_reference(k, v, w, u, torch.zeros(B, C), torch.zeros(B, C), torch.full((B, C), -1e30))) < 1e-5
+    assert (
+        rel_rms(y, wkv4_reference(k, v, w, u, torch.zeros(B, C), torch.zeros(B, C), torch.full((B, C), -1e30))) < 1e-5
+    )
 
 
 class _Kernels(torch.nn.Module):

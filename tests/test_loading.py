@@ -28,7 +28,10 @@ def base(request, tmp_path_factory):
 WRITERS = {
     "pth-bf16": lambda sd, d, v: testing.save_pth(testing.cast(sd, torch.bfloat16), d / "bf16.pth"),
     "pth-fp16": lambda sd, d, v: testing.save_pth(testing.cast(sd, torch.float16), d / "fp16.pth"),
-    "pth-legacy": lambda sd, d, v: (torch.save(sd, d / "legacy.pth", _use_new_zipfile_serialization=False), d / "legacy.pth")[1],
+    "pth-legacy": lambda sd, d, v: (
+        torch.save(sd, d / "legacy.pth", _use_new_zipfile_serialization=False),
+        d / "legacy.pth",
+    )[1],
     "safetensors": lambda sd, d, v: testing.save_safetensors(sd, d / "w.safetensors"),
     "no-extension": lambda sd, d, v: testing.save_safetensors(sd, d / "weights"),
     "hf-safetensors": lambda sd, d, v: testing.save_hf_dir(sd, d / "hf1", v),
@@ -52,7 +55,14 @@ def test_formats_agree(base, fmt):
 
 def test_config_fields(make_pth):
     cfg = rwkv_engine.load(make_pth("5.2")).config
-    assert (cfg.version, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size, cfg.vocab_size) == ("5.2", 3, 64, 4, 16, 300)
+    assert (cfg.version, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_size, cfg.vocab_size) == (
+        "5.2",
+        3,
+        64,
+        4,
+        16,
+        300,
+    )
     assert cfg.ffn_dim == int(3.5 * 64) // 32 * 32
     cfg4 = rwkv_engine.load(make_pth("4")).config
     assert (cfg4.version, cfg4.ffn_dim) == ("4", 256)
@@ -103,7 +113,11 @@ def test_text_file(tmp_path):
 @pytest.mark.parametrize("writer", ["pth", "safetensors"])
 def test_truncated(tmp_path, writer, make_pth):
     sd = testing.random_state_dict("5.2", **SIZES)
-    full = testing.save_pth(sd, tmp_path / "full.pth") if writer == "pth" else testing.save_safetensors(sd, tmp_path / "full.st")
+    full = (
+        testing.save_pth(sd, tmp_path / "full.pth")
+        if writer == "pth"
+        else testing.save_safetensors(sd, tmp_path / "full.st")
+    )
     data = full.read_bytes()
     cut = tmp_path / f"cut.{writer}"
     cut.write_bytes(data[: len(data) // 2])

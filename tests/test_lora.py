@@ -34,8 +34,9 @@ def ckpts(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora")
     paths = {}
     for version in VERSIONS:
-        sd = testing.random_state_dict(version, n_layer=3, n_embd=320, vocab_size=VOCAB, head_size=32, seed=11,
-                                       lora=RANKS[version])
+        sd = testing.random_state_dict(
+            version, n_layer=3, n_embd=320, vocab_size=VOCAB, head_size=32, seed=11, lora=RANKS[version]
+        )
         for name, dt in TYPES.items():
             paths[version, name] = testing.save_pth(testing.cast(sd, dt), d / f"v{version}-{name}.pth")
         if version == "7":  # flash-linear-attention's layout: transposed LoRA, other names
@@ -159,8 +160,11 @@ def test_converted_directory_keeps_16_bit_lora_and_older_ones_load(ckpts, versio
     assert torch.equal(a[0], b[0])
     # A directory converted before LoRA matrices kept their type holds them in fp32: it loads so.
     lora = set(conv.lora_names())
-    save_file({k: t.float() if k in lora else t for k, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: t.float() if k in lora else t for k, t in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     old = rwkv_engine.load(out)
     assert _lora_types(old) == {torch.float32}
     for native_decode in (False, True):

@@ -10,8 +10,9 @@ CODE = "import rwkv_engine.memory as m; print(m.tune_malloc(), m.tune_malloc())"
 
 
 def _run(**env):
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
-                         env={**os.environ, **env}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CODE], capture_output=True, text=True, env={**os.environ, **env}, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
@@ -100,8 +101,9 @@ def test_a_checkpoint_load_reads_a_big_embedding_from_a_spilled_file(tmp_path):
     import rwkv_engine
     from rwkv_engine import testing
 
-    sd = testing.cast(testing.random_state_dict("7", n_layer=1, n_embd=1024, vocab_size=32768, head_size=64, seed=1),
-                      torch.bfloat16)
+    sd = testing.cast(
+        testing.random_state_dict("7", n_layer=1, n_embd=1024, vocab_size=32768, head_size=64, seed=1), torch.bfloat16
+    )
     path = testing.save_pth(sd, tmp_path / "m.pth")
     model = rwkv_engine.load(path, dtype="bf16", progress=False)
     rows = model.emb.file_rows
@@ -173,8 +175,9 @@ def test_loaded_weights_on_huge_pages_give_the_same_logits(tmp_path, monkeypatch
 
     if not _thp_in_use():
         pytest.skip("no transparent huge pages here")
-    sd = testing.cast(testing.random_state_dict("7", n_layer=2, n_embd=1024, vocab_size=32768, head_size=64, seed=2),
-                      torch.bfloat16)
+    sd = testing.cast(
+        testing.random_state_dict("7", n_layer=2, n_embd=1024, vocab_size=32768, head_size=64, seed=2), torch.bfloat16
+    )
     path = testing.save_pth(sd, tmp_path / "m.pth")
     if source == "directory":
         path = converted.convert(loading.prepare(path, quantization="q8"), tmp_path / "q8", progress=False)
@@ -192,8 +195,9 @@ def test_loaded_weights_on_huge_pages_give_the_same_logits(tmp_path, monkeypatch
     # (a bf16 checkpoint's matrices are the mapped file itself until copied)
     copied_kb = sum(t.numel() * t.element_size() for n, t in moved.items() if not n.startswith("emb.")) // 1024
     assert _rss_file_kb() - before < copied_kb // 4, (_rss_file_kb() - before, copied_kb)
-    assert moved and all(_on_huge_pages(t) for n, t in moved.items() if not n.startswith("emb.")), \
-        [n for n, t in moved.items() if not _on_huge_pages(t)]
+    assert moved and all(_on_huge_pages(t) for n, t in moved.items() if not n.startswith("emb.")), [
+        n for n, t in moved.items() if not _on_huge_pages(t)
+    ]
     assert model.emb.file_rows is not None and model.emb.file_rows.serves(model.emb.weight)
     # "private" (Ray replicas): a directory's weights stay in the shared file mapping; a
     # checkpoint's, the process's own anyway, still move

@@ -28,9 +28,9 @@ from rwkv_engine.kernels import native
 from rwkv_engine.quant import primitives as P
 
 from . import test_kernels_v7 as TW
+from . import test_lora as TL
 from . import test_native_kernels as TK
 from . import test_native_step as TS
-from . import test_lora as TL
 from .test_lora import ckpts  # noqa: F401  (fixture)
 from .test_native_step import checkpoints  # noqa: F401  (fixture)
 
@@ -107,7 +107,12 @@ def test_level_wkv7_matches_reference(level_in_use):
 
 
 def test_level_decode_step_matches_pytorch(level_in_use, checkpoints, ckpts):  # noqa: F811
-    for version, fmt in [("7", ("bf16", "q4")), ("5.2", ("fp32", None)), ("6.0", ("fp16", None)), ("4", ("fp32", "q8"))]:
+    for version, fmt in [
+        ("7", ("bf16", "q4")),
+        ("5.2", ("fp32", None)),
+        ("6.0", ("fp16", None)),
+        ("4", ("fp32", "q8")),
+    ]:
         TS.test_native_step_matches_pytorch_modules(checkpoints, version, fmt)
     TS.test_rows_are_independent_in_the_native_step(checkpoints)
     TL.test_native_step_with_16_bit_lora(ckpts, "7", "bf16", None)  # 16-bit LoRA products
@@ -237,13 +242,23 @@ def test_kernel_cases_against_pytorch(tmp_path, name):
             for B, xdt in [(1, torch.float32), (5, torch.bfloat16), (8, torch.float32)]:
                 x = torch.randn(B, K, generator=g).to(xdt)
                 ref = x.double() @ w.double().T
-                add(_case(0, [N, K, B, _DT[wdt], _DT[xdt]], w, x), B * N * x.element_size(),
-                    gemv_checks(f"dense {wdt}", {}, ref, B, xdt, TK._round_out(None, xdt)))
+                add(
+                    _case(0, [N, K, B, _DT[wdt], _DT[xdt]], w, x),
+                    B * N * x.element_size(),
+                    gemv_checks(f"dense {wdt}", {}, ref, B, xdt, TK._round_out(None, xdt)),
+                )
     # int8 / int4: the spec (x rounded to int16 per 64 columns / int8 per 32) and batched = alone,
     # bit for bit
     x_all = torch.randn(6, 2048 + 64, generator=g)
-    for kind, N, K, gs in [("q8", 24, 2048, None), ("q8", 24, 2048, 32), ("q8", 7, 96, 32), ("q4", 24, 2048, 32),
-                           ("q4", 9, 2048 + 64, 64), ("q4", 24, 2048, 128), ("q4", 5, 96, 32)]:
+    for kind, N, K, gs in [
+        ("q8", 24, 2048, None),
+        ("q8", 24, 2048, 32),
+        ("q8", 7, 96, 32),
+        ("q4", 24, 2048, 32),
+        ("q4", 9, 2048 + 64, 64),
+        ("q4", 24, 2048, 128),
+        ("q4", 5, 96, 32),
+    ]:
         w = torch.randn(N, K, generator=g)
         if kind == "q8":
             q, s = P.quantize_int8(w, gs)
@@ -254,8 +269,13 @@ def test_kernel_cases_against_pytorch(tmp_path, name):
         x = x_all[:, :K].contiguous()
         ref = (P.round_activations_int16 if kind == "q8" else P.round_activations_int8)(x).double() @ wd.T
         rows = {}
-        add(_case(op, [N, K, 6, G, 0], *tensors, x), 6 * N * 4, gemv_checks(f"{kind} g{gs}", rows, ref, 6, torch.float32, 2e-5))
+        add(
+            _case(op, [N, K, 6, G, 0], *tensors, x),
+            6 * N * 4,
+            gemv_checks(f"{kind} g{gs}", rows, ref, 6, torch.float32, 2e-5),
+        )
         for i in range(6):
+
             def alone(b, i=i, N=N, rows=rows, name=f"{kind} g{gs}"):
                 assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[6][i : i + 1]), (name, i)
 
@@ -269,8 +289,13 @@ def test_kernel_cases_against_pytorch(tmp_path, name):
             x = torch.randn(5, K, generator=g)
             ref = x.double() @ w.double()
             rows = {}
-            add(_case(5, [K, N, 5, _DT[wdt]], w, x), 5 * N * 4, gemv_checks(f"lora {wdt}", rows, ref, 5, torch.float32, 1e-6))
+            add(
+                _case(5, [K, N, 5, _DT[wdt]], w, x),
+                5 * N * 4,
+                gemv_checks(f"lora {wdt}", rows, ref, 5, torch.float32, 1e-6),
+            )
             for i in range(5):
+
                 def lora_alone(b, i=i, N=N, rows=rows, name=f"lora {wdt}"):
                     assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[5][i : i + 1]), (name, i)
 
@@ -294,32 +319,42 @@ def test_kernel_cases_against_pytorch(tmp_path, name):
 
         def wkv_alone(b, N=N, n=n, rows=rows):
             y = _from_raw(b[: 2 * n], torch.float32, rows["y"][1:].shape)
-            assert torch.equal(y, rows["y"][1:]) and torch.equal(_from_raw(b[2 * n :], torch.float32, rows["s"][1:].shape),
-                                                                 rows["s"][1:]), ("wkv7 row alone", N)
+            assert torch.equal(y, rows["y"][1:]) and torch.equal(
+                _from_raw(b[2 * n :], torch.float32, rows["s"][1:].shape), rows["s"][1:]
+            ), ("wkv7 row alone", N)
 
         add(_case(6, [1, 21, 2, N], *(t[1:] for t in ins), state[1:]), 2 * (n + ns), wkv_alone)
     # dequantization and the int4 quantizer: the reference's bits and bytes
     w = torch.randn(11, 256, generator=g)
     q, s, z = P.quantize_int4(w, 64)
-    add(_case(3, [11, 256, 4, _DT[torch.bfloat16]], q, s, z), 11 * 256 * 2,
-        lambda b: torch.equal(_from_raw(b, torch.bfloat16, (11, 256)), P.dequantize_int4(q, s, z).bfloat16()) or pytest.fail("dequant_q4"))
+    add(
+        _case(3, [11, 256, 4, _DT[torch.bfloat16]], q, s, z),
+        11 * 256 * 2,
+        lambda b: (
+            torch.equal(_from_raw(b, torch.bfloat16, (11, 256)), P.dequantize_int4(q, s, z).bfloat16())
+            or pytest.fail("dequant_q4")
+        ),
+    )
     for gs, search in [(32, True), (128, False)]:
         shrinks = torch.tensor(list(P.SEARCH_SHRINKS) if search else [1.0], dtype=torch.float32)
         ref = P.quantize_int4(w, gs, search=search)
         G = 256 // gs
 
         def qcheck(b, ref=ref, G=G):
-            got = (_from_raw(b[: 11 * 128], torch.uint8, (11, 128)),
-                   _from_raw(b[11 * 128 : 11 * 128 + 22 * G], torch.float16, (11, G)),
-                   _from_raw(b[11 * 128 + 22 * G :], torch.float16, (11, G)))
+            got = (
+                _from_raw(b[: 11 * 128], torch.uint8, (11, 128)),
+                _from_raw(b[11 * 128 : 11 * 128 + 22 * G], torch.float16, (11, G)),
+                _from_raw(b[11 * 128 + 22 * G :], torch.float16, (11, G)),
+            )
             for a, r in zip(got, ref):
                 assert torch.equal(a, r), "quantize_q4"
 
         add(_case(4, [11, 256, gs, len(shrinks)], w, shrinks), 11 * 128 + 2 * 22 * G, qcheck)
 
     (tmp_path / "cases").write_bytes(b"".join(cases))
-    r = subprocess.run([*runner, str(exe), str(tmp_path / "cases"), str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [*runner, str(exe), str(tmp_path / "cases"), str(tmp_path / "out")], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == f"level {name}" and f"{len(cases)} cases" in r.stdout
     out = (tmp_path / "out").read_bytes()
@@ -336,7 +371,7 @@ def test_a_stale_build_lock_is_removed(tmp_path):
     lock = tmp_path / "lock"
     lock.write_text("")
     native._drop_stale_lock(lock)
-    assert lock.exists()                      # a build may be running: leave it
+    assert lock.exists()  # a build may be running: leave it
     old = time.time() - native.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
     native._drop_stale_lock(lock)

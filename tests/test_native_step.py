@@ -136,11 +136,35 @@ def test_wide_batches_and_multi_token_inputs_use_the_pytorch_path(checkpoints):
 def test_plan_rejects_malformed_parameters():
     ops = native.load()
     with pytest.raises(RuntimeError, match="missing"):
-        ops.DecodePlan(family=5, gated=True, C=8, A=8, H=2, N=4, F=16, V=10, dtype=torch.float32, rescale_every=0,
-                       blocks=[{"ln1_w": torch.ones(8)}], out={})
+        ops.DecodePlan(
+            family=5,
+            gated=True,
+            C=8,
+            A=8,
+            H=2,
+            N=4,
+            F=16,
+            V=10,
+            dtype=torch.float32,
+            rescale_every=0,
+            blocks=[{"ln1_w": torch.ones(8)}],
+            out={},
+        )
     with pytest.raises(RuntimeError, match="has 4 values"):
-        ops.DecodePlan(family=5, gated=True, C=8, A=8, H=2, N=4, F=16, V=10, dtype=torch.float32, rescale_every=0,
-                       blocks=[{"ln1_w": torch.ones(4)}], out={})
+        ops.DecodePlan(
+            family=5,
+            gated=True,
+            C=8,
+            A=8,
+            H=2,
+            N=4,
+            F=16,
+            V=10,
+            dtype=torch.float32,
+            rescale_every=0,
+            blocks=[{"ln1_w": torch.ones(4)}],
+            out={},
+        )
 
 
 def test_step_checks_the_state_it_is_given(checkpoints):

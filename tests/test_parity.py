@@ -63,8 +63,15 @@ def test_matches_rwkv_package(version, make_pth, RefRWKV):
 def test_matches_transformers_rwkv4(tmp_path):
     """A transformers RwkvForCausalLM saved with save_pretrained loads here and gives its logits and state."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.RwkvConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3, context_length=256,
-                                  intermediate_size=256, attention_hidden_size=64, rescale_every=0)
+    cfg = transformers.RwkvConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=3,
+        context_length=256,
+        intermediate_size=256,
+        attention_hidden_size=64,
+        rescale_every=0,
+    )
     torch.manual_seed(0)
     hf = transformers.RwkvForCausalLM(cfg).eval()
     with torch.no_grad():  # its init leaves some tensors constant; give every parameter real values

@@ -29,8 +29,9 @@ ODD_RANKS = {"6.0": {"mix": 8, "decay": 24}, "7": {"decay": 16, "iclr": 8, "valu
 
 
 def _random_pth(directory, version, odd_ranks=False, **kw):
-    sd = testing.random_state_dict(version, **{**SIZES, "seed": 11, **kw},
-                                   lora=ODD_RANKS[version] if odd_ranks else None)
+    sd = testing.random_state_dict(
+        version, **{**SIZES, "seed": 11, **kw}, lora=ODD_RANKS[version] if odd_ranks else None
+    )
     return sd, testing.save_pth(sd, directory / f"v{version}{'-odd' if odd_ranks else ''}.pth")
 
 
@@ -139,7 +140,10 @@ def v7_traces(tmp_path_factory):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-c", _V7_REFERENCE, root, str(out), *map(str, paths)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "RWKV_V7_ON": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RWKV_V7_ON": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     traces = torch.load(out)
@@ -165,8 +169,10 @@ def test_hf_directory_gives_the_pth_logits(version, tmp_path):
     """HF Rwkv6ForCausalLM (B.3) / fla RWKV7ForCausalLM (B.4) directories, also sharded and bf16."""
     sd, path = _random_pth(tmp_path, version, odd_ranks=True)
     ref, ref_state = rwkv_engine.load(path).forward(PROMPT, all_logits=True)
-    for d in (testing.save_hf_dir(sd, tmp_path / "hf", version),
-              testing.save_hf_dir(sd, tmp_path / "hf-sharded", version, weights="bin", shards=3)):
+    for d in (
+        testing.save_hf_dir(sd, tmp_path / "hf", version),
+        testing.save_hf_dir(sd, tmp_path / "hf-sharded", version, weights="bin", shards=3),
+    ):
         model = rwkv_engine.load(d)
         assert model.config.version == version
         logits, state = model.forward(PROMPT, all_logits=True)

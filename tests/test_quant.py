@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from rwkv_engine.errors import InputError
-from rwkv_engine.quant import DenseLinear, Int4Linear, Int8Linear, get_scheme, quantize_model, scheme_names
+from rwkv_engine.quant import DenseLinear, Int4Linear, Int8Linear, get_scheme, quantize_model, scheme_names, schemes
 from rwkv_engine.quant import linear as QL
 from rwkv_engine.quant import primitives as P
-from rwkv_engine.quant import schemes
 from rwkv_engine.testing import random_state_dict
 
 from .conftest import rel_rms
@@ -117,7 +116,6 @@ def test_primitives_reject_bad_input(call):
         call()
 
 
-
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("make", [Int8Linear.from_weight, Int4Linear.from_weight, P.column_scales])
 def test_a_bad_value_in_any_row_chunk_is_found(bad, make):
@@ -206,6 +204,7 @@ def test_quant_linear_rejects_bad_input():
 
 
 # --- quality on heavy-tailed weights --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def heavy_tailed():
@@ -347,7 +346,13 @@ def test_q4_policy_keeps_leading_blocks_by_index():
     assert schemes.Q4_Q8_BLOCKS == 2
     q4 = get_scheme("q4")
     big = nn.Linear(512, 512, bias=False)
-    assert [schemes.default_action(f"blocks.{i}.att.key", big, q4) for i in (0, 1, 2, 10, 11)] == ["q8", "q8", "q4", "q4", "q4"]
+    assert [schemes.default_action(f"blocks.{i}.att.key", big, q4) for i in (0, 1, 2, 10, 11)] == [
+        "q8",
+        "q8",
+        "q4",
+        "q4",
+        "q4",
+    ]
     assert schemes.default_action("head", big, q4) == "q8"
     assert schemes.default_action("blocks.x.att.key", big, q4) == "q4"  # not a block index: no special case
 

@@ -24,8 +24,9 @@ LIMITS = {("q0bf16", None): 0.03, ("q8", None): 0.03, ("q4", 32): 0.15, ("q4", 1
 
 @pytest.fixture(scope="module", params=["5.2", "7"])
 def checkpoint(request, tmp_path_factory):
-    sd = testing.random_state_dict(request.param, n_layer=4, n_embd=512, vocab_size=4096, head_size=64,
-                                   seed=3, outliers=True)
+    sd = testing.random_state_dict(
+        request.param, n_layer=4, n_embd=512, vocab_size=4096, head_size=64, seed=3, outliers=True
+    )
     return testing.save_pth(sd, tmp_path_factory.mktemp("q") / "m.pth")
 
 

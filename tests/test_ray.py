@@ -28,8 +28,10 @@ from .test_serve import parse_prometheus  # noqa: E402
 
 NAME = "tiny-ray"
 CHUNK = 32
-SYSTEM = ("You are a careful assistant. Answer briefly, cite nothing, and never make things up. "
-          "If a question is unclear, ask one short question back. ") * 3
+SYSTEM = (
+    "You are a careful assistant. Answer briefly, cite nothing, and never make things up. "
+    "If a question is unclear, ask one short question back. "
+) * 3
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +50,32 @@ def ref(model_path):
 def cluster(model_path):
     from rwkv_engine.serve.ray import build_app, free_port
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
-             object_store_memory=128 << 20)
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=128 << 20,
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app([str(model_path), "--replicas", "2", "--max-batch", "4", "--prefill-chunk", str(CHUNK),
-                         "--replica-cpus", "1"]), name="rwkv-engine", route_prefix="/")
+    serve.run(
+        build_app(
+            [
+                str(model_path),
+                "--replicas",
+                "2",
+                "--max-batch",
+                "4",
+                "--prefill-chunk",
+                str(CHUNK),
+                "--replica-cpus",
+                "1",
+            ]
+        ),
+        name="rwkv-engine",
+        route_prefix="/",
+    )
     url = f"http://127.0.0.1:{port}"
     yield url
     serve.shutdown()
@@ -80,8 +102,13 @@ def test_answers_equal_generate(ref, client):
     want = _generate(ref, "The capital of France is", 16, **SEEDED)
     got = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=16, **SEEDED)
     assert got.choices[0].text == want.text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=NAME, prompt="The capital of France is", max_tokens=16, stream=True, **SEEDED) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=NAME, prompt="The capital of France is", max_tokens=16, stream=True, **SEEDED
+        )
+        if c.choices
+    )
     assert streamed == want.text
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
     want = _generate(ref, render_chat([("system", "Be brief."), ("user", "Hello!")]), 12, stop=("\n\n",), **SEEDED)
@@ -105,21 +132,26 @@ def _metrics(url) -> dict[str, float]:
 def test_prefix_affinity_keeps_the_cache_hitting(cluster, client):
     before = _metrics(cluster)
     for i in range(6):
-        client.chat.completions.create(model=NAME, max_tokens=2, temperature=0,
-                                       messages=[{"role": "system", "content": SYSTEM},
-                                                 {"role": "user", "content": f"Question {i}?"}])
+        client.chat.completions.create(
+            model=NAME,
+            max_tokens=2,
+            temperature=0,
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Question {i}?"}],
+        )
     deadline = time.monotonic() + 20
-    while True:   # replicas publish their metrics every second
+    while True:  # replicas publish their metrics every second
         m = _metrics(cluster)
-        hits = {k: v - before.get(k, 0) for k, v in m.items() if k.startswith("rwkv_engine_replica_prompt_cache_hits_total")}
+        hits = {
+            k: v - before.get(k, 0) for k, v in m.items() if k.startswith("rwkv_engine_replica_prompt_cache_hits_total")
+        }
         if sum(hits.values()) >= 5 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     affinity = {k: v - before.get(k, 0) for k, v in m.items() if 'route="affinity"' in k}
-    assert sum(affinity.values()) >= 6 and max(affinity.values()) >= 6, affinity   # all six on one replica
-    assert max(hits.values()) >= 5, hits                      # and its cache hit for all but the first
+    assert sum(affinity.values()) >= 6 and max(affinity.values()) >= 6, affinity  # all six on one replica
+    assert max(hits.values()) >= 5, hits  # and its cache hit for all but the first
     assert m["rwkv_engine_replicas"] == 2
-    assert m["rwkv_engine_prompt_cache_hits_total"] >= 5      # the summed series
+    assert m["rwkv_engine_prompt_cache_hits_total"] >= 5  # the summed series
 
 
 def test_killed_replica_is_replaced(cluster, client, ref):
@@ -127,7 +159,7 @@ def test_killed_replica_is_replaced(cluster, client, ref):
     assert len(names) == 2
     ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
     want = _generate(ref, "Once upon a time", 8, temperature=0.0)
-    for _ in range(4):       # the other replica answers; one sent to the dead one is retried
+    for _ in range(4):  # the other replica answers; one sent to the dead one is retried
         got = client.completions.create(model=NAME, prompt="Once upon a time", max_tokens=8, temperature=0)
         assert got.choices[0].text == want.text
     deadline = time.monotonic() + 90
@@ -147,12 +179,40 @@ def test_batch_on_ray_equals_local(cluster, model_path, tmp_path):
     lines.insert(3, "not json")
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(lines) + "\n")
-    local = subprocess.run([sys.executable, "-m", "rwkv_engine", "batch", str(model_path), str(inp),
-                            str(tmp_path / "local.jsonl"), "--max-batch", "2"], capture_output=True, text=True, timeout=300)
+    local = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rwkv_engine",
+            "batch",
+            str(model_path),
+            str(inp),
+            str(tmp_path / "local.jsonl"),
+            "--max-batch",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert local.returncode == 0, local.stderr[-2000:]
     # On the module's Ray instance (already connected, so the command joins it and leaves it up).
-    assert main(["batch", str(model_path), str(inp), str(tmp_path / "ray.jsonl"), "--max-batch", "2",
-                 "--ray", "--workers", "2"]) == 0
+    assert (
+        main(
+            [
+                "batch",
+                str(model_path),
+                str(inp),
+                str(tmp_path / "ray.jsonl"),
+                "--max-batch",
+                "2",
+                "--ray",
+                "--workers",
+                "2",
+            ]
+        )
+        == 0
+    )
 
     def strip(path):
         rows = [json.loads(x) for x in path.read_text().splitlines()]

@@ -43,14 +43,33 @@ def reference_probs(logits, temperature, top_p, top_k, monkeypatch):
 # --- parameters --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [
-    dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")),
-    dict(top_p=0.0), dict(top_p=1.01), dict(top_p=-1), dict(top_k=-1), dict(top_k=2.5),
-    dict(penalty_decay=1.5), dict(penalty_decay=-0.1), dict(presence_penalty=float("inf")),
-    dict(frequency_penalty="x"), dict(max_tokens=-1), dict(seed=-3), dict(stop=[""]), dict(stop=[3]),
-    dict(logit_bias={-1: 1.0}), dict(logit_bias={5: float("inf")}), dict(logit_bias=[1, 2]),
-    dict(banned_token_ids=["a"]), dict(stop_token_ids=[-2]), dict(temperature=True),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-0.1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_p=0.0),
+        dict(top_p=1.01),
+        dict(top_p=-1),
+        dict(top_k=-1),
+        dict(top_k=2.5),
+        dict(penalty_decay=1.5),
+        dict(penalty_decay=-0.1),
+        dict(presence_penalty=float("inf")),
+        dict(frequency_penalty="x"),
+        dict(max_tokens=-1),
+        dict(seed=-3),
+        dict(stop=[""]),
+        dict(stop=[3]),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={5: float("inf")}),
+        dict(logit_bias=[1, 2]),
+        dict(banned_token_ids=["a"]),
+        dict(stop_token_ids=[-2]),
+        dict(temperature=True),
+    ],
+)
 def test_bad_params_raise_input_error(bad):
     with pytest.raises(InputError):
         SamplingParams(**bad)
@@ -76,9 +95,18 @@ def test_params_normalise_and_replace():
 # --- the distribution --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [
-    (1.0, 0.85, 0), (1.0, 0.3, 0), (0.6, 0.5, 0), (1.7, 0.9, 0), (1.0, 0.95, 7), (2.5, 0.99, 3), (0.8, 0.6, 1),
-])
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k",
+    [
+        (1.0, 0.85, 0),
+        (1.0, 0.3, 0),
+        (0.6, 0.5, 0),
+        (1.7, 0.9, 0),
+        (1.0, 0.95, 7),
+        (2.5, 0.99, 3),
+        (0.8, 0.6, 1),
+    ],
+)
 def test_probs_match_reference(temperature, top_p, top_k, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
@@ -166,12 +194,15 @@ class _FakeVocab:
         return "".join(f"<{i}>" for i in ids)  # never a digit/space string: no pip penalty exemption
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k,presence,frequency,decay,ban", [
-    (0.0, 0.85, 0, 0.7, 0.4, 0.996, []),          # greedy: penalties decide the tokens
-    (1.0, 0.85, 0, 0.2, 0.2, 0.996, [3]),
-    (1.3, 0.5, 4, 0.5, 0.5, 0.9, [0, 7]),
-    (0.7, 0.95, 0, 0.0, 1.0, 0.5, []),
-])
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k,presence,frequency,decay,ban",
+    [
+        (0.0, 0.85, 0, 0.7, 0.4, 0.996, []),  # greedy: penalties decide the tokens
+        (1.0, 0.85, 0, 0.2, 0.2, 0.996, [3]),
+        (1.3, 0.5, 4, 0.5, 0.5, 0.9, [0, 7]),
+        (0.7, 0.95, 0, 0.0, 1.0, 0.5, []),
+    ],
+)
 def test_sampler_matches_reference_pipeline(temperature, top_p, top_k, presence, frequency, decay, ban, monkeypatch):
     V, steps = 24, 40
     pipe = rwkv_utils.PIPELINE.__new__(rwkv_utils.PIPELINE)
@@ -193,16 +224,32 @@ def test_sampler_matches_reference_pipeline(temperature, top_p, top_k, presence,
 
     monkeypatch.setattr(rwkv_utils.PIPELINE, "sample_logits", sample_logits)
     monkeypatch.setattr(np.random, "choice", choice)
-    args = rwkv_utils.PIPELINE_ARGS(temperature=temperature, top_p=top_p, top_k=top_k, alpha_frequency=frequency,
-                                    alpha_presence=presence, alpha_decay=decay, token_ban=ban, token_stop=[])
+    args = rwkv_utils.PIPELINE_ARGS(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        alpha_frequency=frequency,
+        alpha_presence=presence,
+        alpha_decay=decay,
+        token_ban=ban,
+        token_stop=[],
+    )
     text = pipe.generate("1 2 3", token_count=steps, args=args)
     ref_tokens = [int(x) for x in text.strip("<>").split("><")]
     assert len(ref_tokens) == steps
 
     # Replay: the same raw logits (the fake model's, recomputed) through our sampler.
     model = _FakeModel(V)
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence,
-                            frequency_penalty=frequency, penalty_decay=decay, banned_token_ids=ban, seed=0)
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        penalty_decay=decay,
+        banned_token_ids=ban,
+        seed=0,
+    )
     sampler = Sampler(params, V)
     logits, state = model.forward([1, 2, 3], None)
     ours = []
@@ -223,9 +270,11 @@ def test_sampler_matches_reference_pipeline(temperature, top_p, top_k, presence,
 def test_same_seed_same_tokens_and_batch_equals_single():
     V = 1000
     logits = torch.randn(30, V, generator=torch.Generator().manual_seed(6))
-    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=11, presence_penalty=0.3),
-              SamplingParams(temperature=0.0, frequency_penalty=0.5),
-              SamplingParams(temperature=1.5, top_k=20, seed=12, logit_bias={5: 3.0}, banned_token_ids=[6])]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=11, presence_penalty=0.3),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+        SamplingParams(temperature=1.5, top_k=20, seed=12, logit_bias={5: 3.0}, banned_token_ids=[6]),
+    ]
 
     def run_alone(p):
         s = Sampler(p, V)
@@ -327,8 +376,14 @@ def test_sample_rows_equals_the_plain_path_at_extreme_temperatures():
 
 def test_sampler_adjusts_in_place_as_the_dense_functions_do():
     V = 65536
-    params = SamplingParams(presence_penalty=0.4, frequency_penalty=0.3, penalty_decay=0.9,
-                            logit_bias={0: -100, 17: 2.5, 99: -0.0}, banned_token_ids=[3, 17], seed=1)
+    params = SamplingParams(
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        penalty_decay=0.9,
+        logit_bias={0: -100, 17: 2.5, 99: -0.0},
+        banned_token_ids=[3, 17],
+        seed=1,
+    )
     sampler = Sampler(params, V)
     for token in [5, 9, 5, 1000, 5]:
         sampler.accept(token)

@@ -58,14 +58,27 @@ GREEDY = dict(temperature=0.0, top_p=1.0, top_k=0, presence_penalty=0.0, frequen
 
 
 def sampled(seed: int) -> dict:
-    return dict(temperature=0.9, top_p=0.9, top_k=40, presence_penalty=0.3, frequency_penalty=0.3,
-                penalty_decay=0.996, seed=seed)
+    return dict(
+        temperature=0.9,
+        top_p=0.9,
+        top_k=40,
+        presence_penalty=0.3,
+        frequency_penalty=0.3,
+        penalty_decay=0.996,
+        seed=seed,
+    )
 
 
 def nucleus(seed: int, top_p: float, penalty: float = 0.0) -> dict:
     """Wide nucleus sampling: temperature 1, no top_k (thousands of candidates on a random model)."""
-    return dict(temperature=1.0, top_p=top_p, presence_penalty=penalty, frequency_penalty=penalty,
-                penalty_decay=0.996, seed=seed)
+    return dict(
+        temperature=1.0,
+        top_p=top_p,
+        presence_penalty=penalty,
+        frequency_penalty=penalty,
+        penalty_decay=0.996,
+        seed=seed,
+    )
 
 
 def client_kwargs(sampling: dict) -> dict:
@@ -82,8 +95,18 @@ class Server:
     def __init__(self, model_path: Path, log_path: Path, *flags: str):
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         # `rwkv-engine serve ...` through the package's own entry point (this checkout's code).
-        cmd = [sys.executable, "-c", "import sys; from rwkv_engine.cli import main; sys.exit(main())",
-               "serve", str(model_path), "--port", "0", "--log-level", "warning", *flags]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys; from rwkv_engine.cli import main; sys.exit(main())",
+            "serve",
+            str(model_path),
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            *flags,
+        ]
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -156,8 +179,10 @@ def parse_prometheus(text: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve")
-    model_path = save_pth(random_state_dict(version="5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16,
-                                            seed=3), d / f"{MODEL}.pth")
+    model_path = save_pth(
+        random_state_dict(version="5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=3),
+        d / f"{MODEL}.pth",
+    )
     states = d / "states"
     states.mkdir()
     (d / "secret.safetensors").write_bytes(b"not for clients")
@@ -172,17 +197,44 @@ def ref(files):
 
 @pytest.fixture(scope="module")
 def server(files):
-    s = Server(files["model"], files["dir"] / "server.log", "--max-batch", "8", "--max-queue", "64",
-               "--prefill-chunk", str(CHUNK), "--state-dir", str(files["states"]), "--max-tokens", "4000")
+    s = Server(
+        files["model"],
+        files["dir"] / "server.log",
+        "--max-batch",
+        "8",
+        "--max-queue",
+        "64",
+        "--prefill-chunk",
+        str(CHUNK),
+        "--state-dir",
+        str(files["states"]),
+        "--max-tokens",
+        "4000",
+    )
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def limited(files):
-    s = Server(files["model"], files["dir"] / "limited.log", "--served-model-name", LIMITED, "--api-key", API_KEY,
-               "--max-batch", "1", "--max-queue", "1", "--max-body-kb", "1", "--max-prompt-tokens", "64",
-               "--max-tokens", "3000")
+    s = Server(
+        files["model"],
+        files["dir"] / "limited.log",
+        "--served-model-name",
+        LIMITED,
+        "--api-key",
+        API_KEY,
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        "--max-body-kb",
+        "1",
+        "--max-prompt-tokens",
+        "64",
+        "--max-tokens",
+        "3000",
+    )
     yield s
     s.stop()
 
@@ -221,8 +273,14 @@ def test_completion_matches_generate(ref, client, sampling):
     assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
 
     # Streamed: the same text in pieces, a final chunk with the finish reason, then the usage.
-    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, stream=True,
-                                       stream_options={"include_usage": True}, **client_kwargs(sampling))
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        **client_kwargs(sampling),
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
@@ -235,8 +293,9 @@ def test_completion_token_ids_and_stop_string(ref, client):
     full = reference(ref, ids, 30, sampling).text
     stop = full[6:8]
     assert stop.strip(), "the reference text should have something to stop on"
-    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, stop=[stop, "never-there"],
-                                    **client_kwargs(sampling))
+    got = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=30, stop=[stop, "never-there"], **client_kwargs(sampling)
+    )
     assert got.choices[0].text == full[: full.find(stop)]
     assert got.choices[0].finish_reason == "stop"
 
@@ -249,8 +308,9 @@ def test_chat_world_format_and_stop(ref, client):
         {"role": "user", "content": "Name a colour\r\n\n\nplease  "},
     ]
     # Rendered by hand from FORMATS.md D: roles, "\n\n" between turns, user text without "\n\n".
-    prompt = ("System: You are terse.\n\nUser: Hello there\n\nAssistant: Hi.\n\n"
-              "User: Name a colour\nplease\n\nAssistant:")
+    prompt = (
+        "System: You are terse.\n\nUser: Hello there\n\nAssistant: Hi.\n\nUser: Name a colour\nplease\n\nAssistant:"
+    )
     sampling = sampled(4)
     bias = {261: 7.0}  # make "\n\n" (the end of a reply) likely soon
     full = reference(ref, prompt, 40, sampling, logit_bias=bias).text
@@ -267,8 +327,15 @@ def test_chat_world_format_and_stop(ref, client):
     assert got.usage.prompt_tokens == len(ref[1].encode(prompt))
     assert got.usage.completion_tokens == want_tokens
 
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, logit_bias={"261": 7.0},
-                                            stream=True, stream_options={"include_usage": True}, **kw)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        logit_bias={"261": 7.0},
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
@@ -282,9 +349,12 @@ def complete_concurrently(server, prompts, samplings, max_tokens, timeout):
     async def run():
         ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
         async with ac:
-            return await asyncio.gather(*(
-                ac.completions.create(model=MODEL, prompt=p, max_tokens=n, **client_kwargs(s))
-                for p, s, n in zip(prompts, samplings, max_tokens)))
+            return await asyncio.gather(
+                *(
+                    ac.completions.create(model=MODEL, prompt=p, max_tokens=n, **client_kwargs(s))
+                    for p, s, n in zip(prompts, samplings, max_tokens)
+                )
+            )
 
     return asyncio.run(run())
 
@@ -321,7 +391,7 @@ def test_wide_nucleus_sampling_batched_matches_generate(ref, server):
     ids = tok.encode(text)
     lengths = [3, 12, 40, CHUNK + 5, CHUNK + 20, 2 * CHUNK + 9, 520, 600]
     starts = [17 * i for i in range(len(lengths))]  # different prompts, partly shared prefixes don't matter
-    prompts = [ids[s: s + n] for s, n in zip(starts, lengths)]
+    prompts = [ids[s : s + n] for s, n in zip(starts, lengths)]
     assert [len(q) for q in prompts] == lengths
     top_ps = [1.0, 0.9, 0.95, 0.99, 1.0, 0.97, 0.9, 1.0]
     samplings = [nucleus(300 + i, tp, penalty=0.3 * (i % 2)) for i, tp in enumerate(top_ps)]
@@ -375,7 +445,7 @@ def test_prefill_pieces_and_decode_groups_are_bit_identical(ref):
 def test_prompt_cache_resumes_long_system_prompt(ref, server, client):
     """A second request with the same 2k-token system prompt resumes from the cached state, same output."""
     tok = ref[1]
-    words = "river stone light paper engine garden window silver morning violin harbour".split()
+    words = ["river", "stone", "light", "paper", "engine", "garden", "window", "silver", "morning", "violin", "harbour"]
     system = " ".join(f"{words[i % len(words)]}{i}" for i in range(1100))
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Summarise."}]
     n = len(tok.encode(f"System: {system}\n\nUser: Summarise.\n\nAssistant:"))
@@ -384,8 +454,9 @@ def test_prompt_cache_resumes_long_system_prompt(ref, server, client):
 
     def timed():
         t0 = time.perf_counter()
-        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True,
-                                                stream_options={"include_usage": True}, **kw)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, stream=True, stream_options={"include_usage": True}, **kw
+        )
         first, text = None, ""
         for c in stream:
             if c.choices and c.choices[0].delta.content:
@@ -427,13 +498,21 @@ def test_saved_state_extension(ref, server, client, files):
 
     prompt = "User: what do you do?\n\nAssistant:"
     want = reference(ref, prompt, 20, GREEDY, state=persona)
-    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
-                                    **{**client_kwargs(GREEDY), "extra_body": {"state": "keeper.safetensors"}})
+    got = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=20,
+        **{**client_kwargs(GREEDY), "extra_body": {"state": "keeper.safetensors"}},
+    )
     assert got.choices[0].text == want.text
     assert got.choices[0].text != reference(ref, prompt, 20, GREEDY).text  # the state mattered
 
-    for name in ("../secret.safetensors", str(files["dir"] / "secret.safetensors"), "missing.safetensors",
-                 "alien.safetensors"):
+    for name in (
+        "../secret.safetensors",
+        str(files["dir"] / "secret.safetensors"),
+        "missing.safetensors",
+        "alien.safetensors",
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body={"state": name})
         assert e.value.param == "state", name
@@ -470,15 +549,23 @@ BAD = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": ["y" * 300]}, 400, "stop[0]"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "state": "a\x00b"}, 400, "state"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokenz": 5}, 400, "max_tokenz"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "x", "stream": False, "stream_options": {"include_usage": True}},
-     400, "stream_options"),
+    (
+        COMPLETIONS,
+        {"model": MODEL, "prompt": "x", "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     (COMPLETIONS, {"model": "gpt-4o", "prompt": "x"}, 404, "model"),
     (COMPLETIONS, {"prompt": "x"}, 400, "model"),
     (CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
     (CHAT, {**OK_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),  # no tool_call_id
     (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content"),
-    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "messages[0].content[0].type"),
+    (
+        CHAT,
+        {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages[0].content[0].type",
+    ),
     (CHAT, {**OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function"),  # a tool without its function
     (CHAT, {**OK_CHAT, "presence_penalty": "high"}, 400, "presence_penalty"),
 ]
@@ -551,8 +638,14 @@ def test_disconnect_frees_the_slot(server, client):
     assert cancelled(m) == base + 1
 
     # The openai client closing its stream.
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Go"}], stream=True,
-                                            max_tokens=4000, logit_bias={"0": -100}, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Go"}],
+        stream=True,
+        max_tokens=4000,
+        logit_bias={"0": -100},
+        temperature=0,
+    )
     next(iter(stream)), next(iter(stream))
     stream.close()
     m = server.wait_metric("rwkv_engine_requests_running", lambda v: v == 0, timeout=5)
@@ -572,8 +665,14 @@ def test_load_32_concurrent_streams(ref, server):
 
     async def one(ac, k):
         prompt, sampling, n = kinds[k]
-        stream = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stream=True,
-                                             stream_options={"include_usage": True}, **client_kwargs(sampling))
+        stream = await ac.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=n,
+            stream=True,
+            stream_options={"include_usage": True},
+            **client_kwargs(sampling),
+        )
         text, finish, usage = "", None, None
         async for c in stream:
             if c.choices:
@@ -622,8 +721,10 @@ def test_limits_auth_body_queue(limited):
 
     # One slot, one queue place: the third concurrent request gets 429 with Retry-After.
     hold = {"model": LIMITED, "prompt": "Go", "stream": True, "max_tokens": 3000, "logit_bias": {"0": -100}}
-    with httpx.Client(base_url=url, headers=auth, timeout=30) as h1, httpx.Client(base_url=url, headers=auth,
-                                                                                   timeout=30) as h2:
+    with (
+        httpx.Client(base_url=url, headers=auth, timeout=30) as h1,
+        httpx.Client(base_url=url, headers=auth, timeout=30) as h2,
+    ):
         with h1.stream("POST", COMPLETIONS, json=hold) as first:
             lines1 = first.iter_lines()
             next(line for line in lines1 if line.startswith("data: "))
@@ -642,8 +743,9 @@ def test_limits_auth_body_queue(limited):
 def test_sigterm_finishes_the_stream_then_exits(limited):
     body = {"model": LIMITED, "prompt": "Go", "stream": True, "max_tokens": 60, "logit_bias": {"0": -100}}
     lines = []
-    with httpx.stream("POST", limited.url + COMPLETIONS, json=body, timeout=30,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+    with httpx.stream(
+        "POST", limited.url + COMPLETIONS, json=body, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and not lines:
                 limited.proc.send_signal(signal.SIGTERM)

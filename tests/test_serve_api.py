@@ -15,7 +15,17 @@ import pytest
 import torch
 
 from .test_serve import (  # noqa: F401  (fixtures)
-    CHUNK, GREEDY, MODEL, client, client_kwargs, drop_stream, files, reference, ref, sampled, server,
+    CHUNK,
+    GREEDY,
+    MODEL,
+    client,
+    client_kwargs,
+    drop_stream,
+    files,
+    ref,
+    reference,
+    sampled,
+    server,
 )
 
 httpx = pytest.importorskip("httpx")
@@ -62,8 +72,11 @@ def test_completion_logprobs_match_forward(ref, client):
     assert lp.text_offset == [len(tok.decode(want.tokens[:j])) for j in range(len(want.tokens))]
 
     # Streamed: the same numbers, split over the chunks.
-    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, logprobs=3, stream=True,
-                                            **client_kwargs(sampling)))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, logprobs=3, stream=True, **client_kwargs(sampling)
+        )
+    )
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
     assert sum((s.text_offset for s in streamed), []) == lp.text_offset
@@ -81,8 +94,10 @@ def test_chat_logprobs_match_forward_and_stream(ref, client):
     generated = list(want.tokens)
     assert len(content) == len(generated) == got.usage.completion_tokens, "12 tokens, no stop (or fix the seed)"
     assert [bytes(c.bytes) for c in content] == [tok.decode_bytes([t]) for t in generated]
-    assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", errors="replace")[1:] \
+    assert (
+        b"".join(bytes(c.bytes) for c in content).decode("utf-8", errors="replace")[1:]
         == got.choices[0].message.content
+    )
     ids = tok.encode(prompt) + generated
     logp = forward_logp(ref, ids)
     P = len(tok.encode(prompt))
@@ -99,8 +114,10 @@ def test_chat_logprobs_match_forward_and_stream(ref, client):
 
 
 def test_logprobs_the_same_batched_or_alone(server):
-    bodies = [dict(model=MODEL, prompt=f"Tale {i} of the river", max_tokens=12, logprobs=2, **sampled(40 + i))
-              for i in range(6)]
+    bodies = [
+        dict(model=MODEL, prompt=f"Tale {i} of the river", max_tokens=12, logprobs=2, **sampled(40 + i))
+        for i in range(6)
+    ]
     alone = [post(server, "/v1/completions", b).json()["choices"][0]["logprobs"] for b in bodies]
 
     async def together():
@@ -137,11 +154,18 @@ def test_echo_loglikelihood_as_lm_eval_sends_it(ref, server, client):
     tok = ref[1]
     text = " ".join(f"word{i}" for i in range(400))
     base = tok.encode(text)
-    prompts = [base[:5], base[:CHUNK + 40], base[7:7 + 2 * CHUNK + 3], tok.encode("The answer is yes")]
-    client.completions.create(model=MODEL, prompt=base[:CHUNK + 40], max_tokens=1)  # fills the cache
+    prompts = [base[:5], base[: CHUNK + 40], base[7 : 7 + 2 * CHUNK + 3], tok.encode("The answer is yes")]
+    client.completions.create(model=MODEL, prompt=base[: CHUNK + 40], max_tokens=1)  # fills the cache
     ctxlens = [2, CHUNK, 100, 3]
-    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
-            "echo": True}
+    body = {
+        "model": MODEL,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -154,7 +178,7 @@ def test_echo_loglikelihood_as_lm_eval_sends_it(ref, server, client):
         assert c["text"].startswith(tok.decode(ids))
         logp = forward_logp(ref, ids)
         expected = [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
-        assert lp["token_logprobs"][1: len(ids)] == pytest.approx(expected, abs=ATOL)
+        assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=ATOL)
         greedy_next = int(logp[-1].argmax())
         assert lp["token_logprobs"][-1] == pytest.approx(float(logp[-1, greedy_next]), abs=ATOL)
         for t in range(1, len(ids)):  # the top entry is the argmax, equal to the token's own when greedy
@@ -191,10 +215,16 @@ def test_echo_with_zero_tokens_and_streamed(ref, server, client):
     assert plain.choices[0].text == prompt + alone.choices[0].text
 
     # Streamed: the first chunk is the prompt with its log-probabilities.
-    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
-                                     **client_kwargs(GREEDY))
-    chunks = [c for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
-                                                   stream=True, **client_kwargs(GREEDY)) if c.choices]
+    full = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2, **client_kwargs(GREEDY)
+    )
+    chunks = [
+        c
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2, stream=True, **client_kwargs(GREEDY)
+        )
+        if c.choices
+    ]
     assert chunks[0].choices[0].text == prompt
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
@@ -202,8 +232,9 @@ def test_echo_with_zero_tokens_and_streamed(ref, server, client):
     assert sum((x.text_offset for x in lps), []) == full.choices[0].logprobs.text_offset
 
     # The end-of-text token that stops an answer has its entry (lm-eval counts on one generated entry).
-    eos = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1,
-                                    logit_bias={"0": 100}, temperature=0)
+    eos = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, echo=True, logprobs=1, logit_bias={"0": 100}, temperature=0
+    )
     c = eos.choices[0]
     assert c.finish_reason == "stop" and c.text == prompt and eos.usage.completion_tokens == 0
     assert len(c.logprobs.token_logprobs) == len(ids) + 1 and c.logprobs.tokens[-1] == ""
@@ -223,11 +254,16 @@ def test_n_choices_equal_single_requests_with_derived_seeds(ref, server, client)
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, n=3, **client_kwargs(sampling))
     assert prefilled() - before == len(ref[1].encode(prompt))  # one prefill for the three choices
     assert [c.index for c in got.choices] == [0, 1, 2]
-    singles = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
-                                         **client_kwargs({**sampling, "seed": 7 + i})) for i in range(3)]
+    singles = [
+        client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, **client_kwargs({**sampling, "seed": 7 + i})
+        )
+        for i in range(3)
+    ]
     assert [c.text for c in got.choices] == [s.choices[0].text for s in singles]
-    assert [c.text for c in got.choices] == [reference(ref, prompt, 12, {**sampling, "seed": 7 + i}).text
-                                             for i in range(3)]
+    assert [c.text for c in got.choices] == [
+        reference(ref, prompt, 12, {**sampling, "seed": 7 + i}).text for i in range(3)
+    ]
     assert len({c.text for c in got.choices}) > 1, "different seeds should give different choices"
     assert got.usage.prompt_tokens == singles[0].usage.prompt_tokens  # one prompt, read once
     assert got.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
@@ -253,15 +289,17 @@ def test_prompt_lists_equal_single_requests(ref, server, client):
     assert [c.index for c in got.choices] == list(range(6))
     for k, c in enumerate(got.choices):
         p, j = divmod(k, 2)
-        single = client.completions.create(model=MODEL, prompt=prompts[p], max_tokens=8,
-                                           **client_kwargs({**sampling, "seed": 50 + j}))
+        single = client.completions.create(
+            model=MODEL, prompt=prompts[p], max_tokens=8, **client_kwargs({**sampling, "seed": 50 + j})
+        )
         assert c.text == single.choices[0].text, k
     lens = [len(tok.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
     assert got.usage.prompt_tokens == sum(lens)
 
     texts = [""] * 6
-    for ch in client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, n=2, stream=True,
-                                        **client_kwargs(sampling)):
+    for ch in client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=8, n=2, stream=True, **client_kwargs(sampling)
+    ):
         for c in ch.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in got.choices]
@@ -278,8 +316,16 @@ def test_disconnect_cancels_every_choice(server):
     """A client that drops a stream of 2 prompts x 2 choices frees all four batch rows."""
     cancelled = lambda m: m.get('rwkv_engine_requests_total{outcome="cancelled"}', 0.0)
     base = cancelled(server.metrics())
-    body = {"model": MODEL, "prompt": ["Go", "Run"], "n": 2, "stream": True, "max_tokens": 4000,
-            "logit_bias": {"0": -100}, "temperature": 0, "logprobs": 1}
+    body = {
+        "model": MODEL,
+        "prompt": ["Go", "Run"],
+        "n": 2,
+        "stream": True,
+        "max_tokens": 4000,
+        "logit_bias": {"0": -100},
+        "temperature": 0,
+        "logprobs": 1,
+    }
     drop_stream(server, body, events=12)
     m = server.wait_metric("rwkv_engine_requests_running", lambda v: v == 0, timeout=10)
     assert cancelled(m) == base + 4
@@ -297,15 +343,22 @@ def test_tokenize_and_detokenize(ref, server):
             r = post(server, path, {field: text, "add_special": False})
             assert r.status_code == 200 and r.json()["tokens"] == ids and r.json()["count"] == len(ids)
     pieces = post(server, "/tokenize", {"content": "🙂", "with_pieces": True}).json()["tokens"]
-    assert b"".join(bytes(x["piece"]) if isinstance(x["piece"], list) else x["piece"].encode() for x in pieces) \
+    assert (
+        b"".join(bytes(x["piece"]) if isinstance(x["piece"], list) else x["piece"].encode() for x in pieces)
         == "🙂".encode()
+    )
     for path in ("/detokenize", "/v1/detokenize"):
         out = post(server, path, {"tokens": ids}).json()
         assert out["content"] == out["prompt"] == text
-    for path, body in (("/tokenize", {}), ("/tokenize", {"content": "a", "prompt": "b"}),
-                       ("/tokenize", {"content": 5}), ("/detokenize", {"tokens": [70000]}),
-                       ("/detokenize", {"tokens": "abc"}), ("/detokenize", {"tokens": [-1]}),
-                       ("/tokenize", {"content": "a", "model": "other"})):
+    for path, body in (
+        ("/tokenize", {}),
+        ("/tokenize", {"content": "a", "prompt": "b"}),
+        ("/tokenize", {"content": 5}),
+        ("/detokenize", {"tokens": [70000]}),
+        ("/detokenize", {"tokens": "abc"}),
+        ("/detokenize", {"tokens": [-1]}),
+        ("/tokenize", {"content": "a", "model": "other"}),
+    ):
         r = post(server, path, body)
         assert r.status_code in (400, 404) and "error" in r.json(), (path, body, r.text)
 
@@ -317,11 +370,22 @@ def test_lm_eval_local_completions_loglikelihood(ref, server):
     api = pytest.importorskip("lm_eval.models.openai_completions")
     from lm_eval.api.instance import Instance
 
-    lm = api.LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=MODEL, tokenized_requests=True,
-                                 batch_size=4, max_retries=1, custom_prefix_token_id=0)
+    lm = api.LocalCompletionsAPI(
+        base_url=server.url + "/v1/completions",
+        model=MODEL,
+        tokenized_requests=True,
+        batch_size=4,
+        max_retries=1,
+        custom_prefix_token_id=0,
+    )
     assert lm.tokenizer_backend == "remote"
-    pairs = [("The cat sat on the", " mat"), ("Two plus two is", " four"), ("Paris is in", " France today"),
-             ("A B C D E F G", " H"), ("", "Hello world")]
+    pairs = [
+        ("The cat sat on the", " mat"),
+        ("Two plus two is", " four"),
+        ("Paris is in", " France today"),
+        ("A B C D E F G", " H"),
+        ("", "Hello world"),
+    ]
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
     got = lm.loglikelihood(requests, disable_tqdm=True)
     tok = ref[1]
@@ -338,8 +402,10 @@ def test_lm_eval_local_completions_loglikelihood(ref, server):
     # generate_until: the same batches of token-id prompts; the server's completion defaults apply
     # to what lm-eval leaves out (it sends temperature 0, so: greedy with RWKV's penalties).
     contexts = ["The cat sat on the", "Two plus two is", "Paris is in"]
-    gen = [Instance(request_type="generate_until", doc={}, arguments=(c, {"until": ["\n"], "max_gen_toks": 8}),
-                    idx=i) for i, c in enumerate(contexts)]
+    gen = [
+        Instance(request_type="generate_until", doc={}, arguments=(c, {"until": ["\n"], "max_gen_toks": 8}), idx=i)
+        for i, c in enumerate(contexts)
+    ]
     defaults = dict(temperature=0.0, top_p=0.85, presence_penalty=0.2, frequency_penalty=0.2, penalty_decay=0.996)
     want = [reference(ref, tok.encode(c), 8, defaults, stop=("\n",)).text for c in contexts]
     assert any(want) and lm.generate_until(gen, disable_tqdm=True) == want

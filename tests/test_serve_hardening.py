@@ -31,10 +31,24 @@ LONG = {"max_tokens": 2000, "logit_bias": {"0": -100}}
 @pytest.fixture(scope="module")
 def open_server(files):
     """Loopback, no key, small limits (one batch of 8, 2 waiting)."""
-    s = Server(files["model"], files["dir"] / "hardening.log", "--max-batch", "8", "--max-queue", "2",
-               "--state-dir", str(files["states"]), "--shutdown-timeout", "2",
-               "--header-timeout", str(HEADER_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT),
-               "--max-connections", str(MAX_CONNECTIONS))
+    s = Server(
+        files["model"],
+        files["dir"] / "hardening.log",
+        "--max-batch",
+        "8",
+        "--max-queue",
+        "2",
+        "--state-dir",
+        str(files["states"]),
+        "--shutdown-timeout",
+        "2",
+        "--header-timeout",
+        str(HEADER_TIMEOUT),
+        "--body-timeout",
+        str(BODY_TIMEOUT),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+    )
     yield s
     s.stop()
 
@@ -44,8 +58,16 @@ def keyed_server(files):
     """The key from a file; a browser origin allowed; one more host name allowed."""
     key_file = files["dir"] / "key.txt"
     key_file.write_text(KEY + "\n")
-    s = Server(files["model"], files["dir"] / "keyed.log", "--api-key-file", str(key_file),
-               "--cors-origin", "http://app.example", "--allowed-host", "rwkv.lan")
+    s = Server(
+        files["model"],
+        files["dir"] / "keyed.log",
+        "--api-key-file",
+        str(key_file),
+        "--cors-origin",
+        "http://app.example",
+        "--allowed-host",
+        "rwkv.lan",
+    )
     yield s
     s.stop()
 
@@ -59,7 +81,7 @@ def raw(server, data: bytes, wait: float = 10.0) -> bytes:
         try:
             while chunk := s.recv(65536):
                 out += chunk
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
         return out
 
@@ -86,8 +108,18 @@ def test_tiny_temperature_streams_next_to_normal_ones(open_server):
 
     async def run():
         async with httpx.AsyncClient(base_url=url, timeout=60) as ac:
-            bodies = [{"model": MODEL, "prompt": f"The story {i}:", "max_tokens": 40, "stream": True, "seed": i,
-                       "temperature": 1.5e-38 if i == 6 else 1.0, "top_p": 1} for i in range(7)]
+            bodies = [
+                {
+                    "model": MODEL,
+                    "prompt": f"The story {i}:",
+                    "max_tokens": 40,
+                    "stream": True,
+                    "seed": i,
+                    "temperature": 1.5e-38 if i == 6 else 1.0,
+                    "top_p": 1,
+                }
+                for i in range(7)
+            ]
             return await asyncio.gather(*(one(ac, b) for b in bodies))
 
     for lines in asyncio.run(run()):
@@ -144,6 +176,7 @@ def test_one_rows_sampling_failure_fails_that_request_only(model_and_tokenizer, 
                         got_all.set()
                 else:
                     texts[i] += e.text
+
             return sink
 
         for i, p in enumerate(params):
@@ -170,8 +203,14 @@ def test_only_requests_waiting_count_against_the_queue(model_and_tokenizer):
         accepted, refused = [], 0
         for i in range(20):
             try:
-                accepted.append(engine.submit(Request(tok.encode(f"Go {i}"), SamplingParams(
-                    temperature=0, max_tokens=100000, stop_token_ids=())), lambda e: None))
+                accepted.append(
+                    engine.submit(
+                        Request(
+                            tok.encode(f"Go {i}"), SamplingParams(temperature=0, max_tokens=100000, stop_token_ids=())
+                        ),
+                        lambda e: None,
+                    )
+                )
             except QueueFull as e:
                 refused += 1
                 assert "2 requests are already waiting" in str(e)
@@ -233,8 +272,9 @@ def test_twenty_at_once_with_eight_slots_and_two_queue_places(open_server):
 
     async def run():
         statuses = []
-        async with httpx.AsyncClient(base_url=open_server.url, timeout=60,
-                                     limits=httpx.Limits(max_connections=40)) as ac:
+        async with httpx.AsyncClient(
+            base_url=open_server.url, timeout=60, limits=httpx.Limits(max_connections=40)
+        ) as ac:
             await asyncio.gather(*(one(ac, i, statuses) for i in range(20)))
         return statuses
 
@@ -306,8 +346,10 @@ def test_client_gone_mid_body_is_a_cancel(open_server):
     host, port = open_server.url.removeprefix("http://").split(":")
     for _ in range(3):
         with socket.create_connection((host, int(port))) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 500\r\n\r\n{\"model\": \"tiny-world\", \"pro")
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 500\r\n\r\n{"model": "tiny-world", "pro'
+            )
             time.sleep(0.2)
     time.sleep(0.5)
     assert httpx.get(open_server.url + "/health").status_code == 200
@@ -324,7 +366,7 @@ def test_stalled_headers_and_bodies_are_timed_out(open_server):
     stalls = [
         b"GET /health HTTP/1.1\r\nHost: localhost\r\n",  # half the headers, then nothing
         b"",  # a connection that never sends a byte
-        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{\"mo",  # half a body
+        b'POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{"mo',  # half a body
     ]
     t0 = time.monotonic()
     with ThreadPoolExecutor(len(stalls)) as pool:
@@ -371,7 +413,9 @@ def test_host_and_origin_checks_on_a_loopback_server(open_server):
         # preflight gets no Access-Control-Allow-Origin. The same origin (a page this server serves) is fine.
         r = http.post(COMPLETIONS, json=body, headers={"Origin": "http://evil.example"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
-        r = http.options(COMPLETIONS, headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        r = http.options(
+            COMPLETIONS, headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+        )
         assert "access-control-allow-origin" not in r.headers
         r = http.post(COMPLETIONS, json=body, headers={"Origin": f"http://127.0.0.1:{port}"})
         assert r.status_code == 200, r.text
@@ -385,16 +429,25 @@ def test_key_file_early_key_check_cors_and_allowed_host(keyed_server):
     assert httpx.post(url + COMPLETIONS, json=body, timeout=30).status_code == 401
     # A wrong key is refused as soon as the headers are in: the body is never waited for.
     t0 = time.monotonic()
-    out = raw(keyed_server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n"
-                            b"Content-Length: 100000\r\n\r\n{")
+    out = raw(
+        keyed_server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer nope\r\n"
+        b"Content-Length: 100000\r\n\r\n{",
+    )
     assert out.startswith(b"HTTP/1.1 401") and time.monotonic() - t0 < 5, out
     # --allowed-host adds a name; others are still refused.
     assert httpx.get(url + "/health", headers={"Host": "rwkv.lan:8000"}).status_code == 200
     assert httpx.get(url + "/health", headers={"Host": "evil.example"}).status_code == 403
     # --cors-origin: the preflight and the answer carry the origin; the key is still needed.
     origin = {"Origin": "http://app.example"}
-    r = httpx.options(url + COMPLETIONS, headers={**origin, "Access-Control-Request-Method": "POST",
-                                                  "Access-Control-Request-Headers": "authorization,content-type"})
+    r = httpx.options(
+        url + COMPLETIONS,
+        headers={
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        },
+    )
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
     assert "authorization" in r.headers["access-control-allow-headers"].lower()
     r = httpx.post(url + COMPLETIONS, json=body, headers={**origin, **auth}, timeout=30)
@@ -418,8 +471,11 @@ def test_api_key_sources_and_exposure_warning(tmp_path):
     assert serve.api_key(parse(), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-env"
     assert serve.api_key(parse("--api-key-file", str(key_file)), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-file"
     assert serve.api_key(parse("--api-key", "k"), {}) == "k"
-    for bad in (("--api-key", "k", "--api-key-file", str(key_file)), ("--api-key-file", str(tmp_path / "none")),
-                ("--api-key", "")):
+    for bad in (
+        ("--api-key", "k", "--api-key-file", str(key_file)),
+        ("--api-key-file", str(tmp_path / "none")),
+        ("--api-key", ""),
+    ):
         with pytest.raises(InputError):
             serve.api_key(parse(*bad), {})
     assert serve.exposure_warning("0.0.0.0", None) and "WARNING" in serve.exposure_warning("0.0.0.0", None)

@@ -31,15 +31,25 @@ WEATHER = {
     "function": {
         "name": "get_weather",
         "description": "Current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                                        "unit": {"enum": ["C", "F"]}},
-                       "required": ["city", "unit"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
     },
 }
 TIME = {
     "type": "function",
-    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
-                                                     "required": ["zone"], "additionalProperties": False}},
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 6}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
 }
 TOOLS = [WEATHER, TIME]
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
@@ -49,8 +59,9 @@ def test_json_schema_answers_validate(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
     finished = 0
     for seed in range(6):
-        got = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, seed=seed,
-                                             max_tokens=60, **WILD)
+        got = client.chat.completions.create(
+            model=MODEL, messages=ASK, response_format=fmt, seed=seed, max_tokens=60, **WILD
+        )
         choice = got.choices[0]
         if choice.finish_reason == "length":
             continue
@@ -61,8 +72,9 @@ def test_json_schema_answers_validate(client):
 
     # Streamed: the same JSON in pieces.
     want = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, seed=1, max_tokens=60, **WILD)
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, seed=1, max_tokens=60,
-                                            stream=True, **WILD)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=fmt, seed=1, max_tokens=60, stream=True, **WILD
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == want.choices[0].finish_reason
@@ -70,8 +82,9 @@ def test_json_schema_answers_validate(client):
 
 def test_json_object(client):
     for seed in range(3):
-        got = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"},
-                                             seed=seed, max_tokens=40, **WILD)
+        got = client.chat.completions.create(
+            model=MODEL, messages=ASK, response_format={"type": "json_object"}, seed=seed, max_tokens=40, **WILD
+        )
         if got.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(got.choices[0].message.content), dict)
 
@@ -81,8 +94,9 @@ def prompt_tokens(ref, text: str) -> int:
 
 
 def test_tool_call_round_trip(ref, client):
-    got = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=2,
-                                         max_tokens=80, **WILD)
+    got = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=2, max_tokens=80, **WILD
+    )
     choice = got.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -91,36 +105,55 @@ def test_tool_call_round_trip(ref, client):
     jsonschema.validate(json.loads(call.function.arguments), tool["parameters"])
 
     # The tools are written into the system turn, as tool_calls.py documents.
-    listed = "\n".join(["You can call these tools:"] + [
-        json.dumps({k: t["function"][k] for k in ("name", "description", "parameters") if k in t["function"]},
-                   separators=(",", ":")) for t in TOOLS]
-        + ['To call a tool, reply with <tool_call>{"name":"NAME","arguments":{...}} and nothing else.'])
-    assert got.usage.prompt_tokens == prompt_tokens(ref, f"System: {listed}\n\nUser: What is the weather in Oslo?\n\nAssistant:")
+    listed = "\n".join(
+        ["You can call these tools:"]
+        + [
+            json.dumps(
+                {k: t["function"][k] for k in ("name", "description", "parameters") if k in t["function"]},
+                separators=(",", ":"),
+            )
+            for t in TOOLS
+        ]
+        + ['To call a tool, reply with <tool_call>{"name":"NAME","arguments":{...}} and nothing else.']
+    )
+    assert got.usage.prompt_tokens == prompt_tokens(
+        ref, f"System: {listed}\n\nUser: What is the weather in Oslo?\n\nAssistant:"
+    )
 
     # Back with the call and its result: rendered as the model's own call and a Tool turn.
-    history = ASK + [choice.message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": call.id, "content": "4 C, snow"}]
-    again = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", seed=3,
-                                           max_tokens=10)
+    history = ASK + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "4 C, snow"},
+    ]
+    again = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", seed=3, max_tokens=10
+    )
     assert again.choices[0].message.content is not None and not again.choices[0].message.tool_calls
     arguments = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
-    written = (f"User: What is the weather in Oslo?\n\nAssistant: <tool_call>"
-               f'{{"name":"{call.function.name}","arguments":{arguments}}}\n\n'
-               f"Tool: {call.function.name}: 4 C, snow\n\nAssistant:")
+    written = (
+        f"User: What is the weather in Oslo?\n\nAssistant: <tool_call>"
+        f'{{"name":"{call.function.name}","arguments":{arguments}}}\n\n'
+        f"Tool: {call.function.name}: 4 C, snow\n\nAssistant:"
+    )
     assert again.usage.prompt_tokens == prompt_tokens(ref, written)
 
 
 def test_named_tool_choice_and_stream(client):
     choice = {"type": "function", "function": {"name": "get_time"}}
     for seed in range(2):
-        got = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed,
-                                             max_tokens=60, **WILD)
+        got = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, seed=seed, max_tokens=60, **WILD
+        )
         if got.choices[0].finish_reason == "tool_calls":
             assert got.choices[0].message.tool_calls[0].function.name == "get_time"
-    want = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=2,
-                                          max_tokens=80, **WILD)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                                                 seed=2, max_tokens=80, stream=True, **WILD))
+    want = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=2, max_tokens=80, **WILD
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", seed=2, max_tokens=80, stream=True, **WILD
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     pieces = [tc for d in deltas for tc in (d.tool_calls or [])]
     first, rest = pieces[0], pieces[1:]
@@ -159,8 +192,17 @@ def test_langchain_bind_tools_and_structured_output(server):
     from langchain_core.messages import HumanMessage, ToolMessage
     from pydantic import BaseModel, Field
 
-    llm = lc.ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60,
-                        temperature=1.0, top_p=1.0, seed=4, max_tokens=80)
+    llm = lc.ChatOpenAI(
+        model=MODEL,
+        base_url=server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=60,
+        temperature=1.0,
+        top_p=1.0,
+        seed=4,
+        max_tokens=80,
+    )
 
     def get_weather(city: str, unit: str) -> str:
         """Current weather in a city."""
@@ -171,7 +213,8 @@ def test_langchain_bind_tools_and_structured_output(server):
     [call] = ai.tool_calls
     assert call["name"] == "get_weather" and set(call["args"]) == {"city", "unit"}
     follow = llm.bind_tools([WEATHER], tool_choice="none").invoke(
-        [HumanMessage("Weather in Oslo?"), ai, ToolMessage("4 C", tool_call_id=call["id"])])
+        [HumanMessage("Weather in Oslo?"), ai, ToolMessage("4 C", tool_call_id=call["id"])]
+    )
     assert isinstance(follow.content, str) and not follow.tool_calls
 
     class Verdict(BaseModel):
@@ -186,14 +229,16 @@ def test_langchain_bind_tools_and_structured_output(server):
 def test_n_choices_each_constrained(client):
     """n = 3 from one prefill: every choice has its own grammar state."""
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
-    got = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, n=3, seed=7, max_tokens=60,
-                                         **WILD)
+    got = client.chat.completions.create(
+        model=MODEL, messages=ASK, response_format=fmt, n=3, seed=7, max_tokens=60, **WILD
+    )
     assert len(got.choices) == 3
     for c in got.choices:
         if c.finish_reason == "stop":
             jsonschema.validate(json.loads(c.message.content), ANSWER)
-    calls = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=2,
-                                           seed=7, max_tokens=80, **WILD)
+    calls = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", n=2, seed=7, max_tokens=80, **WILD
+    )
     for c in calls.choices:
         if c.finish_reason == "tool_calls":
             assert c.message.tool_calls[0].function.name in ("get_weather", "get_time")

@@ -20,7 +20,7 @@ import rwkv_engine
 from rwkv_engine import SamplingParams
 from rwkv_engine.errors import InputError
 from rwkv_engine.serve.engine import Delta, Engine, EngineConfig, Finished, Request
-from rwkv_engine.structured import TOOL_CALL_MARKER, ToolCallTrigger, call_grammar, parse_call, pack_bits, unpack_bits
+from rwkv_engine.structured import TOOL_CALL_MARKER, ToolCallTrigger, call_grammar, pack_bits, parse_call, unpack_bits
 from rwkv_engine.testing import random_state_dict, save_pth
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -35,7 +35,10 @@ PERSON = {
         "scores": {"type": "array", "items": {"type": "number", "minimum": -10, "maximum": 10}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -46,8 +49,12 @@ PERSON = {
 }
 TAGS = {
     "type": "array",
-    "items": {"type": "object", "properties": {"tag": {"enum": ["a", "b", "c"]}, "weight": {"type": "number"}},
-              "required": ["tag"], "additionalProperties": False},
+    "items": {
+        "type": "object",
+        "properties": {"tag": {"enum": ["a", "b", "c"]}, "weight": {"type": "number"}},
+        "required": ["tag"],
+        "additionalProperties": False,
+    },
     "minItems": 1,
     "maxItems": 4,
 }
@@ -57,8 +64,10 @@ MAX_TOKENS = 80
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = save_pth(random_state_dict(version="5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=3),
-                    tmp_path_factory.mktemp("structured") / "tiny.pth")
+    path = save_pth(
+        random_state_dict(version="5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=3),
+        tmp_path_factory.mktemp("structured") / "tiny.pth",
+    )
     model = rwkv_engine.load(path)
     return model, rwkv_engine.load_tokenizer(model)
 
@@ -91,8 +100,9 @@ def run_batch(tiny, requests: list[tuple[str, SamplingParams]]) -> list[tuple[st
 
 def wild(seed: int, **kw) -> SamplingParams:
     """Temperature 1, no top-p / top-k cut: the random model's junk, all of it."""
-    return SamplingParams(temperature=1.0, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=seed,
-                          max_tokens=MAX_TOKENS, **kw)
+    return SamplingParams(
+        temperature=1.0, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0, seed=seed, max_tokens=MAX_TOKENS, **kw
+    )
 
 
 def test_every_finished_answer_validates(tiny):
@@ -102,7 +112,7 @@ def test_every_finished_answer_validates(tiny):
     requests += [("Free text:", wild(s)) for s in SEEDS[:2]]  # unconstrained rows in the same steps
     results = run_batch(tiny, requests)
     finished = 0
-    for (prompt, params), (text, event) in zip(requests, results):
+    for (_prompt, params), (text, event) in zip(requests, results):
         assert event.reason in ("stop", "length"), event
         if params.json_schema is None and not params.json_object:
             continue
@@ -171,8 +181,17 @@ def test_bitmask_packing_matches_llguidance_layout():
 def test_tool_call_trigger(tiny):
     """tool_choice auto: text stays free; a reply that starts with the marker becomes a call."""
     model, tok = tiny
-    tools = [{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-                                                    "required": ["city"], "additionalProperties": False}}]
+    tools = [
+        {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        }
+    ]
     grammar = call_grammar(tools, tok, 65536, forced=False)
 
     free = ToolCallTrigger(grammar, tok)
@@ -222,12 +241,28 @@ def test_generate_command_json_schema(tiny, tmp_path, capsys):
     save_pth(random_state_dict(version="5.2", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=3), path)
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(PERSON))
-    flags = ["--temperature", "1", "--top-p", "1", "--presence-penalty", "0", "--frequency-penalty", "0",
-             "--seed", "4", "--max-tokens", str(MAX_TOKENS)]
+    flags = [
+        "--temperature",
+        "1",
+        "--top-p",
+        "1",
+        "--presence-penalty",
+        "0",
+        "--frequency-penalty",
+        "0",
+        "--seed",
+        "4",
+        "--max-tokens",
+        str(MAX_TOKENS),
+    ]
     assert main(["generate", str(path), "--prompt", "Person:", "--json-schema", str(schema), "--stats", *flags]) == 0
     out, err = capsys.readouterr()
-    want = rwkv_engine.generate(model, tok, "Person:", wild(4, json_schema=PERSON).replace(
-        penalty_decay=0.996, presence_penalty=0.0, frequency_penalty=0.0))
+    want = rwkv_engine.generate(
+        model,
+        tok,
+        "Person:",
+        wild(4, json_schema=PERSON).replace(penalty_decay=0.996, presence_penalty=0.0, frequency_penalty=0.0),
+    )
     assert out == want.read() and f"finish: {want.finish_reason}" in err
     if want.finish_reason == "stop":
         jsonschema.validate(json.loads(out), PERSON)

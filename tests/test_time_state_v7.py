@@ -127,7 +127,10 @@ def test_rwkv_package_started_from_the_file_tensor(files, tmp_path):
     out = tmp_path / "ref.pt"
     proc = subprocess.run(
         [sys.executable, "-c", _PIP_V7, str(tuned), str(out), str(STEPS), *map(str, PROMPT)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "RWKV_V7_ON": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RWKV_V7_ON": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref = torch.load(out)

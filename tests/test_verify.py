@@ -8,8 +8,6 @@ against fp32 moves the logits by 0.02-0.4, and its error first jumps in block 2,
 
 import json
 
-import pytest
-
 from rwkv_engine.cli import main
 
 PROMPT_IDS = "3,17,255,1,0,42,99,7,7,7,123,200,5,64,31,9,250,11,2,180,33,8,19,4"

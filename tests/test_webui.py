@@ -65,8 +65,12 @@ def keyed(model_path):
 def api_reply(server, messages, key=None, **fields) -> str:
     """The reply of /v1/chat/completions, not streamed: what the page must show."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, **fields},
-                   headers=headers, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, **fields},
+        headers=headers,
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
 
@@ -88,9 +92,13 @@ def test_page_and_assets_are_served_with_types_and_cache_headers(server, keyed):
     # The defaults the page shows are the server's.
     meta = re.search(r'<meta name="rwkv-defaults" content="([^"]*)">', page.text).group(1)
     shown = json.loads(meta.replace("&quot;", '"'))
-    assert shown == {"temperature": CHAT_DEFAULTS.temperature, "top_p": CHAT_DEFAULTS.top_p, "max_tokens": 4096,
-                     "presence_penalty": CHAT_DEFAULTS.presence_penalty,
-                     "frequency_penalty": CHAT_DEFAULTS.frequency_penalty}
+    assert shown == {
+        "temperature": CHAT_DEFAULTS.temperature,
+        "top_p": CHAT_DEFAULTS.top_p,
+        "max_tokens": 4096,
+        "presence_penalty": CHAT_DEFAULTS.presence_penalty,
+        "frequency_penalty": CHAT_DEFAULTS.frequency_penalty,
+    }
 
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
         r = httpx.get(f"{server.url}/static/{name}")
@@ -125,8 +133,15 @@ def browser():
         pytest.skip("needs Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1100,760", "--no-first-run", "--disable-extensions"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1100,760",
+        "--no-first-run",
+        "--disable-extensions",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
     driver.set_page_load_timeout(30)
@@ -183,8 +198,13 @@ class Page:
         return self.js("return [...document.querySelectorAll('.message.assistant .text')].map(e => e.textContent)")
 
     def messages(self) -> list[tuple[str, str]]:
-        return [tuple(m) for m in self.js("return [...document.querySelectorAll('.message')].map("
-                                          "e => [e.classList[1], e.querySelector('.text').textContent])")]
+        return [
+            tuple(m)
+            for m in self.js(
+                "return [...document.querySelectorAll('.message')].map("
+                "e => [e.classList[1], e.querySelector('.text').textContent])"
+            )
+        ]
 
     def notes(self) -> list[str]:
         return self.js("return [...document.querySelectorAll('.message.assistant .note')].map(e => e.textContent)")
@@ -211,8 +231,12 @@ def test_streamed_replies_equal_the_api_and_markup_stays_text(browser, server):
     second = page.say("Another one.")
     history = [user("Hello! Write me a web page."), {"role": "assistant", "content": first}, user("Another one.")]
     assert second == api_reply(server, history, **settings)
-    assert page.messages() == [("user", "Hello! Write me a web page."), ("assistant", first),
-                               ("user", "Another one."), ("assistant", second)]
+    assert page.messages() == [
+        ("user", "Hello! Write me a web page."),
+        ("assistant", first),
+        ("user", "Another one."),
+        ("assistant", second),
+    ]
 
     # The replies hold markup that HTML would have swallowed ("</x", "<!", "<x"), shown as text:
     # no element inside any message, nothing run.

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from . import common
-from . import serve
+from . import common, serve
 
 HELP = "Answer a JSONL file of OpenAI request bodies, one answer line per request, resumable."
 
@@ -21,21 +20,46 @@ HELP = "Answer a JSONL file of OpenAI request bodies, one answer line per reques
 def add_arguments(parser) -> None:
     common.add_model_args(parser)
     parser.add_argument("input", type=Path, help="JSONL file: one request body (or OpenAI Batch API line) per line")
-    parser.add_argument("output", type=Path, help="JSONL file of answers; if it exists, the run resumes after its last line")
-    parser.add_argument("--served-model-name", metavar="NAME", default=None,
-                        help="the model id requests may name; bodies without 'model' get it "
-                             "(default: the checkpoint's file or directory name)")
-    parser.add_argument("--concurrency", type=serve._positive, metavar="N", default=None,
-                        help="requests in flight at once, per worker (default: twice --max-batch)")
+    parser.add_argument(
+        "output", type=Path, help="JSONL file of answers; if it exists, the run resumes after its last line"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model id requests may name; bodies without 'model' get it "
+        "(default: the checkpoint's file or directory name)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=serve._positive,
+        metavar="N",
+        default=None,
+        help="requests in flight at once, per worker (default: twice --max-batch)",
+    )
     serve.add_engine_arguments(parser)
     r = parser.add_argument_group("spread over a Ray cluster (needs the [ray] extra)")
     r.add_argument("--ray", action="store_true", help="run on Ray Data: --workers actors, one model load each")
-    r.add_argument("--workers", type=serve._positive, metavar="N", default=2,
-                   help="with --ray: actors answering lines (default: %(default)s)")
-    r.add_argument("--ray-address", metavar="ADDR", default=None,
-                   help="with --ray: a running Ray cluster to join (default: start a local one)")
-    r.add_argument("--worker-cpus", type=float, metavar="N", default=1.0,
-                   help="with --ray: CPUs Ray reserves for each worker (default: %(default)s)")
+    r.add_argument(
+        "--workers",
+        type=serve._positive,
+        metavar="N",
+        default=2,
+        help="with --ray: actors answering lines (default: %(default)s)",
+    )
+    r.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        default=None,
+        help="with --ray: a running Ray cluster to join (default: start a local one)",
+    )
+    r.add_argument(
+        "--worker-cpus",
+        type=float,
+        metavar="N",
+        default=1.0,
+        help="with --ray: CPUs Ray reserves for each worker (default: %(default)s)",
+    )
     # The server-only settings `serve.build` reads: requests come from this process, on loopback.
     parser.set_defaults(state_dir=None, host="127.0.0.1", allowed_host=[], cors_origin=[], body_timeout=30.0)
 
@@ -56,8 +80,11 @@ def run(args) -> int:
         raise InputError(f"{args.output} holds {done} answers but {args.input} has only {total} lines")
     lines = lines[done:]
     if done:
-        print(f"rwkv-engine batch: {args.output} holds {done} of {total} answers; resuming at line {done + 1}",
-              file=sys.stderr, flush=True)
+        print(
+            f"rwkv-engine batch: {args.output} holds {done} of {total} answers; resuming at line {done + 1}",
+            file=sys.stderr,
+            flush=True,
+        )
     if not lines:
         print(f"rwkv-engine batch: nothing to do ({total} lines answered)", file=sys.stderr)
         return 0
@@ -84,6 +111,9 @@ def run(args) -> int:
     finally:
         out.close()
         bar.close()
-    print(f"rwkv-engine batch: {out.count} lines answered ({out.ok} ok, {out.errors} errors), "
-          f"{done + out.count} of {total} in {args.output}", file=sys.stderr)
+    print(
+        f"rwkv-engine batch: {out.count} lines answered ({out.ok} ok, {out.errors} errors), "
+        f"{done + out.count} of {total} in {args.output}",
+        file=sys.stderr,
+    )
     return 0

@@ -31,9 +31,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per row (default: %(default)s)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="decode steps to time (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=2, help="prefill repeats, best is reported (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's default, all cores)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="prefill repeats, best is reported (default: %(default)s)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default, all cores)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -187,18 +188,28 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"model           {result['model']} (RWKV-{c.version}, {c.n_layer} x {c.n_embd}, "
-          f"{result['dtype']}, quantization {result['quantization']}, {result['device']}, {result['threads']} threads)")
-    print(f"native kernels  {isa or 'off (PyTorch paths)'}" + (f" (ISA level; {native.ENV} picks another)" if isa else ""))
+    print(
+        f"model           {result['model']} (RWKV-{c.version}, {c.n_layer} x {c.n_embd}, "
+        f"{result['dtype']}, quantization {result['quantization']}, {result['device']}, {result['threads']} threads)"
+    )
+    print(
+        f"native kernels  {isa or 'off (PyTorch paths)'}" + (f" (ISA level; {native.ENV} picks another)" if isa else "")
+    )
     print(f"dtype           {result['dtype']} ({result['dtype_reason']}), prefill matmuls in {result['matmul_dtype']}")
     print(f"load            {result['load_s']:.2f} s")
     print(f"prefill         {result['prefill_tok_s']:.1f} tok/s ({args.batch} x {args.prompt_len} tokens)")
-    print(f"decode          {result['decode_tok_s']:.2f} tok/s (batch {args.batch}, median step {result['decode_step_ms']:.1f} ms)")
+    print(
+        f"decode          {result['decode_tok_s']:.2f} tok/s (batch {args.batch}, median step {result['decode_step_ms']:.1f} ms)"
+    )
     print(f"weights / step  {result['weight_bytes_per_token'] / 1e6:.1f} MB -> {result['bandwidth_gb_s']:.1f} GB/s")
-    print(f"memory read     {result['memory_read_gb_s']:.1f} GB/s (streaming sum) -> batch-1 decode bound "
-          f"{result['decode_bound_tok_s']:.1f} tok/s")
-    print(f"peak RSS        {result['peak_rss_mb']:.0f} MB"
-          + (f" ({result['huge_pages_mb']} MB on huge pages)" if result["huge_pages_mb"] is not None else ""))
+    print(
+        f"memory read     {result['memory_read_gb_s']:.1f} GB/s (streaming sum) -> batch-1 decode bound "
+        f"{result['decode_bound_tok_s']:.1f} tok/s"
+    )
+    print(
+        f"peak RSS        {result['peak_rss_mb']:.0f} MB"
+        + (f" ({result['huge_pages_mb']} MB on huge pages)" if result["huge_pages_mb"] is not None else "")
+    )
     return 0
 
 
@@ -215,5 +226,6 @@ def _matmul_dtype(model) -> str:
 def _load(args):
     import rwkv_engine
 
-    return rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                            group_size=args.group_size)
+    return rwkv_engine.load(
+        args.model, device=args.device, dtype=args.dtype, quantization=args.quantization, group_size=args.group_size
+    )

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from ..chat_format import TURN_SEPARATOR, render_chat
 from ..chat_format import normalize_text as normalize_message
@@ -47,8 +48,16 @@ EOS_TOKEN_ID = 0
 
 # SamplingParams fields (ChatRWKV API_DEMO_CHAT.py); `chat_params` adds the chat rules on top.
 DEFAULTS = dict(
-    temperature=1.0, top_p=0.3, top_k=0, presence_penalty=0.5, frequency_penalty=0.5,
-    penalty_decay=0.996, max_tokens=500, stop=(TURN_SEPARATOR,), stop_token_ids=(), banned_token_ids=(EOS_TOKEN_ID,),
+    temperature=1.0,
+    top_p=0.3,
+    top_k=0,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    penalty_decay=0.996,
+    max_tokens=500,
+    stop=(TURN_SEPARATOR,),
+    stop_token_ids=(),
+    banned_token_ids=(EOS_TOKEN_ID,),
 )
 
 COMMANDS_HELP = """\
@@ -84,11 +93,18 @@ def _plural(n: int, word: str) -> str:
 
 def add_arguments(parser) -> None:
     common.add_model_args(parser)
-    parser.add_argument("--system", metavar="TEXT", default=None,
-                        help='system prompt, sent as "System: TEXT" before the conversation and kept in effect '
-                             "every round ('' for none; default: the standard RWKV greeting exchange)")
-    parser.add_argument("--stateless", action="store_true",
-                        help="answer every message from the system prompt alone (no memory of earlier turns)")
+    parser.add_argument(
+        "--system",
+        metavar="TEXT",
+        default=None,
+        help='system prompt, sent as "System: TEXT" before the conversation and kept in effect '
+        "every round ('' for none; default: the standard RWKV greeting exchange)",
+    )
+    parser.add_argument(
+        "--stateless",
+        action="store_true",
+        help="answer every message from the system prompt alone (no memory of earlier turns)",
+    )
     parser.add_argument("--load", metavar="FILE", help="resume a session saved with /save")
     common.add_sampling_args(parser, DEFAULTS)
 

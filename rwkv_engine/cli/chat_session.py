@@ -12,9 +12,9 @@ import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -27,12 +27,18 @@ SESSION_FORMAT = "rwkv-engine-chat/1"
 
 # /set names (and short aliases) -> SamplingParams fields
 SETTABLE = {
-    "temperature": "temperature", "temp": "temperature",
-    "top_p": "top_p", "top_k": "top_k",
-    "presence_penalty": "presence_penalty", "presence": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "frequency": "frequency_penalty",
-    "penalty_decay": "penalty_decay", "decay": "penalty_decay",
-    "max_tokens": "max_tokens", "seed": "seed",
+    "temperature": "temperature",
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "presence_penalty": "presence_penalty",
+    "presence": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "frequency": "frequency_penalty",
+    "penalty_decay": "penalty_decay",
+    "decay": "penalty_decay",
+    "max_tokens": "max_tokens",
+    "seed": "seed",
 }
 
 
@@ -47,11 +53,11 @@ def chat_params(params: SamplingParams) -> SamplingParams:
 
 @dataclass
 class Turn:
-    user: str              # the normalised message
-    reply: str             # the reply as generated (leading space kept), without the separator
+    user: str  # the normalised message
+    reply: str  # the reply as generated (leading space kept), without the separator
     prompt_ids: list[int]  # "User: {user}\n\nAssistant:"
-    reply_ids: list[int]   # reply + "\n\n", as the state has read it
-    finish_reason: str     # "stop" | "length" | "interrupted"
+    reply_ids: list[int]  # reply + "\n\n", as the state has read it
+    finish_reason: str  # "stop" | "length" | "interrupted"
 
 
 class ChatSession:
@@ -62,8 +68,9 @@ class ChatSession:
     with the separator.
     """
 
-    def __init__(self, model, tokenizer, params: SamplingParams | None = None, system: str | None = None,
-                 stateless: bool = False):
+    def __init__(
+        self, model, tokenizer, params: SamplingParams | None = None, system: str | None = None, stateless: bool = False
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.params = chat_params(params if params is not None else SamplingParams(**DEFAULTS))
@@ -126,7 +133,7 @@ class ChatSession:
         kept, n = [], 0
         for t in gen.tokens:
             b = self.tokenizer.decode_bytes([t])
-            if target[n:n + len(b)] != b:
+            if target[n : n + len(b)] != b:
                 break
             kept.append(t)
             n += len(b)
@@ -157,8 +164,9 @@ class ChatSession:
             key, sep, value = item.partition("=")
             field = SETTABLE.get(key.strip().lower().replace("-", "_"))
             if not sep or field is None:
-                raise InputError(f"/set takes KEY=VALUE with KEY one of {', '.join(sorted(set(SETTABLE.values())))}; "
-                                 f"got {item!r}")
+                raise InputError(
+                    f"/set takes KEY=VALUE with KEY one of {', '.join(sorted(set(SETTABLE.values())))}; got {item!r}"
+                )
             changes[field] = _parse_value(field, value.strip())
         self.params = chat_params(self.params.replace(**changes))
         if "seed" in changes:
@@ -206,12 +214,11 @@ class ChatSession:
         }
         states = {"state": self.state, "system_state": self.system_state, "regen_state": self._regen_state}
         tmp_zip = path.with_name(path.name + ".tmp")
-        with tempfile.TemporaryDirectory() as tmp:
-            with zipfile.ZipFile(tmp_zip, "w") as z:
-                z.writestr("session.json", json.dumps(meta, ensure_ascii=False))
-                for name, st in states.items():
-                    if st is not None:
-                        z.write(st.save(Path(tmp) / f"{name}.safetensors"), f"{name}.safetensors")
+        with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(tmp_zip, "w") as z:
+            z.writestr("session.json", json.dumps(meta, ensure_ascii=False))
+            for name, st in states.items():
+                if st is not None:
+                    z.write(st.save(Path(tmp) / f"{name}.safetensors"), f"{name}.safetensors")
         os.replace(tmp_zip, path)
         return path
 
@@ -230,8 +237,10 @@ class ChatSession:
                     raise bad
                 saved = meta["model"]["config"]
                 if saved != self._model_config():
-                    raise StateError(f"{path}: the session was saved with another model "
-                                     f"({meta['model'].get('name') or 'unknown'}: {saved})")
+                    raise StateError(
+                        f"{path}: the session was saved with another model "
+                        f"({meta['model'].get('name') or 'unknown'}: {saved})"
+                    )
                 states = {}
                 for name in ("state", "system_state", "regen_state"):
                     if f"{name}.safetensors" in z.namelist():
@@ -269,5 +278,3 @@ def _parse_value(field: str, text: str):
         return int(text) if field in ("top_k", "max_tokens", "seed") else float(text)
     except ValueError:
         raise InputError(f"{field}: not a number: {text!r}") from None
-
-

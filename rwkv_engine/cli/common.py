@@ -23,25 +23,45 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model: a .pth / .safetensors file, a Hugging Face model directory, "
-                                      "or a Hugging Face Hub id (org/name)")
+    parser.add_argument(
+        "model",
+        help="model: a .pth / .safetensors file, a Hugging Face model directory, or a Hugging Face Hub id (org/name)",
+    )
     parser.add_argument("--device", default="cpu", help="torch device to run on (default: %(default)s)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                        help="model dtype: weights (unless quantized) and the activations entering the matrices; "
-                             "the recurrent state is always fp32. auto (default): a bf16/fp16 checkpoint keeps its "
-                             "16-bit type, an fp32 one fp32; each matmul runs in that 16-bit type where the device "
-                             "has fast units for it (CUDA; AVX512-BF16/AMX CPUs), else in fp32, and a quantized "
-                             "model's activations follow the same rule" + _auto_here() +
-                             "; a --quantization name with a dtype (q4f16_1) implies it")
-    parser.add_argument("--quantization", "-q", default=None, metavar="SCHEME",
-                        help="quantize the weights on load: q8, q4, q0bf16, q0f16, q0f32, or an MLC-LLM "
-                             "name such as q4f16_1 (default: none; a converted model keeps its own)")
-    parser.add_argument("--group-size", type=int, default=None, metavar="N",
-                        help="columns per quantization scale (q4: 32, 64 or 128; q8: a divisor of the width, "
-                             "a multiple of 32 for the fast kernels, or -1 for one scale per row; default 32)")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="tokenizer to use instead of the one the model implies "
-                             "(a World vocab .txt or a tokenizer.json)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="model dtype: weights (unless quantized) and the activations entering the matrices; "
+        "the recurrent state is always fp32. auto (default): a bf16/fp16 checkpoint keeps its "
+        "16-bit type, an fp32 one fp32; each matmul runs in that 16-bit type where the device "
+        "has fast units for it (CUDA; AVX512-BF16/AMX CPUs), else in fp32, and a quantized "
+        "model's activations follow the same rule"
+        + _auto_here()
+        + "; a --quantization name with a dtype (q4f16_1) implies it",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        metavar="SCHEME",
+        help="quantize the weights on load: q8, q4, q0bf16, q0f16, q0f32, or an MLC-LLM "
+        "name such as q4f16_1 (default: none; a converted model keeps its own)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="columns per quantization scale (q4: 32, 64 or 128; q8: a divisor of the width, "
+        "a multiple of 32 for the fast kernels, or -1 for one scale per row; default 32)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer to use instead of the one the model implies (a World vocab .txt or a tokenizer.json)",
+    )
 
 
 def _auto_here() -> str:
@@ -91,26 +111,69 @@ class _Defaults:
 
 def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """The sampling flags, with `defaults` (SamplingParams fields) shown in --help and used for flags not given."""
-    d = _Defaults({"top_k": 0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "penalty_decay": 0.996,
-                   "seed": None, **defaults})
+    d = _Defaults(
+        {
+            "top_k": 0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "penalty_decay": 0.996,
+            "seed": None,
+            **defaults,
+        }
+    )
     g = parser.add_argument_group("sampling (RWKV order: penalties, softmax, top-p, top-k, then temperature)")
-    g.add_argument("--temperature", type=float, default=d.temperature,
-                   help="applied after the top-p/top-k cut; 0 = greedy (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=d.top_p,
-                   help="keep the most probable tokens up to this cumulative probability (default: %(default)s)")
-    g.add_argument("--top-k", type=int, default=d.top_k, help="keep at most this many tokens; 0 = off (default: %(default)s)")
-    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
-                   help="subtracted from the logit of every token already generated (default: %(default)s)")
-    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
-                   help="subtracted per (decayed) occurrence of a generated token (default: %(default)s)")
-    g.add_argument("--penalty-decay", type=float, default=d.penalty_decay,
-                   help="occurrence counts are multiplied by this every token (default: %(default)s)")
-    g.add_argument("--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default: %(default)s)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help="applied after the top-p/top-k cut; 0 = greedy (default: %(default)s)",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        default=d.top_p,
+        help="keep the most probable tokens up to this cumulative probability (default: %(default)s)",
+    )
+    g.add_argument(
+        "--top-k", type=int, default=d.top_k, help="keep at most this many tokens; 0 = off (default: %(default)s)"
+    )
+    g.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=d.presence_penalty,
+        help="subtracted from the logit of every token already generated (default: %(default)s)",
+    )
+    g.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=d.frequency_penalty,
+        help="subtracted per (decayed) occurrence of a generated token (default: %(default)s)",
+    )
+    g.add_argument(
+        "--penalty-decay",
+        type=float,
+        default=d.penalty_decay,
+        help="occurrence counts are multiplied by this every token (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default: %(default)s)"
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same text (default: random)")
-    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help=r"stop when this text appears; it is not printed; repeatable; \n and \t are understood")
-    g.add_argument("--logit-bias", action="append", default=None, type=_logit_bias, metavar="ID=VALUE",
-                   help="add VALUE to the logit of token ID (-inf bans it); repeatable")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help=r"stop when this text appears; it is not printed; repeatable; \n and \t are understood",
+    )
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        type=_logit_bias,
+        metavar="ID=VALUE",
+        help="add VALUE to the logit of token ID (-inf bans it); repeatable",
+    )
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict):
@@ -118,9 +181,14 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
     from ..sampling import SamplingParams
 
     changes = dict(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        penalty_decay=args.penalty_decay, max_tokens=args.max_tokens, seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        penalty_decay=args.penalty_decay,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
     )
     if args.stop:
         changes["stop"] = tuple(defaults.get("stop", ())) + tuple(unescape(s) for s in args.stop)
@@ -133,7 +201,7 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
         msg = str(e)
         for field in changes:
             if msg.startswith(field + " "):
-                msg = "--" + field.replace("_", "-") + msg[len(field):]
+                msg = "--" + field.replace("_", "-") + msg[len(field) :]
                 break
         raise InputError(msg) from None
 
@@ -143,7 +211,13 @@ def load_model(args: argparse.Namespace, progress: bool = True):
     when it is a terminal, else one summary line there."""
     import rwkv_engine
 
-    model = rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, progress=progress,
-                             quantization=args.quantization, group_size=args.group_size)
+    model = rwkv_engine.load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        progress=progress,
+        quantization=args.quantization,
+        group_size=args.group_size,
+    )
     tokenizer = rwkv_engine.load_tokenizer(model, args.tokenizer)
     return model, tokenizer

@@ -8,7 +8,6 @@ it is complete, so an interrupted convert leaves nothing that loads.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from ..errors import InputError
@@ -58,6 +57,8 @@ def run(args) -> int:
         converted.convert(plan, out, _tokenizer_file(model.path, model.config.vocab_size, args))
     size = sum(f.stat().st_size for f in out.iterdir())
     scheme = model.quantization.name if getattr(model, "quantization", None) else "none"
-    print(f"wrote {out} (RWKV-{model.config.version}, {str(model.dtype).removeprefix('torch.')} [{model.dtype_reason}], "
-          f"quantization {scheme}, {size / 1e6:.1f} MB)")
+    print(
+        f"wrote {out} (RWKV-{model.config.version}, {str(model.dtype).removeprefix('torch.')} [{model.dtype_reason}], "
+        f"quantization {scheme}, {size / 1e6:.1f} MB)"
+    )
     return 0

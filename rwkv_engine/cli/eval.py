@@ -21,18 +21,32 @@ HELP = "Run lm-evaluation-harness tasks on a model (needs the [eval] extra)."
 def add_arguments(parser) -> None:
     common.add_model_args(parser)
     parser.add_argument("--tasks", required=True, help="comma-separated lm_eval task or group names")
-    parser.add_argument("--include-path", default=None, metavar="DIR",
-                        help="a directory of task YAMLs of your own, as lm_eval's --include_path")
+    parser.add_argument(
+        "--include-path",
+        default=None,
+        metavar="DIR",
+        help="a directory of task YAMLs of your own, as lm_eval's --include_path",
+    )
     parser.add_argument("--num-fewshot", type=int, default=None, metavar="N", help="few-shot examples per prompt")
-    parser.add_argument("--limit", type=float, default=None, metavar="N",
-                        help="only the first N documents of each task (a fraction if below 1)")
-    parser.add_argument("--batch-size", type=int, default=8, metavar="N",
-                        help="sequences decoded together by generate_until tasks (default: %(default)s)")
+    parser.add_argument(
+        "--limit",
+        type=float,
+        default=None,
+        metavar="N",
+        help="only the first N documents of each task (a fraction if below 1)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="sequences decoded together by generate_until tasks (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling (default: %(default)s)")
-    parser.add_argument("--output-path", default=None, metavar="FILE",
-                        help="also write the results as JSON to FILE")
-    parser.add_argument("--log-samples", action="store_true",
-                        help="with --output-path: include every request and response in the JSON")
+    parser.add_argument("--output-path", default=None, metavar="FILE", help="also write the results as JSON to FILE")
+    parser.add_argument(
+        "--log-samples", action="store_true", help="with --output-path: include every request and response in the JSON"
+    )
 
 
 def run(args) -> int:
@@ -50,8 +64,15 @@ def run(args) -> int:
 
     model, tokenizer = common.load_model(args)
     lm = RWKVEngineLM(model, tokenizer, batch_size=args.batch_size)
-    results = evaluate(lm, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
-                       limit=limit, seed=args.seed, log_samples=args.log_samples)
+    results = evaluate(
+        lm,
+        tasks,
+        include_path=args.include_path,
+        num_fewshot=args.num_fewshot,
+        limit=limit,
+        seed=args.seed,
+        log_samples=args.log_samples,
+    )
     from lm_eval.utils import handle_non_serializable, make_table
 
     print(make_table(results))

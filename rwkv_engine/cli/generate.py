@@ -25,8 +25,14 @@ HELP = "Continue a prompt with an RWKV model, streaming the text to stdout."
 
 # SamplingParams fields
 DEFAULTS = dict(
-    temperature=1.0, top_p=0.85, top_k=0, presence_penalty=0.2, frequency_penalty=0.2,
-    penalty_decay=0.996, max_tokens=200, stop_token_ids=(0,),
+    temperature=1.0,
+    top_p=0.85,
+    top_k=0,
+    presence_penalty=0.2,
+    frequency_penalty=0.2,
+    penalty_decay=0.996,
+    max_tokens=200,
+    stop_token_ids=(0,),
 )
 
 
@@ -37,11 +43,15 @@ def add_arguments(parser) -> None:
     source.add_argument("--prompt-file", "-f", metavar="FILE", help="read the prompt from a UTF-8 file")
     common.add_sampling_args(parser, DEFAULTS)
     shape = parser.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", metavar="FILE",
-                       help="constrain the output to JSON that validates against the JSON schema in FILE")
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="constrain the output to JSON that validates against the JSON schema in FILE",
+    )
     shape.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
-    parser.add_argument("--stats", action="store_true",
-                        help="print token counts, speeds and the finish reason to stderr at the end")
+    parser.add_argument(
+        "--stats", action="store_true", help="print token counts, speeds and the finish reason to stderr at the end"
+    )
 
 
 def read_prompt(args) -> str:
@@ -96,7 +106,10 @@ def run(args) -> int:
     out.flush()
     if args.stats:
         s = gen.stats
-        print(f"prompt: {s.prompt_tokens} tokens, {s.prefill_tokens_per_second:.1f} tok/s; "
-              f"generated: {s.generated_tokens} tokens, {s.decode_tokens_per_second:.1f} tok/s; "
-              f"finish: {s.finish_reason}", file=sys.stderr)
+        print(
+            f"prompt: {s.prompt_tokens} tokens, {s.prefill_tokens_per_second:.1f} tok/s; "
+            f"generated: {s.generated_tokens} tokens, {s.decode_tokens_per_second:.1f} tok/s; "
+            f"finish: {s.finish_reason}",
+            file=sys.stderr,
+        )
     return 0

@@ -53,11 +53,18 @@ def run(args) -> int:
     if len(ids) < 2:
         raise InputError(f"{path}: no text to score")
     mean_nll, n, seconds = perplexity(model, ids, args.chunk)
-    result = {"file": str(path), "tokens": n, "nll_per_token": round(mean_nll, 5),
-              "perplexity": round(math.exp(mean_nll), 4), "tok_s": round(n / seconds, 2)}
+    result = {
+        "file": str(path),
+        "tokens": n,
+        "nll_per_token": round(mean_nll, 5),
+        "perplexity": round(math.exp(mean_nll), 4),
+        "tok_s": round(n / seconds, 2),
+    }
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{path}: {n} tokens, perplexity {result['perplexity']:.4f} "
-              f"(NLL {result['nll_per_token']:.4f} nats/token), {result['tok_s']:.1f} tok/s")
+        print(
+            f"{path}: {n} tokens, perplexity {result['perplexity']:.4f} "
+            f"(NLL {result['nll_per_token']:.4f} nats/token), {result['tok_s']:.1f} tok/s"
+        )
     return 0

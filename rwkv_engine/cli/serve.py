@@ -72,70 +72,181 @@ def add_arguments(parser) -> None:
     # serves whatever model `common.load_model` returns (see `build`).
     common.add_model_args(parser)
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; 0.0.0.0 exposes the server to the network (default: %(default)s)")
-    g.add_argument("--port", type=_non_negative, default=8000, metavar="PORT",
-                   help="TCP port; 0 = any free port (default: %(default)s)")
-    g.add_argument("--served-model-name", metavar="NAME", default=None,
-                   help="the model id of the API (default: the checkpoint's file or directory name)")
-    g.add_argument("--api-key", metavar="KEY", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (visible in ps: prefer --api-key-file or "
-                        "the RWKV_ENGINE_API_KEY environment variable; default: no key)")
-    g.add_argument("--api-key-file", metavar="PATH", type=Path, default=None,
-                   help="read the API key from this file (surrounding whitespace removed)")
-    g.add_argument("--state-dir", metavar="DIR", type=Path, default=None,
-                   help="directory of saved states (State.save files) that requests may start from "
-                        "with the 'state' field (default: none allowed)")
-    g.add_argument("--shutdown-timeout", type=_non_negative, default=30, metavar="SECONDS",
-                   help="on SIGTERM, wait this long for requests in flight (default: %(default)s)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 exposes the server to the network (default: %(default)s)",
+    )
+    g.add_argument(
+        "--port",
+        type=_non_negative,
+        default=8000,
+        metavar="PORT",
+        help="TCP port; 0 = any free port (default: %(default)s)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model id of the API (default: the checkpoint's file or directory name)",
+    )
+    g.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (visible in ps: prefer --api-key-file or "
+        "the RWKV_ENGINE_API_KEY environment variable; default: no key)",
+    )
+    g.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        type=Path,
+        default=None,
+        help="read the API key from this file (surrounding whitespace removed)",
+    )
+    g.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="directory of saved states (State.save files) that requests may start from "
+        "with the 'state' field (default: none allowed)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative,
+        default=30,
+        metavar="SECONDS",
+        help="on SIGTERM, wait this long for requests in flight (default: %(default)s)",
+    )
     s = parser.add_argument_group("exposure (see README, Security)")
-    s.add_argument("--allowed-host", metavar="NAME", action="append", default=[],
-                   help="a Host header name to accept besides localhost, 127.x and [::1] (repeatable; '*' = any). "
-                        "On a loopback bind other names get 403 (DNS-rebinding protection); on other binds the "
-                        "Host is checked only when this is given")
-    s.add_argument("--cors-origin", metavar="ORIGIN", action="append", default=[],
-                   help="a web origin (scheme://host[:port]) whose pages may call the API (repeatable; '*' = any; "
-                        "default: none, pages of other origins get 403)")
-    s.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="SECONDS",
-                   help="close a connection whose request headers are not complete this long after their first "
-                        "byte (default: %(default)g)")
-    s.add_argument("--body-timeout", type=_seconds, default=30.0, metavar="SECONDS",
-                   help="answer 408 to a request whose body is not complete this long after its headers "
-                        "(default: %(default)g)")
-    s.add_argument("--max-connections", type=_positive, default=512, metavar="N",
-                   help="most open connections; one more is answered 503 and closed (default: %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn log level (default: %(default)s)")
+    s.add_argument(
+        "--allowed-host",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="a Host header name to accept besides localhost, 127.x and [::1] (repeatable; '*' = any). "
+        "On a loopback bind other names get 403 (DNS-rebinding protection); on other binds the "
+        "Host is checked only when this is given",
+    )
+    s.add_argument(
+        "--cors-origin",
+        metavar="ORIGIN",
+        action="append",
+        default=[],
+        help="a web origin (scheme://host[:port]) whose pages may call the API (repeatable; '*' = any; "
+        "default: none, pages of other origins get 403)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection whose request headers are not complete this long after their first "
+        "byte (default: %(default)g)",
+    )
+    s.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="answer 408 to a request whose body is not complete this long after its headers (default: %(default)g)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=_positive,
+        default=512,
+        metavar="N",
+        help="most open connections; one more is answered 503 and closed (default: %(default)s)",
+    )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level (default: %(default)s)",
+    )
     add_engine_arguments(parser)
     r = parser.add_argument_group("scale-out on Ray (needs the [ray] extra)")
-    r.add_argument("--ray", action="store_true",
-                   help="serve with Ray Serve: --replicas engine replicas behind one endpoint, routed by prompt prefix")
-    r.add_argument("--replicas", type=_positive, metavar="N", default=2,
-                   help="with --ray: engine replicas, one model copy each (default: %(default)s)")
-    r.add_argument("--ray-address", metavar="ADDR", default=None,
-                   help="with --ray: a running Ray cluster to join (default: start a local one)")
-    r.add_argument("--replica-cpus", type=float, metavar="N", default=1.0,
-                   help="with --ray: CPUs Ray reserves for each replica (default: %(default)s)")
+    r.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve with Ray Serve: --replicas engine replicas behind one endpoint, routed by prompt prefix",
+    )
+    r.add_argument(
+        "--replicas",
+        type=_positive,
+        metavar="N",
+        default=2,
+        help="with --ray: engine replicas, one model copy each (default: %(default)s)",
+    )
+    r.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        default=None,
+        help="with --ray: a running Ray cluster to join (default: start a local one)",
+    )
+    r.add_argument(
+        "--replica-cpus",
+        type=float,
+        metavar="N",
+        default=1.0,
+        help="with --ray: CPUs Ray reserves for each replica (default: %(default)s)",
+    )
 
 
 def add_engine_arguments(parser) -> None:
     """The engine's flags and the request limits: `serve` and `batch` share them."""
     e = parser.add_argument_group("engine and limits")
-    e.add_argument("--max-batch", type=_positive, metavar="N", default=8,
-                   help="most requests decoded together in one batched forward (default: %(default)s)")
-    e.add_argument("--max-queue", type=_positive, metavar="N", default=64,
-                   help="most requests waiting for a batch slot; more get 429 (default: %(default)s)")
-    e.add_argument("--prefill-chunk", type=_positive, metavar="N", default=256,
-                   help="prompt tokens prefilled between two decode steps; also the prompt-cache "
-                        "granularity (default: %(default)s)")
-    e.add_argument("--state-cache-mb", type=_non_negative, metavar="MB", default=1024,
-                   help="memory for cached prompt-prefix states, in MiB; 0 = off (default: %(default)s)")
-    e.add_argument("--max-prompt-tokens", type=_positive, metavar="N", default=16384,
-                   help="longest prompt accepted, in tokens (default: %(default)s)")
-    e.add_argument("--max-tokens", type=_positive, metavar="N", default=4096,
-                   help="most tokens a request may generate; the default of chat requests (default: %(default)s)")
-    e.add_argument("--max-body-kb", type=_positive, metavar="KB", default=4096,
-                   help="largest request body, in KiB (default: %(default)s)")
+    e.add_argument(
+        "--max-batch",
+        type=_positive,
+        metavar="N",
+        default=8,
+        help="most requests decoded together in one batched forward (default: %(default)s)",
+    )
+    e.add_argument(
+        "--max-queue",
+        type=_positive,
+        metavar="N",
+        default=64,
+        help="most requests waiting for a batch slot; more get 429 (default: %(default)s)",
+    )
+    e.add_argument(
+        "--prefill-chunk",
+        type=_positive,
+        metavar="N",
+        default=256,
+        help="prompt tokens prefilled between two decode steps; also the prompt-cache "
+        "granularity (default: %(default)s)",
+    )
+    e.add_argument(
+        "--state-cache-mb",
+        type=_non_negative,
+        metavar="MB",
+        default=1024,
+        help="memory for cached prompt-prefix states, in MiB; 0 = off (default: %(default)s)",
+    )
+    e.add_argument(
+        "--max-prompt-tokens",
+        type=_positive,
+        metavar="N",
+        default=16384,
+        help="longest prompt accepted, in tokens (default: %(default)s)",
+    )
+    e.add_argument(
+        "--max-tokens",
+        type=_positive,
+        metavar="N",
+        default=4096,
+        help="most tokens a request may generate; the default of chat requests (default: %(default)s)",
+    )
+    e.add_argument(
+        "--max-body-kb",
+        type=_positive,
+        metavar="KB",
+        default=4096,
+        help="largest request body, in KiB (default: %(default)s)",
+    )
 
 
 def _model_name(model_arg: str) -> str:
@@ -171,9 +282,11 @@ def exposure_warning(host: str, key: str | None) -> str | None:
 
     if key is not None or is_loopback(host):
         return None
-    return (f"WARNING: listening on {host}, reachable from other machines, with NO API KEY: anyone who can "
-            "reach this port can use the model. Set a key (--api-key-file PATH or RWKV_ENGINE_API_KEY), or "
-            "listen on 127.0.0.1.")
+    return (
+        f"WARNING: listening on {host}, reachable from other machines, with NO API KEY: anyone who can "
+        "reach this port can use the model. Set a key (--api-key-file PATH or RWKV_ENGINE_API_KEY), or "
+        "listen on 127.0.0.1."
+    )
 
 
 def allowed_hosts(host: str, names: list[str]) -> tuple[str, ...] | None:
@@ -200,8 +313,11 @@ def _connection_budget(wanted: int) -> int:
             pass
         if soft < need:
             wanted = max(1, soft - 128)
-            print(f"rwkv-engine serve: the open-file limit is {soft}: at most {wanted} connections",
-                  file=sys.stderr, flush=True)
+            print(
+                f"rwkv-engine serve: the open-file limit is {soft}: at most {wanted} connections",
+                file=sys.stderr,
+                flush=True,
+            )
     return wanted
 
 
@@ -252,15 +368,25 @@ def build(args, key: str | None = None, progress: bool | None = None):
     from ..serve.engine import Engine, EngineConfig
 
     model, tokenizer = common.load_model(args, progress)
-    engine = Engine(model, tokenizer, EngineConfig(
-        max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
-        state_cache_bytes=args.state_cache_mb << 20,
-    ))
+    engine = Engine(
+        model,
+        tokenizer,
+        EngineConfig(
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            prefill_chunk=args.prefill_chunk,
+            state_cache_bytes=args.state_cache_mb << 20,
+        ),
+    )
     settings = ServerSettings(
-        model_name=args.served_model_name or _model_name(args.model), api_key=key,
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens_cap=args.max_tokens,
-        max_body_bytes=args.max_body_kb << 10, state_dir=args.state_dir,
-        allowed_hosts=allowed_hosts(args.host, args.allowed_host), cors_origins=tuple(args.cors_origin),
+        model_name=args.served_model_name or _model_name(args.model),
+        api_key=key,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_cap=args.max_tokens,
+        max_body_bytes=args.max_body_kb << 10,
+        state_dir=args.state_dir,
+        allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+        cors_origins=tuple(args.cors_origin),
         body_timeout=args.body_timeout,
     )
     return engine, create_app(engine, settings), settings
@@ -291,19 +417,29 @@ def _serve(args, key: str | None, sock: socket.socket) -> int:
     engine, app, settings = build(args, key)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"rwkv-engine serve: {settings.model_name} on http://{shown}:{port}/v1 "
-          f"(max batch {args.max_batch}, queue {args.max_queue})", file=sys.stderr, flush=True)
+    print(
+        f"rwkv-engine serve: {settings.model_name} on http://{shown}:{port}/v1 "
+        f"(max batch {args.max_batch}, queue {args.max_queue})",
+        file=sys.stderr,
+        flush=True,
+    )
     print(f"rwkv-engine serve: chat page at http://{shown}:{port}/", file=sys.stderr, flush=True)
     warning = exposure_warning(host, key)
     if warning:
         print("\n".join(["", "!" * 78, warning, "!" * 78, ""]), file=sys.stderr, flush=True)
 
     # The graceful-shutdown backstop comes after the engine has cut what still runs (_Server).
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 10,
-                            lifespan="on", access_log=args.log_level in ("info", "debug"))
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + 10,
+        lifespan="on",
+        access_log=args.log_level in ("info", "debug"),
+    )
     config.load()
-    config.http_protocol_class = guarded_protocol(config.http_protocol_class, _connection_budget(args.max_connections),
-                                                  args.header_timeout)
+    config.http_protocol_class = guarded_protocol(
+        config.http_protocol_class, _connection_budget(args.max_connections), args.header_timeout
+    )
     server = _server_class()(config, engine, args.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's default
     # action that would kill the process before the engine stops. Catch it instead.

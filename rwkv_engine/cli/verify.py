@@ -14,15 +14,25 @@ def add_arguments(parser) -> None:
     from .common import add_model_args
 
     add_model_args(parser)
-    parser.add_argument("--against", default="fp32", metavar="REF",
-                        help="the reference: fp32 / bf16 / fp16 (the checkpoint in that dtype), a quantization "
-                             "scheme (q8, q4, ...), rwkv (the official rwkv package, fp32; a .pth only), or the "
-                             "path of an exported .pte (default: %(default)s)")
+    parser.add_argument(
+        "--against",
+        default="fp32",
+        metavar="REF",
+        help="the reference: fp32 / bf16 / fp16 (the checkpoint in that dtype), a quantization "
+        "scheme (q8, q4, ...), rwkv (the official rwkv package, fp32; a .pth only), or the "
+        "path of an exported .pte (default: %(default)s)",
+    )
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a fixed English sentence)")
-    parser.add_argument("--prompt-ids", default=None, metavar="IDS",
-                        help="the prompt as comma-separated token ids instead of text")
-    parser.add_argument("--steps", type=int, default=16, metavar="N",
-                        help="decode steps after the prompt, fed the reference's greedy tokens (default: %(default)s)")
+    parser.add_argument(
+        "--prompt-ids", default=None, metavar="IDS", help="the prompt as comma-separated token ids instead of text"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=16,
+        metavar="N",
+        help="decode steps after the prompt, fed the reference's greedy tokens (default: %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -39,8 +49,14 @@ def run(args) -> int:
 
     if args.steps < 0:
         raise InputError("--steps must be >= 0")
-    subject = rwkv_engine.load(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                               group_size=args.group_size, progress=False)
+    subject = rwkv_engine.load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        group_size=args.group_size,
+        progress=False,
+    )
     if args.prompt_ids is not None:
         try:
             prompt = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

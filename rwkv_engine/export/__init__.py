@@ -13,5 +13,12 @@ ExecuTorch and torchao are the optional extra `[export]`.
 from .program import BACKENDS, DEFAULT_PREFILL_LEN, QUANTIZATIONS, ExportReport, export_program
 from .runtime import ProgramModel, is_program
 
-__all__ = ["BACKENDS", "DEFAULT_PREFILL_LEN", "QUANTIZATIONS", "ExportReport", "ProgramModel", "export_program",
-           "is_program"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_PREFILL_LEN",
+    "QUANTIZATIONS",
+    "ExportReport",
+    "ProgramModel",
+    "export_program",
+    "is_program",
+]

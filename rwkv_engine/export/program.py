@@ -187,10 +187,14 @@ def tokenizer_identity(model, tokenizer=None) -> dict:
         tok = tokenizer if tokenizer is not None else load_tokenizer(model)
     except Exception as e:  # no known tokenizer: the program still runs on token ids
         return {"kind": "unknown", "note": str(e)}
-    path = Path(getattr(tok, "vocab_path", None) or getattr(tok, "path"))
+    path = Path(getattr(tok, "vocab_path", None) or tok.path)
     kind = "world" if hasattr(tok, "vocab_path") else "huggingface"
-    return {"kind": kind, "file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            "vocab_size": getattr(tok, "vocab_size", None)}
+    return {
+        "kind": kind,
+        "file": path.name,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "vocab_size": getattr(tok, "vocab_size", None),
+    }
 
 
 @dataclass
@@ -201,8 +205,9 @@ class ExportReport:
     metadata: dict
 
 
-def metadata(model, fields_shapes: dict, quantization: str, quant_report: dict, prefill_len: int,
-             backend: str, tokenizer: dict) -> dict:
+def metadata(
+    model, fields_shapes: dict, quantization: str, quant_report: dict, prefill_len: int, backend: str, tokenizer: dict
+) -> dict:
     return {
         "format": FORMAT,
         "config": asdict(model.config),
@@ -242,7 +247,7 @@ def export_program(
     try:
         from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     except ImportError:
-        raise InputError("export needs ExecuTorch: pip install -e \".[export]\" (executorch, torchao)") from None
+        raise InputError('export needs ExecuTorch: pip install -e ".[export]" (executorch, torchao)') from None
 
     t0 = time.perf_counter()
     start = model.new_state(1)
@@ -262,14 +267,24 @@ def export_program(
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         partitioners = [XnnpackPartitioner()]
-    meta = metadata(model, {k: tuple(t.shape) for k, t in start.items()}, quantization, quant_report, prefill_len,
-                    backend, tokenizer_identity(model, tokenizer))
+    meta = metadata(
+        model,
+        {k: tuple(t.shape) for k, t in start.items()},
+        quantization,
+        quant_report,
+        prefill_len,
+        backend,
+        tokenizer_identity(model, tokenizer),
+    )
     edge = to_edge_transform_and_lower(
-        programs, partitioner=partitioners, compile_config=EdgeCompileConfig(_check_ir_validity=False),
+        programs,
+        partitioner=partitioners,
+        compile_config=EdgeCompileConfig(_check_ir_validity=False),
         constant_methods={METADATA_METHOD: json.dumps(meta)},
     )
-    program = edge.to_executorch(ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True,
-                                                         extract_delegate_segments=True))
+    program = edge.to_executorch(
+        ExecutorchBackendConfig(do_quant_fusion_and_const_prop=True, extract_delegate_segments=True)
+    )
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:

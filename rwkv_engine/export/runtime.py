@@ -50,14 +50,17 @@ class ProgramModel:
             from executorch.runtime import Runtime
         except ImportError:
             raise CheckpointError(
-                f"{path} is an ExecuTorch program; running it needs ExecutorchRuntime: pip install -e \".[export]\""
+                f'{path} is an ExecuTorch program; running it needs ExecutorchRuntime: pip install -e ".[export]"'
             ) from None
         self.path = Path(path)
         try:
             self._program = Runtime.get().load_program(str(self.path))
             names = set(self._program.method_names)
-            meta = json.loads(self._program.load_method(METADATA_METHOD).execute([])[0]) \
-                if METADATA_METHOD in names else {}
+            meta = (
+                json.loads(self._program.load_method(METADATA_METHOD).execute([])[0])
+                if METADATA_METHOD in names
+                else {}
+            )
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{self.path}: cannot load the ExecuTorch program ({e})") from None
         if meta.get("format") != FORMAT:
@@ -74,8 +77,10 @@ class ProgramModel:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"ProgramModel(version={c.version}, n_layer={c.n_layer}, n_embd={c.n_embd}, "
-                f"vocab_size={c.vocab_size}, quantization={self.metadata['quantization']}, path={str(self.path)!r})")
+        return (
+            f"ProgramModel(version={c.version}, n_layer={c.n_layer}, n_embd={c.n_embd}, "
+            f"vocab_size={c.vocab_size}, quantization={self.metadata['quantization']}, path={str(self.path)!r})"
+        )
 
     def eval(self):
         return self

@@ -12,5 +12,15 @@ from .wkv4 import wkv4, wkv4_reference
 from .wkv5 import wkv5, wkv5_chunked, wkv5_export, wkv5_naive
 from .wkv7 import wkv7, wkv7_chunked, wkv7_export, wkv7_naive
 
-__all__ = ["wkv4", "wkv4_reference", "wkv5", "wkv5_chunked", "wkv5_export", "wkv5_naive", "wkv7", "wkv7_chunked",
-           "wkv7_export", "wkv7_naive"]
+__all__ = [
+    "wkv4",
+    "wkv4_reference",
+    "wkv5",
+    "wkv5_chunked",
+    "wkv5_export",
+    "wkv5_naive",
+    "wkv7",
+    "wkv7_chunked",
+    "wkv7_export",
+    "wkv7_naive",
+]

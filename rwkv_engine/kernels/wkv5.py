@@ -134,7 +134,9 @@ def span_sums(lw: Tensor) -> dict[str, Tensor]:
     i = torch.arange(c, device=lw.device)
     t, s = i[:, None], i[None, :]
     mask = {
-        "before": (s < t), "upto": (s <= t), "after": (s > t),
+        "before": (s < t),
+        "upto": (s <= t),
+        "after": (s > t),
     }
     out = {name: m.to(lw.dtype) @ lw for name, m in mask.items()}  # [c, c] @ [..., c, K]
     out["total"] = out["upto"][..., -1, :]

@@ -53,7 +53,11 @@ def wkv7_naive(
     ys = []
     for t in range(T):
         read = torch.einsum("bhi,bhij->bhj", a[:, t], S)  # a^T S: [B, H, V]
-        S = w[:, t, :, :, None] * S + b[:, t, :, :, None] * read[:, :, None, :] + k[:, t, :, :, None] * v[:, t, :, None, :]
+        S = (
+            w[:, t, :, :, None] * S
+            + b[:, t, :, :, None] * read[:, :, None, :]
+            + k[:, t, :, :, None] * v[:, t, :, None, :]
+        )
         ys.append(torch.einsum("bhi,bhij->bhj", r[:, t], S))
     return torch.stack(ys, dim=1), S
 
@@ -181,8 +185,13 @@ def wkv7_export(
 
 def _native_ops(r: Tensor, v: Tensor, state: Tensor):
     """The native kernels when they run this call (fp32 on the CPU, square heads), else None."""
-    if r.device.type != "cpu" or r.dtype != torch.float32 or state.dtype != torch.float32 \
-            or v.shape[-1] != r.shape[-1] or r.shape[1] == 0:
+    if (
+        r.device.type != "cpu"
+        or r.dtype != torch.float32
+        or state.dtype != torch.float32
+        or v.shape[-1] != r.shape[-1]
+        or r.shape[1] == 0
+    ):
         return None
     from .native import load
 

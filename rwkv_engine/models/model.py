@@ -9,18 +9,18 @@ matrices by 2**(layer // rescale_every) and the forward halves the residual ever
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..errors import InputError, StateError
-from ..state import State
 from ..quant.linear import GEMV_MAX_ROWS
-from .layers import LORA_DTYPES, ChannelMix, Embedding
+from ..state import State
 from . import native_step
+from .layers import LORA_DTYPES, ChannelMix, Embedding
 from .native_step import DecodeStep
 from .rwkv4 import TimeMix4
 from .rwkv5 import TimeMix5
@@ -143,8 +143,12 @@ class RWKV(nn.Module):
         and the fused step compute with them in fp32, so a 16-bit one gives the same results as
         its exact fp32 copy at half the memory.
         """
-        return [f"{name}.{leaf}" for name, m in self.named_modules() for leaf in getattr(m, "LORA", ())
-                if getattr(m, leaf, None) is not None]
+        return [
+            f"{name}.{leaf}"
+            for name, m in self.named_modules()
+            for leaf in getattr(m, "LORA", ())
+            if getattr(m, leaf, None) is not None
+        ]
 
     def set_lora_dtype(self, dtype: torch.dtype) -> None:
         """Store the LoRA matrices in `dtype` (fp32, bf16 or fp16; the loaders pick the checkpoint's)."""
@@ -242,7 +246,9 @@ class RWKV(nn.Module):
         logits = torch.cat(outs, dim=1) if all_logits else self._logits(x[:, -1])
         return (logits[0] if one_d else logits), State(new, state.signature)
 
-    def run_blocks(self, x: Tensor, layers: list[dict[str, Tensor]], emit: Callable[[int, dict[str, Tensor]], None]) -> Tensor:
+    def run_blocks(
+        self, x: Tensor, layers: list[dict[str, Tensor]], emit: Callable[[int, dict[str, Tensor]], None]
+    ) -> Tensor:
         """The embedded tokens x [B, T, C] fp32 through every block -> the last block's output.
 
         layers[i]: block i's state fields [B, ...]; emit(i, fields) receives its new ones. This is

@@ -70,11 +70,20 @@ def _as_stored(t: Tensor) -> Tensor:
 def _block_dict(block: nn.Module, family: int) -> dict | None:
     att, ffn = block.att, block.ffn
     d: dict[str, object] = {
-        "ln1_w": block.ln1.weight, "ln1_b": block.ln1.bias, "ln2_w": block.ln2.weight, "ln2_b": block.ln2.bias,
+        "ln1_w": block.ln1.weight,
+        "ln1_b": block.ln1.bias,
+        "ln2_w": block.ln2.weight,
+        "ln2_b": block.ln2.bias,
         "ffn_mix_k": ffn.mix_k,
     }
-    linears = {"att_r": att.receptance, "att_k": att.key, "att_v": att.value, "att_o": att.output,
-               "ffn_k": ffn.key, "ffn_v": ffn.value}
+    linears = {
+        "att_r": att.receptance,
+        "att_k": att.key,
+        "att_v": att.value,
+        "att_o": att.output,
+        "ffn_k": ffn.key,
+        "ffn_v": ffn.value,
+    }
     if ffn.gated:
         d["ffn_mix_r"] = ffn.mix_r
         linears["ffn_r"] = ffn.receptance
@@ -84,11 +93,45 @@ def _block_dict(block: nn.Module, family: int) -> dict | None:
         d.update(mix_k=att.mix_k, mix_v=att.mix_v, mix_r=att.mix_r, decay=att.log_decay, bonus=att.bonus)
     else:
         d.update(lnx_w=att.ln_x.weight, lnx_b=att.ln_x.bias)
-        names = {5: ("mix_r", "mix_k", "mix_v", "mix_g"),
-                 6: ("mix_r", "mix_k", "mix_v", "mix_g", "mix_x", "mix_w", "bonus", "decay_base",
-                     "maa_w1", "maa_w2", "decay_w1", "decay_w2"),
-                 7: ("mix_r", "mix_k", "mix_v", "mix_g", "mix_w", "mix_a", "w0", "w1", "w2", "a0", "a1", "a2",
-                     "v0", "v1", "v2", "g1", "g2", "k_k", "k_a", "r_k")}[family]
+        names = {
+            5: ("mix_r", "mix_k", "mix_v", "mix_g"),
+            6: (
+                "mix_r",
+                "mix_k",
+                "mix_v",
+                "mix_g",
+                "mix_x",
+                "mix_w",
+                "bonus",
+                "decay_base",
+                "maa_w1",
+                "maa_w2",
+                "decay_w1",
+                "decay_w2",
+            ),
+            7: (
+                "mix_r",
+                "mix_k",
+                "mix_v",
+                "mix_g",
+                "mix_w",
+                "mix_a",
+                "w0",
+                "w1",
+                "w2",
+                "a0",
+                "a1",
+                "a2",
+                "v0",
+                "v1",
+                "v2",
+                "g1",
+                "g2",
+                "k_k",
+                "k_a",
+                "r_k",
+            ),
+        }[family]
         for name in names:
             t = getattr(att, name, None)
             if t is not None:
@@ -112,7 +155,7 @@ class DecodeStep:
         self.plan = plan
 
     @classmethod
-    def build(cls, model) -> "DecodeStep | None":
+    def build(cls, model) -> DecodeStep | None:
         ops = native_ops()
         if ops is None or not hasattr(ops, "DecodePlan") or model.device.type != "cpu":
             return None
@@ -123,9 +166,18 @@ class DecodeStep:
             return None
         out = {"ln_out_w": _fp32(model.ln_out.weight), "ln_out_b": _fp32(model.ln_out.bias), "head": head}
         plan = ops.DecodePlan(
-            family=cfg.family, gated=cfg.version != "5.0", C=cfg.n_embd, A=cfg.dim_att, H=cfg.n_head,
-            N=cfg.head_size, F=cfg.ffn_dim, V=cfg.vocab_size, dtype=model.dtype, rescale_every=model.rescale_every,
-            blocks=blocks, out=out,
+            family=cfg.family,
+            gated=cfg.version != "5.0",
+            C=cfg.n_embd,
+            A=cfg.dim_att,
+            H=cfg.n_head,
+            N=cfg.head_size,
+            F=cfg.ffn_dim,
+            V=cfg.vocab_size,
+            dtype=model.dtype,
+            rescale_every=model.rescale_every,
+            blocks=blocks,
+            out=out,
         )
         return cls(plan)
 

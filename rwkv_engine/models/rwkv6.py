@@ -62,7 +62,9 @@ class TimeMix6(nn.Module):
         k = self.key(kx.to(dt)).float().view(B, T, H, N)
         v = self.value(vx.to(dt)).float().view(B, T, H, N)
         g = F.silu(self.gate(gx.to(dt)).float())
-        log_w = -torch.exp(self.decay_base + torch.tanh(wx @ self.decay_w1.float()) @ self.decay_w2.float()).view(B, T, H, N)
+        log_w = -torch.exp(self.decay_base + torch.tanh(wx @ self.decay_w1.float()) @ self.decay_w2.float()).view(
+            B, T, H, N
+        )
         y, kv = wkv5(r, k, v, log_w, self.bonus, st["att_kv"])
         y = head_group_norm(y.reshape(B, T, H * N), H, self.ln_x.weight, self.ln_x.bias)
         out = self.output((y * g).to(dt)).float()

@@ -101,8 +101,13 @@ def _cpu_has(*checks: str) -> bool:
 
 def _native_quantizer(weight: Tensor):
     """The native module when it can quantize `weight` (a 2-D float tensor on the CPU), else None."""
-    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 2 \
-            or weight.dtype not in _FLOAT_DTYPES or weight.numel() == 0:
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.device.type != "cpu"
+        or weight.dim() != 2
+        or weight.dtype not in _FLOAT_DTYPES
+        or weight.numel() == 0
+    ):
         return None
     return native_ops()
 
@@ -172,7 +177,9 @@ class _QuantLinearBase(nn.Module):
         buffer and multiply each tile with the GEMM (fp32 x stays fp32)."""
         ct = torch.float32 if x2.dtype == torch.float32 else prefill_dtype(x2.dtype)
         xs = x2.float() * self.col_scales.float()  # the tiles hold weight / col_scales
-        y = _tiled_linear(xs.to(ct), self.out_features, ct, lambda r0, r1, out: self._dequant_rows(ops, r0, r1, ct, out))
+        y = _tiled_linear(
+            xs.to(ct), self.out_features, ct, lambda r0, r1, out: self._dequant_rows(ops, r0, r1, ct, out)
+        )
         return y.to(x2.dtype)
 
     def extra_repr(self) -> str:
@@ -195,11 +202,13 @@ class Int8Linear(_QuantLinearBase):
         self.in_features = in_features
         self.out_features = out_features
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.zeros(out_features, in_features // gs, dtype=P.INT8_SCALE_DTYPE, device=device))
+        self.register_buffer(
+            "scales", torch.zeros(out_features, in_features // gs, dtype=P.INT8_SCALE_DTYPE, device=device)
+        )
         self.register_buffer("col_scales", torch.ones(in_features, dtype=torch.float16, device=device))
 
     @classmethod
-    def from_weight(cls, weight: Tensor, group_size: int | None = None, col_scale: bool = True) -> "Int8Linear":
+    def from_weight(cls, weight: Tensor, group_size: int | None = None, col_scale: bool = True) -> Int8Linear:
         """Quantize `weight` (N, K): natively on the CPU on all threads (the same bytes as
         primitives.quantize_int8, much faster), else with the primitives."""
         ops = _native_quantizer(weight)
@@ -218,7 +227,7 @@ class Int8Linear(_QuantLinearBase):
         return m
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int | None = None, col_scale: bool = True) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, group_size: int | None = None, col_scale: bool = True) -> Int8Linear:
         _check_no_bias(linear)
         return cls.from_weight(linear.weight, group_size, col_scale)
 
@@ -255,7 +264,9 @@ class Int4Linear(_QuantLinearBase):
         self.register_buffer("col_scales", torch.ones(in_features, dtype=torch.float16, device=device))
 
     @classmethod
-    def from_weight(cls, weight: Tensor, group_size: int = 32, search: bool = True, col_scale: bool = True) -> "Int4Linear":
+    def from_weight(
+        cls, weight: Tensor, group_size: int = 32, search: bool = True, col_scale: bool = True
+    ) -> Int4Linear:
         """Quantize `weight` (N, K): natively on the CPU (same bytes, ~4x faster), else with
         primitives.quantize_int4."""
         ops = _native_quantizer(weight)
@@ -276,7 +287,7 @@ class Int4Linear(_QuantLinearBase):
     @classmethod
     def from_linear(
         cls, linear: nn.Linear, group_size: int = 32, search: bool = True, col_scale: bool = True
-    ) -> "Int4Linear":
+    ) -> Int4Linear:
         _check_no_bias(linear)
         return cls.from_weight(linear.weight, group_size, search, col_scale)
 
@@ -314,7 +325,7 @@ class DenseLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None) -> "DenseLinear":
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None) -> DenseLinear:
         _check_no_bias(linear)
         w = linear.weight.detach()
         m = cls(linear.in_features, linear.out_features, device="meta")
@@ -331,7 +342,12 @@ class DenseLinear(nn.Linear):
         M = x2.shape[0]
         if 0 < M <= GEMV_MAX_ROWS:
             ops = native_ops()
-            if ops is not None and w.dtype in _NATIVE_DENSE_DTYPES and w.is_contiguous() and x.dtype in _NATIVE_DENSE_DTYPES:
+            if (
+                ops is not None
+                and w.dtype in _NATIVE_DENSE_DTYPES
+                and w.is_contiguous()
+                and x.dtype in _NATIVE_DENSE_DTYPES
+            ):
                 return ops.gemv_dense(x2.contiguous(), w).reshape(*lead, self.out_features)
             return F.linear(x, w.to(x.dtype))
         ct = prefill_dtype(w.dtype) if x.dtype == w.dtype else x.dtype

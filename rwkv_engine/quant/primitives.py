@@ -131,7 +131,9 @@ def _scaled_rows(weight: Tensor, r0: int, r1: int, col_scales: Tensor | None) ->
     return w if col_scales is None else w / col_scales.float()
 
 
-def quantize_int8(weight: Tensor, group_size: int | None = None, col_scales: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def quantize_int8(
+    weight: Tensor, group_size: int | None = None, col_scales: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """Symmetric int8: (qweight int8 (N, K), scales float16 (N, K // group_size)).
 
     group_size None means one scale per output channel (row). Scale = absmax / 127, rounded to

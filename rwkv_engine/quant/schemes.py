@@ -84,8 +84,9 @@ Actions: a scheme name or alias ("q4", "q8", "q0bf16", ...; group size from the 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Union
+from typing import Union
 
 import torch
 from torch import nn
@@ -228,7 +229,9 @@ def _resolve(action: Action, scheme: Scheme, name: str, width: int | None = None
         # model): take the largest group of that format that does.
         # (int8 groups that are multiples of 32 keep the native kernel; else one scale per row.)
         fits = [g for g in (P.INT4_GROUP_SIZES if target.weights == "int4" else (64, 32)) if width % g == 0]
-        target = replace(target, group_size=max(fits) if fits else (None if target.weights == "int8" else target.group_size))
+        target = replace(
+            target, group_size=max(fits) if fits else (None if target.weights == "int8" else target.group_size)
+        )
     return replace(target, search=scheme.search)
 
 

@@ -33,37 +33,47 @@ import json
 import sys
 import traceback
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .. import tool_calls
+from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from ..errors import InputError, RWKVEngineError, StateError
 from ..sampling import SamplingParams
 from ..state import State
-from . import protocol as p, webui
-from ..chat_format import TURN_SEPARATOR, ReplyText, render_chat
-from .engine import Delta, Engine, EngineStopped, Finished, Prompt, QueueFull, Request
-from .security import Guard, key_matches, quoted
-from .. import tool_calls
 from ..structured import grammar_for
+from . import protocol as p
+from . import webui
+from .engine import Delta, Engine, EngineStopped, Finished, Prompt, QueueFull, Request
 from .logprobs import CompletionLogprobs, TokenLogprob, TokenText, chat_content
+from .security import Guard, key_matches, quoted
 
 EOS_TOKEN_ID = 0
 
 CHAT_DEFAULTS = SamplingParams(
-    temperature=1.0, top_p=0.3, presence_penalty=0.5, frequency_penalty=0.5, penalty_decay=0.996,
+    temperature=1.0,
+    top_p=0.3,
+    presence_penalty=0.5,
+    frequency_penalty=0.5,
+    penalty_decay=0.996,
     stop_token_ids=(EOS_TOKEN_ID,),
 )
 COMPLETION_DEFAULTS = SamplingParams(
-    temperature=1.0, top_p=0.85, presence_penalty=0.2, frequency_penalty=0.2, penalty_decay=0.996,
+    temperature=1.0,
+    top_p=0.85,
+    presence_penalty=0.2,
+    frequency_penalty=0.2,
+    penalty_decay=0.996,
     stop_token_ids=(EOS_TOKEN_ID,),
 )
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -87,8 +97,14 @@ class ServerSettings:
 class APIError(Exception):
     """An error answer: HTTP status + OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
@@ -129,6 +145,7 @@ class _Job:
             if offset:
                 event = dataclasses.replace(event, index=event.index + offset)
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
         return put
 
     def cancel(self) -> None:
@@ -166,9 +183,14 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="rwkv-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, api_key=settings.api_key, allowed_hosts=settings.allowed_hosts,
-                       cors_origins=settings.cors_origins, body_timeout=settings.body_timeout,
-                       count_error=lambda status: metrics.inc("http_errors_total", status=str(status)))
+    app.add_middleware(
+        Guard,
+        api_key=settings.api_key,
+        allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins,
+        body_timeout=settings.body_timeout,
+        count_error=lambda status: metrics.inc("http_errors_total", status=str(status)),
+    )
 
     # --- errors -------------------------------------------------------------------------------
 
@@ -203,8 +225,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if settings.api_key is None:
             return
         if not key_matches(request.headers.get("authorization", ""), settings.api_key):
-            raise APIError(401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
+            )
 
     async def read_json(request: HTTPRequest) -> dict:
         limit = settings.max_body_bytes
@@ -234,17 +257,30 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             param, message = p.describe_validation_error(e)
             raise APIError(400, message, param=param or None) from None
         if req.model is not None and req.model != settings.model_name:  # (optional in /tokenize)
-            raise APIError(404, f"the model {quoted(req.model)} does not exist; this server serves {settings.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {quoted(req.model)} does not exist; this server serves {settings.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         return req
 
-    def sampling_params(req, defaults: SamplingParams, max_tokens: int | None, default_max: int,
-                        extra_stop: tuple[str, ...] = (), max_tokens_field: str = "max_tokens") -> SamplingParams:
+    def sampling_params(
+        req,
+        defaults: SamplingParams,
+        max_tokens: int | None,
+        default_max: int,
+        extra_stop: tuple[str, ...] = (),
+        max_tokens_field: str = "max_tokens",
+    ) -> SamplingParams:
         if max_tokens is None:
             max_tokens = min(default_max, settings.max_tokens_cap)
         if max_tokens > settings.max_tokens_cap:
-            raise APIError(400, f"{max_tokens_field} is {max_tokens}; this server allows at most "
-                                f"{settings.max_tokens_cap}", param=max_tokens_field)
+            raise APIError(
+                400,
+                f"{max_tokens_field} is {max_tokens}; this server allows at most {settings.max_tokens_cap}",
+                param=max_tokens_field,
+            )
         changes = {f: getattr(req, f) for f in _SAMPLING_FIELDS if getattr(req, f) is not None}
         changes["max_tokens"] = max_tokens
         changes["stop"] = tuple(dict.fromkeys((*extra_stop, *(req.stop or ()))))
@@ -268,8 +304,12 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         if not ids:
             raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
         if len(ids) > settings.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most "
-                                f"{settings.max_prompt_tokens}", param="prompt", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; this server accepts at most {settings.max_prompt_tokens}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         return ids
 
     async def start_state(name: str | None) -> tuple[State | None, str]:
@@ -313,15 +353,24 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         loaded_states.move_to_end(key)
         return state, "file:" + ":".join(map(str, key))
 
-    def submit(prompts: list[list[int]], params: SamplingParams, state: State | None, state_key: str,
-               n: int = 1, logprobs: int | None = None, echo: bool = False, constraint=None) -> _Job:
+    def submit(
+        prompts: list[list[int]],
+        params: SamplingParams,
+        state: State | None,
+        state_key: str,
+        n: int = 1,
+        logprobs: int | None = None,
+        echo: bool = False,
+        constraint=None,
+    ) -> _Job:
         """One engine request per prompt (n choices each); all or none are queued. `constraint`:
         a fresh grammar Constraint per call (structured.py), for each choice."""
         job = _Job(asyncio.get_running_loop())
         try:
             for i, ids in enumerate(prompts):
-                request = Request(ids, params, state, state_key, n=n, logprobs=logprobs, echo=echo,
-                                  constraint=constraint)
+                request = Request(
+                    ids, params, state, state_key, n=n, logprobs=logprobs, echo=echo, constraint=constraint
+                )
                 job.handles.append(engine.submit(request, job.sink(i * n)))
         except QueueFull as e:
             job.cancel()
@@ -372,22 +421,31 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         """Summed over the choices; a prompt counts once however many choices it has."""
         firsts = [e for e in events if e.index % n == 0]
         prompt, completion = sum(e.prompt_tokens for e in firsts), sum(e.completion_tokens for e in events)
-        return p.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(e.cached_tokens for e in firsts)))
+        return p.Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=sum(e.cached_tokens for e in firsts)),
+        )
 
     def stream_response(events: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     def stream_error(event: Finished) -> str:
         status = failure_status(event)
-        detail = p.ErrorDetail(message=event.message or "the request failed", type=p.error_type(status),
-                               code="engine_error")
+        detail = p.ErrorDetail(
+            message=event.message or "the request failed", type=p.error_type(status), code="engine_error"
+        )
         return _sse(p.ErrorResponse(error=detail))
 
-    async def stream_events(job: _Job, on_event: Callable[[object], str | None],
-                            usage_chunk: Callable[[list[Finished]], str] | None,
-                            opening: tuple[str, ...] = ()) -> AsyncIterator[str]:
+    async def stream_events(
+        job: _Job,
+        on_event: Callable[[object], str | None],
+        usage_chunk: Callable[[list[Finished]], str] | None,
+        opening: tuple[str, ...] = (),
+    ) -> AsyncIterator[str]:
         """The server-sent events of a streamed request, completion or chat.
 
         `opening` first; then `on_event(event)` for each engine event (`Prompt`, `Delta`, and the
@@ -448,14 +506,24 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         fmt, mode = req.response_format, req.tool_mode
         if fmt is not None and fmt.type != "text":
             if mode != "none":
-                raise APIError(400, "response_format json_object / json_schema cannot be combined with tools "
-                                    "(use tool_choice none, or one of the two)", param="response_format")
+                raise APIError(
+                    400,
+                    "response_format json_object / json_schema cannot be combined with tools "
+                    "(use tool_choice none, or one of the two)",
+                    param="response_format",
+                )
             schema = fmt.json_schema.schema_ if fmt.type == "json_schema" else None
             params = params.replace(json_schema=schema, json_object=fmt.type == "json_object")
-            make, param = (lambda: grammar_for(params, tokenizer, model.config.vocab_size).constraint), "response_format"
+            make, param = (
+                (lambda: grammar_for(params, tokenizer, model.config.vocab_size).constraint),
+                "response_format",
+            )
         elif mode != "none":
             tools = [t.function.model_dump() for t in req.tools]
-            make, param = (lambda: tool_calls.tool_constraints(tools, mode, tokenizer, model.config.vocab_size)), "tools"
+            make, param = (
+                (lambda: tool_calls.tool_constraints(tools, mode, tokenizer, model.config.vocab_size)),
+                "tools",
+            )
         else:
             return params, None
         try:
@@ -515,9 +583,16 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         to use the server's /tokenize. The World tokenizer has no end-of-text *text* (token 0 has
         none), so the special-token strings are null and `eos_token_id` is 0."""
         authorize(request)
-        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": None, "bos_token": None,
-                "pad_token": None, "eos_token_id": EOS_TOKEN_ID, "vocab_size": model.config.vocab_size,
-                "model_max_length": settings.max_prompt_tokens, "chat_template": None}
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": None,
+            "bos_token": None,
+            "pad_token": None,
+            "eos_token_id": EOS_TOKEN_ID,
+            "vocab_size": model.config.vocab_size,
+            "model_max_length": settings.max_prompt_tokens,
+            "chat_template": None,
+        }
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
@@ -557,17 +632,30 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return p.CompletionLogprobs(**books[i].take())
 
         def chunk(choices: list[p.CompletionChoice], use=None) -> str:
-            return _sse(p.CompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices, usage=use))
+            return _sse(
+                p.CompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices, usage=use)
+            )
 
         if not req.stream:
             got = await collect(request, job)
             if got is None:
                 return Response(status_code=499)
-            choices = [p.CompletionChoice(index=i, text=(prompt_text(i) if req.echo else "") + c.text,
-                                          logprobs=logprobs(i, c.prompt, c.logprobs), finish_reason=c.finished.reason)
-                       for i, c in enumerate(got)]
-            return p.CompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices,
-                                        usage=usage([c.finished for c in got], n))
+            choices = [
+                p.CompletionChoice(
+                    index=i,
+                    text=(prompt_text(i) if req.echo else "") + c.text,
+                    logprobs=logprobs(i, c.prompt, c.logprobs),
+                    finish_reason=c.finished.reason,
+                )
+                for i, c in enumerate(got)
+            ]
+            return p.CompletionResponse(
+                id=rid,
+                created=when,
+                model=settings.model_name,
+                choices=choices,
+                usage=usage([c.finished for c in got], n),
+            )
 
         def on_event(event) -> str:
             i = event.index
@@ -579,17 +667,26 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                 text, lp = event.text, logprobs(i, None, event.logprobs)
             return chunk([p.CompletionChoice(index=i, text=text, logprobs=lp)])
 
-        return stream_response(stream_events(
-            job, on_event,
-            usage_chunk=(lambda events: chunk([], use=usage(events, n))) if req.include_usage_in_stream else None,
-        ))
+        return stream_response(
+            stream_events(
+                job,
+                on_event,
+                usage_chunk=(lambda events: chunk([], use=usage(events, n))) if req.include_usage_in_stream else None,
+            )
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
         authorize(request)
         req = parse(p.ChatCompletionRequest, await read_json(request))
-        params = sampling_params(req, CHAT_DEFAULTS, req.token_limit, settings.max_tokens_cap,
-                                 extra_stop=(TURN_SEPARATOR,), max_tokens_field=req.token_limit_field)
+        params = sampling_params(
+            req,
+            CHAT_DEFAULTS,
+            req.token_limit,
+            settings.max_tokens_cap,
+            extra_stop=(TURN_SEPARATOR,),
+            max_tokens_field=req.token_limit_field,
+        )
         params, constraint = await chat_constraint(req, params)
         prompt = render_chat(chat_messages(req))
         ids = await prompt_ids(prompt)
@@ -614,14 +711,29 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             for i, c in enumerate(got):
                 reply = ReplyText()(c.text)
                 call = tool_call(reply, c.finished.reason)
-                message = p.AssistantMessage(content=None, tool_calls=[call]) if call else p.AssistantMessage(content=reply)
-                choices.append(p.ChatChoice(index=i, message=message, logprobs=None if call else logprobs(c.logprobs),
-                                            finish_reason="tool_calls" if call else c.finished.reason))
-            return p.ChatCompletionResponse(id=rid, created=when, model=settings.model_name, choices=choices,
-                                            usage=usage([c.finished for c in got], n))
+                message = (
+                    p.AssistantMessage(content=None, tool_calls=[call]) if call else p.AssistantMessage(content=reply)
+                )
+                choices.append(
+                    p.ChatChoice(
+                        index=i,
+                        message=message,
+                        logprobs=None if call else logprobs(c.logprobs),
+                        finish_reason="tool_calls" if call else c.finished.reason,
+                    )
+                )
+            return p.ChatCompletionResponse(
+                id=rid,
+                created=when,
+                model=settings.model_name,
+                choices=choices,
+                usage=usage([c.finished for c in got], n),
+            )
 
         def chunk(choices: list[p.ChatChunkChoice], use=None) -> str:
-            return _sse(p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=choices, usage=use))
+            return _sse(
+                p.ChatCompletionChunk(id=rid, created=when, model=settings.model_name, choices=choices, usage=use)
+            )
 
         replies = [ReplyText() for _ in range(n)]
         # With tools: each choice's reply is text or a call, sent as it grows (tool_calls.CallStream);
@@ -661,11 +773,15 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
                 return None
             return chunk([p.ChatChunkChoice(index=i, delta=p.Delta(content=text), logprobs=logprobs(event.logprobs))])
 
-        return stream_response(stream_events(
-            job, on_event,
-            usage_chunk=(lambda events: chunk([], use=usage(events, n))) if req.include_usage_in_stream else None,
-            opening=tuple(chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))])
-                          for i in range(n)),
-        ))
+        return stream_response(
+            stream_events(
+                job,
+                on_event,
+                usage_chunk=(lambda events: chunk([], use=usage(events, n))) if req.include_usage_in_stream else None,
+                opening=tuple(
+                    chunk([p.ChatChunkChoice(index=i, delta=p.Delta(role="assistant", content=""))]) for i in range(n)
+                ),
+            )
+        )
 
     return app

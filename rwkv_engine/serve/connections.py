@@ -31,8 +31,10 @@ REFUSED_LINGER = 1.0  # seconds a connection over the cap stays open after its 5
 
 def _busy_response() -> bytes:
     body = error_body(503, "the server has too many open connections; retry later", "too_many_connections")
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"retry-after: 1\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
 
 
 def guarded_protocol(base: type[asyncio.Protocol], max_connections: int, header_timeout: float) -> type:

@@ -68,8 +68,8 @@ import time
 import traceback
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -86,9 +86,9 @@ from .metrics import Metrics
 
 @dataclass
 class EngineConfig:
-    max_batch: int = 8               # sequences decoded together (= batch slots)
-    max_queue: int = 64              # requests waiting for a slot; beyond: QueueFull
-    prefill_chunk: int = 256         # prompt tokens per prefill step (and cache granularity)
+    max_batch: int = 8  # sequences decoded together (= batch slots)
+    max_queue: int = 64  # requests waiting for a slot; beyond: QueueFull
+    prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
     state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
 
     def __post_init__(self):
@@ -108,9 +108,9 @@ class Request:
     params: SamplingParams
     start_state: State | None = None
     start_key: str = ""  # names start_state in the prompt cache; "" is the fresh state
-    n: int = 1                   # choices sampled from the one prefill
+    n: int = 1  # choices sampled from the one prefill
     logprobs: int | None = None  # report each token's log-probability and this many alternatives
-    echo: bool = False           # send a Prompt event (with logprobs: the prompt's log-probabilities)
+    echo: bool = False  # send a Prompt event (with logprobs: the prompt's log-probabilities)
     # A fresh grammar Constraint for each choice (default: from params.json_schema / json_object).
     constraint: Callable[[], Constraint] | None = None
 
@@ -224,7 +224,7 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 class Handle:
     """A submitted request; `cancel()` frees its slot (a no-op once it has finished)."""
 
-    def __init__(self, engine: "Engine", seq: "_Sequence"):
+    def __init__(self, engine: Engine, seq: _Sequence):
         self._engine = engine
         self._seq = seq
 
@@ -240,21 +240,20 @@ class _Sequence:
     """One choice of a request inside the engine (a batch row once decoding). The first choice
     of a request (its `group`) is the one that is queued and prefilled."""
 
-    def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream,
-                 index: int = 0):
+    def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream, index: int = 0):
         self.id = seq_id
-        self.index = index            # the choice
-        self.group = [self]           # every choice of the request (the same list in each)
+        self.index = index  # the choice
+        self.group = [self]  # every choice of the request (the same list in each)
         self.request = request
         self.sink = sink
         self.sampler = sampler
         self.stream = stream
         self.cancelled = False
         self.finished = False
-        self.admitted = False         # holds a batch slot (Engine._admit)
-        self.started = False          # prefill begun (cache looked up)
-        self.pos = 0                  # prompt tokens read
-        self.cached = 0               # of which taken from the prompt cache
+        self.admitted = False  # holds a batch slot (Engine._admit)
+        self.started = False  # prefill begun (cache looked up)
+        self.pos = 0  # prompt tokens read
+        self.cached = 0  # of which taken from the prompt cache
         self.state: State | None = None  # during prefill
         self.next_token: int | None = None  # sampled, not yet fed to the model
         self.prompt_logprobs: list[TokenLogprob] = []  # during an echo's prefill
@@ -270,17 +269,17 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.cache = PromptCache(self.config.state_cache_bytes)
         self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()   # guarded by _cond
-        self._wake = False                          # guarded by _cond: a cancel to handle
+        self._waiting: deque[_Sequence] = deque()  # guarded by _cond
+        self._wake = False  # guarded by _cond: a cancel to handle
         self._stopping = False
         self._prefilling: deque[_Sequence] = deque()  # engine thread only
-        self._decoding: list[_Sequence] = []          # engine thread only; row i of _batch
+        self._decoding: list[_Sequence] = []  # engine thread only; row i of _batch
         self._batch: State | None = None
         self._joining: list[tuple[_Sequence, State]] = []  # prefilled this turn, join before decoding
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self._holding = 0      # batch rows (choices) admitted and not finished (written by the engine thread only)
-        self._ready = False    # warmed up (see _warm_up)
+        self._holding = 0  # batch rows (choices) admitted and not finished (written by the engine thread only)
+        self._ready = False  # warmed up (see _warm_up)
 
     # --- control (any thread) -------------------------------------------------------------------
 
@@ -330,7 +329,9 @@ class Engine:
             waiting = len(self._waiting) - free
             if waiting >= self.config.max_queue:
                 raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
-            group = [_Sequence(next(self._ids), request, sink, s, t, i) for i, (s, t) in enumerate(zip(samplers, streams))]
+            group = [
+                _Sequence(next(self._ids), request, sink, s, t, i) for i, (s, t) in enumerate(zip(samplers, streams))
+            ]
             for s in group:
                 s.group = group
             seq = group[0]
@@ -490,7 +491,9 @@ class Engine:
             logits, seq.state = self.model.forward(ids[start:end], state=seq.state, all_logits=echo_logprobs)
             if echo_logprobs:
                 # Row r predicts token start + r + 1; the last row predicts the first generated token.
-                seq.prompt_logprobs += token_logprobs(logits[:-1], ids[start + 1 : end], [req.logprobs] * (end - start - 1))
+                seq.prompt_logprobs += token_logprobs(
+                    logits[:-1], ids[start + 1 : end], [req.logprobs] * (end - start - 1)
+                )
                 if end < len(ids):  # the row that predicts the next chunk's first token
                     seq.prompt_logprobs += token_logprobs(logits[-1:], ids[end : end + 1], [req.logprobs])
                 logits = logits[-1]
@@ -627,8 +630,9 @@ class Engine:
         if seq.admitted:
             self._holding -= 1
         self.metrics.inc("requests_total", outcome=reason)
-        event = Finished(reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.group[0].cached, message,
-                         seq.index)
+        event = Finished(
+            reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.group[0].cached, message, seq.index
+        )
         try:
             seq.sink(event)
         except Exception:

@@ -21,8 +21,8 @@ as returned (up to a stop string, which cuts the text but not the tokens).
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -50,8 +50,10 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: Sequence[in
     if k:
         values, ids = torch.topk(logp, k, dim=1)
         values, ids = values.tolist(), ids.tolist()
-    return [TokenLogprob(int(t), lp, tuple(zip(ids[r][: top[r]], values[r][: top[r]])) if top[r] else ())
-            for r, (t, lp) in enumerate(zip(tokens, chosen))]
+    return [
+        TokenLogprob(int(t), lp, tuple(zip(ids[r][: top[r]], values[r][: top[r]])) if top[r] else ())
+        for r, (t, lp) in enumerate(zip(tokens, chosen))
+    ]
 
 
 class TokenText:
@@ -71,6 +73,7 @@ class TokenText:
 
 def chat_content(text: TokenText, entries: Sequence[TokenLogprob]) -> list[dict]:
     """Chat's `logprobs.content` items for `entries`."""
+
     def item(token: int, logprob: float) -> dict:
         s, raw = text(token)
         return {"token": s, "logprob": logprob, "bytes": list(raw)}

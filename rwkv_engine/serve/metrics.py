@@ -11,15 +11,21 @@ import math
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 PREFIX = "rwkv_engine_"
 
 # name -> (type, help)
 METRICS: dict[str, tuple[str, str]] = {
-    "requests_running": ("gauge", "Batch slots held (one per choice of a request; prefilling their prompt or decoding)."),
+    "requests_running": (
+        "gauge",
+        "Batch slots held (one per choice of a request; prefilling their prompt or decoding).",
+    ),
     "requests_waiting": ("gauge", "Requests queued for a batch slot."),
-    "requests_total": ("counter", "Requests the engine finished, by outcome (stop, length, cancelled, error); each choice counts."),
+    "requests_total": (
+        "counter",
+        "Requests the engine finished, by outcome (stop, length, cancelled, error); each choice counts.",
+    ),
     "http_errors_total": ("counter", "Requests answered with an error status, by status code."),
     "prompt_tokens_total": ("counter", "Prompt tokens of admitted requests."),
     "prefill_tokens_total": ("counter", "Prompt tokens run through the model (prompt tokens minus cache hits)."),
@@ -27,9 +33,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "generation_tokens_per_second": ("gauge", "Tokens generated per second over the last window."),
     "decode_steps_total": ("counter", "Batched decode steps (one model forward each)."),
     "decode_rows_total": ("counter", "Sequences decoded, summed over decode steps (rows / steps = mean batch size)."),
-    "engine_seconds_total": ("counter", "Seconds of the engine thread's work, by phase: prefill (prompt chunks and "
-                                        "first tokens), forward (decode steps' model forward), sample (decode steps' "
-                                        "sampling), stream (detokenizing, stop strings, handing text to the server)."),
+    "engine_seconds_total": (
+        "counter",
+        "Seconds of the engine thread's work, by phase: prefill (prompt chunks and "
+        "first tokens), forward (decode steps' model forward), sample (decode steps' "
+        "sampling), stream (detokenizing, stop strings, handing text to the server).",
+    ),
     "prompt_cache_hits_total": ("counter", "Prompts that resumed from a cached prefix state."),
     "prompt_cache_misses_total": ("counter", "Prompts with no cached prefix state."),
     "prompt_cache_hit_tokens_total": ("counter", "Prompt tokens skipped thanks to the prompt-state cache."),

@@ -126,7 +126,9 @@ class ChatMessage(_Strict):
 
 # Values of OpenAI fields this server does not implement that mean "not used".
 _NEUTRAL: dict[str, tuple] = {
-    "best_of": (None, 1), "suffix": (None, ""), "store": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "store": (None, False),
 }
 MAX_CHOICES = 128  # OpenAI's limit on n (the engine's batch size may allow fewer)
 
@@ -256,7 +258,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @property
     def tool_mode(self) -> str:
-        """"none", "auto", "required" or the name of the function to call."""
+        """ "none", "auto", "required" or the name of the function to call."""
         if not self.tools:
             return "none"
         choice = self.tool_choice if self.tool_choice is not None else "auto"
@@ -435,8 +437,9 @@ class ToolCallDelta(BaseModel):
         out = {"index": self.index}
         if self.id is not None:
             out.update(id=self.id, type=self.type)
-        out["function"] = {k: v for k, v in (("name", self.function.name), ("arguments", self.function.arguments))
-                           if v is not None}
+        out["function"] = {
+            k: v for k, v in (("name", self.function.name), ("arguments", self.function.arguments)) if v is not None
+        }
         return out
 
 
@@ -526,7 +529,7 @@ def describe_validation_error(e: ValidationError) -> tuple[str, str]:
             param += ("." if param else "") + str(part)
     msg = err["msg"]
     if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        msg = msg[len("Value error, ") :]
     if err["type"] == "extra_forbidden":
         msg = "unrecognized request field"
     elif err["type"] == "missing":

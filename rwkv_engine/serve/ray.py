@@ -66,11 +66,11 @@ try:
     from ray.serve.config import RequestRouterConfig
     from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise InputError(f"--ray needs Ray Serve: pip install \"rwkv-engine[ray]\" (could not import ray: {e})") from None
+    raise InputError(f'--ray needs Ray Serve: pip install "rwkv-engine[ray]" (could not import ray: {e})') from None
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-RING_POINTS = 64          # points per replica on the hash ring
-PUSH_SECONDS = 1.0        # how often a replica publishes its metrics
+RING_POINTS = 64  # points per replica on the hash ring
+PUSH_SECONDS = 1.0  # how often a replica publishes its metrics
 METRICS_ACTOR = "rwkv_engine_metrics"
 PREFIX = "rwkv_engine_"
 
@@ -101,7 +101,7 @@ def routing_key(path: str, body: bytes, tokenizer, chunk: int) -> str | None:
         else:
             prompt = obj.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]               # a list of prompts: key by the first
+                prompt = prompt[0]  # a list of prompts: key by the first
             if isinstance(prompt, str):
                 ids = tokenizer.encode(prompt[:head])
             elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -128,7 +128,7 @@ class PrefixAffinityRouter(RequestRouter):
     args[1] is the ingress's token for the request, under which the decision is noted."""
 
     def initialize_state(self, spill: int = 8, points: int = RING_POINTS):
-        from rwkv_engine.serve import ray as module   # see Ingress.__init__
+        from rwkv_engine.serve import ray as module  # see Ingress.__init__
 
         self.spill, self.points, self.decisions = spill, points, module.DECISIONS
         self._ring_ids: tuple[str, ...] = ()
@@ -158,8 +158,9 @@ class PrefixAffinityRouter(RequestRouter):
                     lens[r.replica_id] = q
         return lens
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         args = pending_request.args if pending_request is not None else ()
@@ -176,7 +177,7 @@ class PrefixAffinityRouter(RequestRouter):
             else:
                 route, ranks = "spill", [others]
         if token is not None:
-            self.decisions[token] = route      # a later call for the same request (a retry) overwrites it
+            self.decisions[token] = route  # a later call for the same request (a retry) overwrites it
         return ranks
 
 
@@ -225,7 +226,7 @@ def merge_metrics(texts: dict[str, str], routes: dict[tuple[str, str], int]) -> 
             name = sample.split("{", 1)[0]
             sums.setdefault(name, {})
             sums[name][sample] = sums[name].get(sample, 0.0) + float(value)
-            short = name[len(PREFIX):]
+            short = name[len(PREFIX) :]
             if short in per_replica and "{" not in sample:
                 per_replica[short][replica] = float(value)
     lines = []
@@ -234,15 +235,23 @@ def merge_metrics(texts: dict[str, str], routes: dict[tuple[str, str], int]) -> 
         lines += [f"{s} {_num(v)}" for s, v in samples.items()]
     for short, values in per_replica.items():
         full = f"{PREFIX}replica_{short}"
-        lines += [f"# HELP {full} {short.replace('_', ' ')} of each replica (its prompt-state cache).",
-                  f"# TYPE {full} counter"]
+        lines += [
+            f"# HELP {full} {short.replace('_', ' ')} of each replica (its prompt-state cache).",
+            f"# TYPE {full} counter",
+        ]
         lines += [f'{full}{{replica="{r}"}} {_num(v)}' for r, v in sorted(values.items())]
     full = f"{PREFIX}route_total"
-    lines += [f"# HELP {full} Requests routed, by decision (affinity: the prefix's replica; spill: it was "
-              "too busy; least_loaded: no prefix key) and replica.", f"# TYPE {full} counter"]
+    lines += [
+        f"# HELP {full} Requests routed, by decision (affinity: the prefix's replica; spill: it was "
+        "too busy; least_loaded: no prefix key) and replica.",
+        f"# TYPE {full} counter",
+    ]
     lines += [f'{full}{{replica="{r}",route="{route}"}} {n}' for (route, r), n in sorted(routes.items())]
-    lines += [f"# HELP {PREFIX}replicas Replicas whose metrics are current.", f"# TYPE {PREFIX}replicas gauge",
-              f"{PREFIX}replicas {len(texts)}"]
+    lines += [
+        f"# HELP {PREFIX}replicas Replicas whose metrics are current.",
+        f"# TYPE {PREFIX}replicas gauge",
+        f"{PREFIX}replicas {len(texts)}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -294,10 +303,18 @@ class EngineReplica:
         """Run one HTTP request through the app: yields {"status", "headers", "replica"}, then body
         chunks. `key` and `token` are for the router (see PrefixAffinityRouter)."""
         scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
-            "method": request["method"], "path": request["path"], "raw_path": request["path"].encode(),
-            "query_string": request["query"], "headers": request["headers"], "root_path": "",
-            "client": tuple(request["client"]) if request.get("client") else None, "server": ("ray", 0),
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "scheme": "http",
+            "method": request["method"],
+            "path": request["path"],
+            "raw_path": request["path"].encode(),
+            "query_string": request["query"],
+            "headers": request["headers"],
+            "root_path": "",
+            "client": tuple(request["client"]) if request.get("client") else None,
+            "server": ("ray", 0),
         }
         out: asyncio.Queue = asyncio.Queue()
         delivered = False
@@ -319,15 +336,18 @@ class EngineReplica:
         try:
             while (message := await out.get()) is not None:
                 if message["type"] == "http.response.start":
-                    yield {"status": message["status"], "replica": self.replica,
-                           "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]}
+                    yield {
+                        "status": message["status"],
+                        "replica": self.replica,
+                        "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])],
+                    }
                 elif message["type"] == "http.response.body":
                     if message.get("body"):
                         yield message["body"]
                     if not message.get("more_body"):
                         break
         finally:
-            gone.set()          # a client that went away cancels its request in the engine
+            gone.set()  # a client that went away cancels its request in the engine
             try:
                 await asyncio.wait_for(asyncio.shield(task), 10)
             except Exception:
@@ -361,11 +381,18 @@ class Ingress:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             texts = await self.board.get.remote()
-            return PlainTextResponse(merge_metrics(texts, self.routes), media_type="text/plain; version=0.0.4; charset=utf-8")
+            return PlainTextResponse(
+                merge_metrics(texts, self.routes), media_type="text/plain; version=0.0.4; charset=utf-8"
+            )
         key = routing_key(path, body, self.tokenizer, self.chunk) if request.method == "POST" else None
-        forwarded = {"method": request.method, "path": path, "query": request.url.query.encode("latin-1"),
-                     "headers": [(k, v) for k, v in request.headers.raw], "body": body,
-                     "client": (request.client.host, request.client.port) if request.client else None}
+        forwarded = {
+            "method": request.method,
+            "path": path,
+            "query": request.url.query.encode("latin-1"),
+            "headers": [(k, v) for k, v in request.headers.raw],
+            "body": body,
+            "client": (request.client.host, request.client.port) if request.client else None,
+        }
         for attempt in range(2):
             token = uuid.uuid4().hex
             stream = self.replicas.handle_http.remote(key, token, forwarded)
@@ -376,9 +403,17 @@ class Ingress:
             except (RayError, StopAsyncIteration) as e:
                 self.decisions.pop(token, None)
                 if attempt == 1:
-                    return JSONResponse({"error": {"message": f"no replica could answer: {type(e).__name__}",
-                                                   "type": "server_error", "param": None, "code": None}},
-                                        status_code=503)
+                    return JSONResponse(
+                        {
+                            "error": {
+                                "message": f"no replica could answer: {type(e).__name__}",
+                                "type": "server_error",
+                                "param": None,
+                                "code": None,
+                            }
+                        },
+                        status_code=503,
+                    )
         headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_rest(stream, sse), status_code=head["status"], headers=headers)
@@ -390,8 +425,14 @@ async def _rest(stream, sse: bool):
             yield chunk
     except RayError as e:
         if sse:
-            error = {"error": {"message": f"the replica answering this request failed ({type(e).__name__})",
-                               "type": "server_error", "param": None, "code": None}}
+            error = {
+                "error": {
+                    "message": f"the replica answering this request failed ({type(e).__name__})",
+                    "type": "server_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
     finally:
         stream.cancel()
@@ -422,16 +463,22 @@ def build_app(args: argparse.Namespace | list[str], key: str | None = None, boar
     if board is None:
         board = MetricsBoard.options(name=METRICS_ACTOR, get_if_exists=True).remote()
     replica = serve.deployment(
-        EngineReplica, name="EngineReplica", num_replicas=args.replicas,
+        EngineReplica,
+        name="EngineReplica",
+        num_replicas=args.replicas,
         ray_actor_options={"num_cpus": args.replica_cpus},
         max_ongoing_requests=args.max_batch + args.max_queue,
-        graceful_shutdown_timeout_s=args.shutdown_timeout, graceful_shutdown_wait_loop_s=0.5,
-        health_check_period_s=2, health_check_timeout_s=30,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
-                                                  request_router_kwargs={"spill": args.max_batch}),
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+        graceful_shutdown_wait_loop_s=0.5,
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixAffinityRouter, request_router_kwargs={"spill": args.max_batch}
+        ),
     )
-    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=10_000)
+    ingress = serve.deployment(
+        Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
+    )
     return ingress.bind(replica.bind(args, key, board), args, board)
 
 
@@ -463,8 +510,12 @@ def run_cli(args: argparse.Namespace, key: str | None) -> int:
     serve.start(http_options={"host": args.host, "port": port})
     serve.run(build_app(args, key), name="rwkv-engine", route_prefix="/")
     shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"rwkv-engine serve: {args.served_model_name or _name(args)} on http://{shown}:{port}/v1 "
-          f"(Ray Serve, {args.replicas} replicas, max batch {args.max_batch} each)", file=sys.stderr, flush=True)
+    print(
+        f"rwkv-engine serve: {args.served_model_name or _name(args)} on http://{shown}:{port}/v1 "
+        f"(Ray Serve, {args.replicas} replicas, max batch {args.max_batch} each)",
+        file=sys.stderr,
+        flush=True,
+    )
     warning = exposure_warning(args.host, key)
     if warning:
         print("\n".join(["", "!" * 78, warning, "!" * 78, ""]), file=sys.stderr, flush=True)
@@ -520,10 +571,17 @@ def batch_on_ray(args: argparse.Namespace, lines, write) -> None:
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     per_block = max(1, 2 * args.max_batch)
-    ds = ray.data.from_items([{"number": line.number, "text": line.text} for line in lines],
-                             override_num_blocks=max(1, -(-len(lines) // per_block)))
-    ds = ds.map_batches(BatchWorker, fn_constructor_args=(args,), batch_size=per_block,
-                        compute=ray.data.ActorPoolStrategy(size=args.workers), num_cpus=args.worker_cpus)
+    ds = ray.data.from_items(
+        [{"number": line.number, "text": line.text} for line in lines],
+        override_num_blocks=max(1, -(-len(lines) // per_block)),
+    )
+    ds = ds.map_batches(
+        BatchWorker,
+        fn_constructor_args=(args,),
+        batch_size=per_block,
+        compute=ray.data.ActorPoolStrategy(size=args.workers),
+        num_cpus=args.worker_cpus,
+    )
     try:
         for row in ds.iter_rows():
             write(json.loads(row["answer"]))

@@ -34,7 +34,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
-from typing import Callable
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from . import protocol as p
@@ -82,9 +82,16 @@ class Guard:
     count_error(status): called for every error answer the guard gives.
     """
 
-    def __init__(self, app, *, api_key: str | None = None, allowed_hosts: tuple[str, ...] | None = None,
-                 cors_origins: tuple[str, ...] = (), body_timeout: float = 30.0,
-                 count_error: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        app,
+        *,
+        api_key: str | None = None,
+        allowed_hosts: tuple[str, ...] | None = None,
+        cors_origins: tuple[str, ...] = (),
+        body_timeout: float = 30.0,
+        count_error: Callable[[int], None] | None = None,
+    ):
         self.app = app
         self.api_key = api_key
         self.allowed_hosts = None if allowed_hosts is None else {host_name(h).rstrip(".") for h in allowed_hosts}
@@ -105,8 +112,12 @@ class Guard:
     async def _reply(self, send, status: int, message: str, code: str, extra: list | None = None) -> None:
         self.count_error(status)
         data = error_body(status, message, code)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
-                   (b"connection", b"close"), *(extra or [])]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            (b"connection", b"close"),
+            *(extra or []),
+        ]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
@@ -123,8 +134,13 @@ class Guard:
 
         host = headers.get("host")
         if not self._host_allowed(host):
-            return await self._reply(send, 403, f"the Host header {quoted(host)} is not a name of this server "
-                                                "(start it with --allowed-host NAME to allow one)", "host_not_allowed")
+            return await self._reply(
+                send,
+                403,
+                f"the Host header {quoted(host)} is not a name of this server "
+                "(start it with --allowed-host NAME to allow one)",
+                "host_not_allowed",
+            )
 
         origin = headers.get("origin")
         cors = []
@@ -133,23 +149,36 @@ class Guard:
             if self._cors_allowed(origin):
                 cors = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
             elif not same:
-                return await self._reply(send, 403, f"requests from the web origin {quoted(origin)} are not allowed "
-                                                    "(start the server with --cors-origin ORIGIN to allow one)",
-                                         "origin_not_allowed")
+                return await self._reply(
+                    send,
+                    403,
+                    f"requests from the web origin {quoted(origin)} are not allowed "
+                    "(start the server with --cors-origin ORIGIN to allow one)",
+                    "origin_not_allowed",
+                )
             if cors and scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
                 return await self._preflight(send, cors)
 
         if self.api_key is not None and (path == "/v1" or path.startswith("/v1/")):
             if not key_matches(headers.get("authorization", ""), self.api_key):
-                return await self._reply(send, 401, "missing or incorrect API key: send the header "
-                                                    "'Authorization: Bearer KEY'", "invalid_api_key", extra=cors)
+                return await self._reply(
+                    send,
+                    401,
+                    "missing or incorrect API key: send the header 'Authorization: Bearer KEY'",
+                    "invalid_api_key",
+                    extra=cors,
+                )
 
         await self._forward(scope, receive, send, headers, cors)
 
     async def _preflight(self, send, cors: list) -> None:
-        headers = [*cors, (b"access-control-allow-methods", CORS_METHODS.encode()),
-                   (b"access-control-allow-headers", CORS_HEADERS.encode()),
-                   (b"access-control-max-age", CORS_MAX_AGE.encode()), (b"content-length", b"0")]
+        headers = [
+            *cors,
+            (b"access-control-allow-methods", CORS_METHODS.encode()),
+            (b"access-control-allow-headers", CORS_HEADERS.encode()),
+            (b"access-control-max-age", CORS_MAX_AGE.encode()),
+            (b"content-length", b"0"),
+        ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
 
@@ -159,8 +188,12 @@ class Guard:
         deadline = loop.time() + self.body_timeout
         chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         length = headers.get("content-length", "0").strip()
-        state = {"body_done": not chunked and (not length.isdigit() or int(length) == 0),
-                 "started": False, "timed_out": False, "replied": False}
+        state = {
+            "body_done": not chunked and (not length.isdigit() or int(length) == 0),
+            "started": False,
+            "timed_out": False,
+            "replied": False,
+        }
 
         async def timed_receive():
             if state["body_done"] or state["timed_out"]:
@@ -171,8 +204,13 @@ class Guard:
                 state["timed_out"] = True
                 if not state["started"]:
                     state["started"] = state["replied"] = True
-                    await self._reply(send, 408, f"the request body did not arrive within {self.body_timeout:g} s",
-                                      "timeout", extra=cors)
+                    await self._reply(
+                        send,
+                        408,
+                        f"the request body did not arrive within {self.body_timeout:g} s",
+                        "timeout",
+                        extra=cors,
+                    )
                 return {"type": "http.disconnect"}  # the app sees a client that went away
             if message["type"] != "http.request" or not message.get("more_body", False):
                 state["body_done"] = True

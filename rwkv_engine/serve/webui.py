@@ -36,7 +36,7 @@ _COMMON_HEADERS = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosni
 _PAGE_HEADERS = {
     **_COMMON_HEADERS,
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
-                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "Referrer-Policy": "no-referrer",
 }
 
@@ -60,11 +60,19 @@ class _File:
 
 def router(defaults: SamplingParams, max_tokens: int) -> APIRouter:
     """The routes of the page; `defaults` and `max_tokens` are what a chat request gets for fields it omits."""
-    shown = {"temperature": defaults.temperature, "top_p": defaults.top_p, "max_tokens": max_tokens,
-             "presence_penalty": defaults.presence_penalty, "frequency_penalty": defaults.frequency_penalty}
+    shown = {
+        "temperature": defaults.temperature,
+        "top_p": defaults.top_p,
+        "max_tokens": max_tokens,
+        "presence_penalty": defaults.presence_penalty,
+        "frequency_penalty": defaults.frequency_penalty,
+    }
     page_text = (STATIC / "index.html").read_text(encoding="utf-8")
-    page = _File(page_text.replace(DEFAULTS_MARK, html.escape(json.dumps(shown))).encode(),
-                 "text/html; charset=utf-8", _PAGE_HEADERS)
+    page = _File(
+        page_text.replace(DEFAULTS_MARK, html.escape(json.dumps(shown))).encode(),
+        "text/html; charset=utf-8",
+        _PAGE_HEADERS,
+    )
     assets = {name: _File((STATIC / name).read_bytes(), kind, _COMMON_HEADERS) for name, kind in ASSETS.items()}
 
     r = APIRouter(include_in_schema=False)

@@ -11,19 +11,192 @@ from __future__ import annotations
 import itertools
 import random
 
-_WORDS = (
-    "the of and to a in is that for it as was with be by on not he this are or his from at which "
-    "but have an they you were her she there would their we him been has when who will more no if "
-    "out so said what up its about into than them can only other new some could time these two may "
-    "then do first any my now such like our over man me even most made after also did many before "
-    "must through back years where much your way well down should because each just those people "
-    "how too little state good very make world still own see men work long get here between both "
-    "life being under never day same another know while last might us great old year off come "
-    "since against go came right used take three model language network recurrent attention state "
-    "token inference memory kernel tensor matrix vector layer weight training dataset benchmark "
-    "throughput latency quantization embedding"
-).split()
-_NAMES = "x y i n k value result data items config state model tokens buffer offset".split()
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "a",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "was",
+    "with",
+    "be",
+    "by",
+    "on",
+    "not",
+    "he",
+    "this",
+    "are",
+    "or",
+    "his",
+    "from",
+    "at",
+    "which",
+    "but",
+    "have",
+    "an",
+    "they",
+    "you",
+    "were",
+    "her",
+    "she",
+    "there",
+    "would",
+    "their",
+    "we",
+    "him",
+    "been",
+    "has",
+    "when",
+    "who",
+    "will",
+    "more",
+    "no",
+    "if",
+    "out",
+    "so",
+    "said",
+    "what",
+    "up",
+    "its",
+    "about",
+    "into",
+    "than",
+    "them",
+    "can",
+    "only",
+    "other",
+    "new",
+    "some",
+    "could",
+    "time",
+    "these",
+    "two",
+    "may",
+    "then",
+    "do",
+    "first",
+    "any",
+    "my",
+    "now",
+    "such",
+    "like",
+    "our",
+    "over",
+    "man",
+    "me",
+    "even",
+    "most",
+    "made",
+    "after",
+    "also",
+    "did",
+    "many",
+    "before",
+    "must",
+    "through",
+    "back",
+    "years",
+    "where",
+    "much",
+    "your",
+    "way",
+    "well",
+    "down",
+    "should",
+    "because",
+    "each",
+    "just",
+    "those",
+    "people",
+    "how",
+    "too",
+    "little",
+    "state",
+    "good",
+    "very",
+    "make",
+    "world",
+    "still",
+    "own",
+    "see",
+    "men",
+    "work",
+    "long",
+    "get",
+    "here",
+    "between",
+    "both",
+    "life",
+    "being",
+    "under",
+    "never",
+    "day",
+    "same",
+    "another",
+    "know",
+    "while",
+    "last",
+    "might",
+    "us",
+    "great",
+    "old",
+    "year",
+    "off",
+    "come",
+    "since",
+    "against",
+    "go",
+    "came",
+    "right",
+    "used",
+    "take",
+    "three",
+    "model",
+    "language",
+    "network",
+    "recurrent",
+    "attention",
+    "state",
+    "token",
+    "inference",
+    "memory",
+    "kernel",
+    "tensor",
+    "matrix",
+    "vector",
+    "layer",
+    "weight",
+    "training",
+    "dataset",
+    "benchmark",
+    "throughput",
+    "latency",
+    "quantization",
+    "embedding",
+]
+_NAMES = [
+    "x",
+    "y",
+    "i",
+    "n",
+    "k",
+    "value",
+    "result",
+    "data",
+    "items",
+    "config",
+    "state",
+    "model",
+    "tokens",
+    "buffer",
+    "offset",
+]
 _KEYWORDS = ("def", "return", "if", "else:", "for", "in", "while", "import", "class", "with", "not")
 _CJK = (
     "的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出就分对成会可主发年动同工也能下过子说"
@@ -33,14 +206,33 @@ _CJK = (
     "位入常文总次品式活设及管特件长求老头基资边流路级少图山统接知较将组见计别她手角期根论运农指几九区强"
     "放决西被干做必战先回则任取据处理世车点语言模型推理记忆网络状态"
 )
-_KANA = "あいうえおかきくけこさしすせそたちつてとなにぬねのはひふへほまみむめもやゆよらりるれろわをんアイウエオカキクケコ"
+_KANA = (
+    "あいうえおかきくけこさしすせそたちつてとなにぬねのはひふへほまみむめもやゆよらりるれろわをんアイウエオカキクケコ"
+)
 _HANGUL = "가나다라마바사아자차카타파하한국어모델언어토큰추론"
 _CJK_PUNCT = "，。！？、：；「」（）"
 _EMOJI = "😀😃😄😁😆😅😂🤣😊😇🙂🙃😉😌😍🥰😘🤔🤗🤩🥳😎🚀🌍🌟🔥✨🎉🎈💡📚🧠⚡🐍🦀🍕☕🏆✅❌"
 _SKIN = "🏻🏼🏽🏾🏿"
 _ZWJ_SEQ = ("👨\u200d👩\u200d👧\u200d👦", "👩\u200d💻", "🏳\ufe0f\u200d🌈", "🧑\u200d🚀", "❤\ufe0f\u200d🔥")
-_LATIN = ("café", "naïve", "façade", "über", "Straße", "señor", "déjà", "crème", "brûlée", "Øresund",
-          "привет", "мир", "модель", "язык", "ελληνικά", "שלום", "مرحبا")
+_LATIN = (
+    "café",
+    "naïve",
+    "façade",
+    "über",
+    "Straße",
+    "señor",
+    "déjà",
+    "crème",
+    "brûlée",
+    "Øresund",
+    "привет",
+    "мир",
+    "модель",
+    "язык",
+    "ελληνικά",
+    "שלום",
+    "مرحبا",
+)
 
 
 _WORD_CUM_WEIGHTS = list(itertools.accumulate(1.0 / (k + 1) ** 0.8 for k in range(len(_WORDS))))
@@ -66,14 +258,16 @@ def _code(rng: random.Random) -> str:
         a, b = rng.sample(_NAMES, 2)
         lines.append(
             indent
-            + rng.choice((
-                f"{a} = {b} * {rng.randint(0, 99)} + {rng.choice(_NAMES)}[{rng.randint(0, 9)}]",
-                f"if {a} is not None and len({b}) > {rng.randint(1, 64)}:",
-                f"for {a} in range({rng.randint(1, 512)}):",
-                f"return {{'{a}': {b}, \"{rng.choice(_NAMES)}\": {rng.random():.3f}}}",
-                f"# {' '.join(rng.choices(_WORDS, k=rng.randint(3, 9)))}",
-                f"{a}.append(({b} << 2) ^ 0x{rng.randrange(1 << 16):04x})",
-            ))
+            + rng.choice(
+                (
+                    f"{a} = {b} * {rng.randint(0, 99)} + {rng.choice(_NAMES)}[{rng.randint(0, 9)}]",
+                    f"if {a} is not None and len({b}) > {rng.randint(1, 64)}:",
+                    f"for {a} in range({rng.randint(1, 512)}):",
+                    f"return {{'{a}': {b}, \"{rng.choice(_NAMES)}\": {rng.random():.3f}}}",
+                    f"# {' '.join(rng.choices(_WORDS, k=rng.randint(3, 9)))}",
+                    f"{a}.append(({b} << 2) ^ 0x{rng.randrange(1 << 16):04x})",
+                )
+            )
         )
     return "\n".join(lines) + "\n"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import codecs
-from typing import Iterable
+from collections.abc import Iterable
 
 from rwkv_engine.errors import TokenizerError
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from rwkv_engine.errors import TokenizerError
 
@@ -95,9 +95,7 @@ class HFTokenizer:
 
         newline, double_newline = self.encode("\n"), self.encode("\n\n")
         self._newline_fix = (
-            (double_newline[0], [newline[0], newline[0]])
-            if len(newline) == 1 and len(double_newline) == 1
-            else None
+            (double_newline[0], [newline[0], newline[0]]) if len(newline) == 1 and len(double_newline) == 1 else None
         )
 
     def _byte_table(self, vocab: dict[str, int]) -> list[bytes]:
@@ -124,9 +122,7 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens."""
         if not isinstance(text, str):
-            raise TokenizerError(
-                f"encode() takes a str, not {type(text).__name__}; use encode_bytes() for bytes"
-            )
+            raise TokenizerError(f"encode() takes a str, not {type(text).__name__}; use encode_bytes() for bytes")
         try:
             return self._tok.encode(text, add_special_tokens=False).ids
         except Exception as e:  # e.g. a lone surrogate, which is not valid text

@@ -20,8 +20,8 @@ import ast
 import functools
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from rwkv_engine.errors import TokenizerError
 
@@ -93,7 +93,7 @@ def parse_vocab(text: str, source: str = "<vocab>") -> dict[int, bytes]:
         try:
             value = _parse_literal(line[first + 1 : last])
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as e:
-            raise TokenizerError(f"{where}: bad token literal {line[first + 1:last][:80]!r} ({e})") from None
+            raise TokenizerError(f"{where}: bad token literal {line[first + 1 : last][:80]!r} ({e})") from None
         if isinstance(value, str):
             try:
                 value = value.encode("utf-8")
@@ -105,9 +105,7 @@ def parse_vocab(text: str, source: str = "<vocab>") -> dict[int, bytes]:
         if idx >= _MAX_ID:
             raise TokenizerError(f"{where}: token id {idx} is too large (at most {_MAX_ID - 1})")
         if len(value) != int(length_text):
-            raise TokenizerError(
-                f"{where}: token {idx} has {len(value)} bytes but the line says {int(length_text)}"
-            )
+            raise TokenizerError(f"{where}: token {idx} has {len(value)} bytes but the line says {int(length_text)}")
         if not value:
             raise TokenizerError(f"{where}: token {idx} is empty")
         if idx in tokens:
@@ -132,9 +130,7 @@ def _load_vocab(path: str, mtime_ns: int, size: int) -> tuple[bytes | None, ...]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise TokenizerError(
-            f"{path}: not UTF-8 text (byte {e.start}); is this a World vocab file?"
-        ) from None
+        raise TokenizerError(f"{path}: not UTF-8 text (byte {e.start}); is this a World vocab file?") from None
     tokens = parse_vocab(text, source=path)
     table: list[bytes | None] = [None] * max(VOCAB_ROWS, max(tokens) + 1)
     for idx, value in tokens.items():
@@ -184,9 +180,7 @@ class _PythonTrie:
     the input itself until it lands on a piece start again.
     """
 
-    _PIECES = re.compile(
-        rb" ?[A-Za-z\x80-\xff]+| ?[0-9]+| ?[^\sA-Za-z0-9\x80-\xff]+|\s+|.", re.DOTALL
-    )
+    _PIECES = re.compile(rb" ?[A-Za-z\x80-\xff]+| ?[0-9]+| ?[^\sA-Za-z0-9\x80-\xff]+|\s+|.", re.DOTALL)
     _CACHE_MAX_PIECE = 48  # longer pieces are matched but not cached
     _CACHE_MAX_ENTRIES = 100_000
 
@@ -380,15 +374,12 @@ class WorldTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (UTF-8 encoded). A lone surrogate raises TokenizerError."""
         if not isinstance(text, str):
-            raise TokenizerError(
-                f"encode() takes a str, not {type(text).__name__}; use encode_bytes() for bytes"
-            )
+            raise TokenizerError(f"encode() takes a str, not {type(text).__name__}; use encode_bytes() for bytes")
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise TokenizerError(
-                f"the text has a lone surrogate {text[e.start]!r} at index {e.start}, "
-                "which is not encodable as UTF-8"
+                f"the text has a lone surrogate {text[e.start]!r} at index {e.start}, which is not encodable as UTF-8"
             ) from None
         return self._encode(data)
 

@@ -100,13 +100,24 @@ _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 _AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
 LEVELS = (  # per architecture, lowest first
     Level("avx2", "x86_64", _AVX2, frozenset({"avx2", "fma", "f16c"})),
-    Level("avx512", "x86_64", _AVX2 + _AVX512,
-          frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})),
-    Level("avx512_vnni", "x86_64", _AVX2 + _AVX512 + ("-mavx512vnni",),
-          frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})),
-    Level("avx512_bf16", "x86_64", _AVX2 + _AVX512 + ("-mavx512vnni", "-mavx512bf16"),
-          frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
-                     "avx512_bf16"})),
+    Level(
+        "avx512",
+        "x86_64",
+        _AVX2 + _AVX512,
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    ),
+    Level(
+        "avx512_vnni",
+        "x86_64",
+        _AVX2 + _AVX512 + ("-mavx512vnni",),
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+    ),
+    Level(
+        "avx512_bf16",
+        "x86_64",
+        _AVX2 + _AVX512 + ("-mavx512vnni", "-mavx512bf16"),
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}),
+    ),
     Level("neon", "aarch64", ("-march=armv8-a",), frozenset()),
     Level("neon_dotprod", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimddp"})),
 )
@@ -299,7 +310,7 @@ def _load_bindings(base: Level, verbose: bool):
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(verbose: bool = False):
     """The compiled kernel module using the chosen ISA level, or None where there is none (reason
     logged once)."""

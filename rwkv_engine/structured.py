@@ -8,7 +8,7 @@ bias and penalties and before top-p / top-k / temperature, so constrained and un
 sequences share a decode step; a row without a constraint is untouched.
 
 Why llguidance and not xgrammar (both were measured on the World vocabulary, 65536 tokens,
-benchmarks/bench_structured.py; numbers in the README): both gave valid JSON on every walk over
+benchmarks/bench_structured.py; numbers in docs/performance.md): both gave valid JSON on every walk over
 the byte-level World tokens, and their per-step mask costs are of the same order (a fraction of
 a millisecond, far below a decode step). llguidance compiles a schema lazily (about 1 ms
 against tens of ms), and it has no dependencies, where xgrammar requires torch, transformers

@@ -1,6 +1,6 @@
 """`rwkv-engine verify`: layer-by-layer error between two configurations of one checkpoint.
 
-Documented magnitudes (README "verify"), on these random models: fp32 against fp32 is exactly 0;
+Documented magnitudes (docs/evaluation.md, "verify"), on these random models: fp32 against fp32 is exactly 0;
 bf16 against fp32 puts every layer's hidden state between 1e-3 and 3e-2; q4 (default policy)
 against fp32 moves the logits by 0.02-0.4, and its error first jumps in block 2, the first int4 one
 (blocks 0-1 are int8); the official rwkv package agrees within 1e-5.

@@ -1,4 +1,4 @@
-"""`rwkv-engine serve MODEL`: an OpenAI-compatible HTTP server (see docs/serve.md).
+"""`rwkv-engine serve MODEL`: an OpenAI-compatible HTTP server (see docs/server.md).
 
 Loads the model, starts the engine (rwkv_engine/serve/engine.py) and serves the FastAPI app
 (rwkv_engine/serve/app.py) with uvicorn on --host:--port, 127.0.0.1:8000 by default. The

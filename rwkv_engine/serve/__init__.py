@@ -13,5 +13,5 @@ Three layers, each usable without the ones above it:
                the engine and streams the answer back (SSE).
 
 `metrics` renders the engine's counters in the Prometheus text format. The command line is
-`rwkv_engine/cli/serve.py`; docs/serve.md is the user guide.
+`rwkv_engine/cli/serve.py`; docs/server.md is the user guide.
 """

@@ -41,8 +41,7 @@ from rwkv_engine.quant import primitives as P
 Tensor = torch.Tensor
 
 # Rows of x up to which the GEMV kernels are used (8 rows per pass over the weight); above,
-# dequantized tiles + GEMM. Measured on 7168x2048 (benchmarks/bench_kernels.py, crossover):
-# the GEMV is faster up to 16 rows for bf16, int8 and int4, about even at 32.
+# dequantized tiles + GEMM. The crossover of `benchmarks/bench_kernels.py` (docs/performance.md).
 GEMV_MAX_ROWS = 16
 # Weight rows dequantized per GEMM call in prefill.
 PREFILL_TILE = 1024

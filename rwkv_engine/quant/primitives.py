@@ -31,10 +31,8 @@ Column scales (optional, both formats)
     the stored codes quantize W / c (column k divided by c[k]); the weight is dequant(...) * c,
     and a kernel multiplies x by c instead: W x = dequant(W / c) (c * x).
 
-Dividing by c evens out the columns, so a few large columns no longer set every group's range.
-Measured on heavy-tailed random weights (testing.random_state_dict(outliers=True)): layer output
-error int8 g128 0.016 -> 0.0065, int4 g32 0.095 -> 0.076; logits of a 4-layer model q8 0.138 ->
-0.038 and q4 0.544 -> 0.399 (the `rwkv` package's own int8, fp32i8, gives 0.093 there).
+Dividing by c evens out the columns, so a few large columns no longer set every group's range
+(the error it saves: docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -216,16 +214,8 @@ def _int4_position(w: Tensor, scales: Tensor, biases: Tensor | None) -> Tensor:
 
 
 # Range shrink factors tried per group by `quantize_int4(search=True)`.
-SEARCH_SHRINKS = (1.0, 0.95, 0.90, 0.85)  # 7 or 16 factors measured no better
-# Other int4 quantizers measured against this search (weight error over the matrices of the
-# 4-layer RWKV-5.2 model of tests/test_quant_quality.py: 0.0758 here, 0.0780 without search):
-# 31 shrinks 1.0-0.70: 0.0750; min and max shrunk independently (8 x 8): 0.0712; a least-squares
-# refit of scale and bias given the codes, alternated 6 times from each shrink (llama.cpp's
-# make_qkx idea, same format): 0.0704, which lowers the logits error by 5-10% on average over
-# model seeds (within the spread of one model). Non-uniform 16-entry codebooks (a format change;
-# one vpshufb to decode): IQ4_NL scale only 0.0740 at 4.5 bits/weight, NF4 scale only 0.0791,
-# NF4 with a bias 0.0741, a k-means codebook with a bias 0.0680. None closes the gap to the q4
-# target alone (it needs the error about halved); the refit is the one worth a native twin.
+SEARCH_SHRINKS = (1.0, 0.95, 0.90, 0.85)
+# More factors, refits and codebooks were compared and none halves the error (docs/quantization.md).
 
 
 def quantize_int4(

@@ -26,9 +26,8 @@ and group size; `Scheme.dtype` carries the B part for the loader:
 
 MLC's `_0` / `_1` differ only in its storage layout and `_2` in leaving the embedding and the
 final projection unquantized; our default policy keeps the head (and blocks 0-1) of a q4 model at
-8 bits. MLC's int4 is symmetric; ours has a zero point (measured: 30% lower output error at group
-32 on heavy-tailed weights; `python benchmarks/bench_kernels.py --only errors`). The names only
-select a scheme: MLC weight files are not read.
+8 bits. MLC's int4 is symmetric; ours has a zero point (lower error on heavy-tailed weights). The
+names only select a scheme: MLC weight files are not read.
 
 Policy: which matrices get what. `quantize_model` considers every `nn.Linear` without a bias and
 asks, in this order:
@@ -36,46 +35,18 @@ asks, in this order:
 1. the user `policy`: a dict {glob pattern on the module name: action} (first matching pattern
    wins) or a callable (name, module) -> action or None (None: fall through);
 2. the default policy of the scheme:
-   * `head` in a q4 scheme -> "q8" (int4 on the output projection costs the most accuracy for the
-     least speed: measured 9.7% vs 1.6% relative logit error on heavy-tailed 16384 x 2048 random
-     weights, for about 6% more weight bytes per token of a 1.5B model);
-   * the first Q4_Q8_BLOCKS (2) blocks (`blocks.0.*`, `blocks.1.*`) in a q4 scheme -> "q8". An
-     int4 error made early passes through every later block and grows on the way: with only
-     block i in int4 the logits error is 0.64 / 0.33 / 0.29 / 0.16 / 0.05 / 0.03 for
-     i = 0 / 1 / 2 / 3 / 12 / 23 of a 24-layer heavy-tailed random model. Within a block no
-     matrix dominates (each one alone in int4 in block 0 moves the logits by 0.06-0.15 on the
-     4-layer model; att.key/value/receptance are no worse than the rest), so more bits by
-     position beat more bits by matrix. Measured (`python benchmarks/bench_quant_quality.py`),
-     logits against fp32, RWKV-5.2 / RWKV-7, bits per weight read on the 1.5B shape
-     (24 x 2048, vocab 65536, the head counted):
-
-         int4 blocks (group 32), head q8   bits/w (1.5B)   4 x 512 (test)   24 x 256
-         all blocks                        5.33 / 5.36     0.40 / 0.32      0.68 / 0.48
-         all but block 0                   5.46 / 5.49     0.21 / 0.17      0.48 / 0.28
-         all but blocks 0-1 (default)      5.60 / 5.62     0.13 / 0.12      0.39 / 0.25
-         all but blocks 0-2                5.73 / 5.75     0.08 / 0.07      0.35 / 0.22
-         block 0 q8 + att.k/v/r q8         6.17 / 6.24     0.17 / 0.15      0.43 / 0.26
-         block 0 q8 + att.* q8             6.63 / 6.49     0.15 / 0.15      0.42 / 0.25
-         group 128, all but blocks 0-1     4.97 / 5.00     0.16 / 0.14      0.50 / 0.31
-         group 128, all but blocks 0-5     5.61 / 5.64         -            0.29 / 0.23
-
-     Two blocks take the 4-layer model under the 0.15 target for 0.13 bits per weight more than
-     one; on a real 24-layer shape they are 8% of the blocks. (The 4-layer model then has half
-     of its blocks at 8 bits: the 24 x 256 column is the fairer view of a deep model, where no
-     q4 mix under 7.5 bits per weight reaches 0.15; q8 gives 0.05 / 0.03 there.) Group 128 with
-     six leading blocks at 8 bits beats the default there for the same bytes (last row); the
-     default stays at group 32, the group size the q4 target is set for. The GroupNorm after
-     the WKV is not where the error grows: its output error is 1.0-1.3x its input error at
-     almost every position, and the logits error is about flat over the positions. llama.cpp's
-     k-quant mixes also give early layers more bits;
-   * the first block in a q8 scheme -> 16-bit (bf16; fp16 in an fp16 model), for the same reason:
-     logits error 0.031 -> 0.019 (RWKV-5.2) and 0.024 -> 0.022 (RWKV-7) on the quality test's
-     model, 0.070 -> 0.057 and 0.040 -> 0.032 on the 24-layer one, for 3.4% more bytes there;
-   * matrices of fewer than MIN_QUANT_WEIGHTS (65536) weights -> "keep": their GEMV is a few
-     microseconds of fixed per-call cost whatever the format (measured: a 256 x 256 matrix saves
-     about 2 us per call at 4 bits), and low-rank (LoRA-shaped) projections are the most
-     sensitive to rounding. Every matrix of a real RWKV model is far larger;
+   * `head` in a q4 scheme -> "q8": int4 on the output projection costs the most accuracy for
+     the least speed;
+   * the first Q4_Q8_BLOCKS (2) blocks in a q4 scheme -> "q8": an int4 error made early grows
+     through every later block, and no single matrix of a block dominates, so bits by position
+     beat bits by matrix;
+   * the first block in a q8 scheme -> 16-bit (bf16; fp16 in an fp16 model), for the same reason;
+   * matrices of fewer than MIN_QUANT_WEIGHTS (65536) weights -> "keep": their GEMV costs a
+     fixed few microseconds whatever the format, and low-rank projections are the most
+     sensitive to rounding;
    * everything else -> the scheme.
+
+The measurements behind these choices are in docs/quantization.md.
 
 Actions: a scheme name or alias ("q4", "q8", "q0bf16", ...; group size from the call) or "keep"
 (leave the module as it is).

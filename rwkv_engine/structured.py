@@ -114,6 +114,18 @@ class Grammar:
         error = llg.LLMatcher.validate_grammar(lark_or_json, self._tokenizer)
         if error and not error.startswith("WARNING"):
             raise InputError(f"{what} cannot be used: {error.splitlines()[0]}")
+        self._check_productive(what)
+
+    def _check_productive(self, what: str) -> None:
+        """Refuse a grammar that matches nothing: a schema such as {"$ref": "#"} validates, but its
+        matcher allows no first token but end of text (and then fails), which would end the
+        answer at once with an empty "stop"."""
+        m = self.matcher()
+        bits = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)[None]
+        allowed = unpack_bits(bits, self.vocab_size)[0]
+        allowed[EOS_TOKEN_ID] = False
+        if m.is_error() or not bool(allowed.any()):
+            raise InputError(f"{what} cannot be used: it matches no value (a $ref that only refers to itself?)")
 
     def matcher(self):
         llg = _llguidance()
@@ -137,7 +149,7 @@ class Constraint:
     @property
     def complete(self) -> bool:
         """The grammar has matched a whole answer (only end of text may follow)."""
-        return self._m.is_stopped() or self._m.is_accepting()
+        return not self._m.is_error() and (self._m.is_stopped() or self._m.is_accepting())
 
     def matchers(self, index: int) -> list:
         """(llguidance matcher, bitmask row) pairs the batched mask fill computes for this row."""
@@ -145,6 +157,11 @@ class Constraint:
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of `bitmask`, where it is not computed by `matchers` (nothing here)."""
+
+    def raise_if_failed(self) -> None:
+        """A matcher in error allows only end of text: that must end the answer with an error, not a "stop"."""
+        if self._m is not None and self._m.is_error():
+            raise RWKVEngineError(f"the grammar failed: {self._m.get_error().splitlines()[0]}")
 
     def accept(self, token: int) -> None:
         if not self._m.consume_token(int(token)):
@@ -251,6 +268,8 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[tuple[int, Constraint]]) ->
         c.fill(bitmask, j)
     if pairs:  # what llguidance.torch.fill_next_token_bitmask_par does, without importing that module
         _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+    for _, c in rows:
+        c.raise_if_failed()
     allowed = _unpacked(bitmask, V)
     cpu = logits.device.type == "cpu" and logits.is_contiguous() and logits.dtype == torch.float32
     values = logits.numpy() if cpu else None

@@ -170,6 +170,40 @@ def test_bad_requests(tiny):
         rwkv_engine.generate(model, tok, "x", SamplingParams(json_object=True, stop_token_ids=()))
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    ],
+)
+def test_schema_that_matches_nothing_is_refused(tiny, schema):
+    """Issue 28 R4: a schema that validates but matches no value was answered with "" and
+    finish_reason "stop"; it is refused as unusable instead."""
+    model, tok = tiny
+    with pytest.raises(InputError, match="JSON schema cannot be used: it matches no value"):
+        rwkv_engine.generate(model, tok, "x", SamplingParams(json_schema=schema, max_tokens=5))
+
+
+def test_a_failed_matcher_is_an_error_not_a_stop():
+    """R4, second half: a matcher that fails mid-answer makes the mask step raise, never a silent stop."""
+    from rwkv_engine.errors import RWKVEngineError
+    from rwkv_engine.structured import Constraint, apply_masks
+
+    class Failed:
+        def is_error(self):
+            return True
+
+        def get_error(self):
+            return "parser died"
+
+    c = Constraint(Failed())
+    c.matchers = lambda index: []
+    assert not c.complete
+    with pytest.raises(RWKVEngineError, match="grammar failed: parser died"):
+        apply_masks(torch.zeros(1, 64), [(0, c)])
+
+
 def test_bitmask_packing_matches_llguidance_layout():
     allowed = torch.rand(3, 65536) < 0.5
     assert torch.equal(unpack_bits(pack_bits(allowed), 65536), allowed)

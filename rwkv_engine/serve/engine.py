@@ -4,9 +4,11 @@ One thread, the engine thread, owns the model. Each turn of its loop it
 
 1. drops cancelled requests (their batch slot is free for the next turn) and admits waiting
    requests while fewer than `max_batch` hold a slot;
-2. prefills up to `prefill_chunk` prompt tokens: the next chunk of the oldest admitted request
-   whose prompt is not read yet, then (if the budget is not spent) of the next one; a prompt
-   that is done samples its first token and joins the decoding batch;
+2. prefills up to `prefill_chunk` prompt tokens, round-robin over the admitted requests whose
+   prompt is not read yet: the next chunk of the first, which then goes to the back of the line,
+   then (if the budget is not spent) of the next one; a prompt that is done samples its first
+   token and joins the decoding batch. So a short prompt that arrives while a long one is
+   being read waits for about one chunk of it, not for the whole of it;
 3. runs one decode step for every decoding request together: their last tokens as [B, 1]
    through `model.forward` (one call per GEMV_MAX_ROWS rows on the CPU, see below), their
    states concatenated into one batch `State` [B, ...], then `Sampler.sample_batch`, each row
@@ -469,7 +471,8 @@ class Engine:
         self._batch = self._batch[keep] if keep else None
 
     def _prefill_step(self) -> int:
-        """Prefill the next chunk of the oldest prefilling request; the number of tokens (>= 1)."""
+        """Prefill the next chunk of the first prefilling request, then move it to the back of the
+        line (round-robin); the number of tokens (>= 1)."""
         seq = self._prefilling[0]
         req, chunk = seq.request, self.config.prefill_chunk
         ids = req.prompt_ids
@@ -503,13 +506,14 @@ class Engine:
                 self.cache.put(req.start_key, ids[:end], seq.state)
             done = end - start
             if end < len(ids):
+                self._prefilling.rotate(-1)
                 return done
             self._prefilling.popleft()
             self._first_token(seq, logits)
             return done
         except Exception as e:  # one request's failure must not stop the others
-            if self._prefilling and self._prefilling[0] is seq:
-                self._prefilling.popleft()
+            if seq in self._prefilling:
+                self._prefilling.remove(seq)
             self._fail(seq.group, e)
             return 1
 

@@ -1,0 +1,71 @@
+"""The Triton kernels behind `step.py` (this module imports triton; `step.py` imports it on first use)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wkv7_step_kernel(
+    r, k, v, w, a, b, s_in, y, s_out,
+    H, K, V,
+    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, sa_b, sa_h, sb_b, sb_h, sy_b, sy_h,
+    BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    i_bh = tl.program_id(0).to(tl.int64)  # offsets past 2**31 at large B x H x K x V
+    i_v = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+
+    b_r = tl.load(r + i_b * sr_b + i_h * sr_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_b * sk_b + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_lw = tl.load(w + i_b * sw_b + i_h * sw_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_a = tl.load(a + i_b * sa_b + i_h * sa_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_b = tl.load(b + i_b * sb_b + i_h * sb_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_b * sv_b + i_h * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+
+    p_s = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(s_in + p_s, mask=m_s, other=0.0)
+    # S <- diag(w) S + b (a^T S) + k v^T ; y = S^T r (the state after the update)
+    read = tl.sum(b_a[:, None] * b_s, axis=0)
+    b_s = tl.exp(b_lw)[:, None] * b_s + b_b[:, None] * read[None, :] + b_k[:, None] * b_v[None, :]
+    b_y = tl.sum(b_r[:, None] * b_s, axis=0)
+    tl.store(s_out + p_s, b_s, mask=m_s)
+    tl.store(y + i_b * sy_b + i_h * sy_h + o_v, b_y.to(y.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def wkv5_step_kernel(
+    r, k, v, w, u, s_in, y, s_out,
+    H, K, V,
+    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, su_h, sy_b, sy_h,
+    BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    i_bh = tl.program_id(0).to(tl.int64)  # offsets past 2**31 at large B x H x K x V
+    i_v = tl.program_id(1)
+    i_b = i_bh // H
+    i_h = i_bh % H
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_s = m_k[:, None] & m_v[None, :]
+
+    b_r = tl.load(r + i_b * sr_b + i_h * sr_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_b * sk_b + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_lw = tl.load(w + i_b * sw_b + i_h * sw_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_u = tl.load(u + i_h * su_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_b * sv_b + i_h * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+
+    p_s = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    b_s = tl.load(s_in + p_s, mask=m_s, other=0.0)
+    # y = r^T (u k v^T + S) with the state before the update; S <- diag(w) S + k v^T
+    b_kv = b_k[:, None] * b_v[None, :]
+    b_y = tl.sum(b_r[:, None] * (b_u[:, None] * b_kv + b_s), axis=0)
+    b_s = tl.exp(b_lw)[:, None] * b_s + b_kv
+    tl.store(s_out + p_s, b_s, mask=m_s)
+    tl.store(y + i_b * sy_b + i_h * sy_h + o_v, b_y.to(y.dtype.element_ty), mask=m_v)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import gpu
+
 Tensor = torch.Tensor
 
 
@@ -181,9 +183,15 @@ def wkv5_export(
 
 
 def wkv5(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """The one call site that picks the form: by sequence length, and the export form under torch.export."""
+    """The one call site that picks the form: the export form under torch.export; on CUDA the
+    Triton kernels (kernels/gpu: our fused step for one token, fla's RWKV-6 kernels for more) where
+    installed; else by sequence length."""
     if torch.compiler.is_exporting() and r.shape[1] > 1:  # one graph for any T, not T unrolled steps
         return wkv5_export(r, k, v, log_w, u, state)
+    if r.device.type == "cuda" and not torch.compiler.is_exporting():
+        out = gpu.wkv5_cuda(r, k, v, log_w, u, state)
+        if out is not None:
+            return out
     if r.shape[1] < 4:
         return wkv5_naive(r, k, v, log_w, u, state)
     return wkv5_chunked(r, k, v, log_w, u, state)

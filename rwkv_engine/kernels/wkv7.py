@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import gpu
 from .wkv5 import span_sums, strictly_lower
 
 Tensor = torch.Tensor
@@ -191,6 +192,7 @@ def _native_ops(r: Tensor, v: Tensor, state: Tensor):
         or state.dtype != torch.float32
         or v.shape[-1] != r.shape[-1]
         or r.shape[1] == 0
+        or torch.compiler.is_compiling()  # load() stats files: dynamo cannot trace it (the naive form runs)
     ):
         return None
     from .native import load
@@ -199,12 +201,17 @@ def _native_ops(r: Tensor, v: Tensor, state: Tensor):
 
 
 def wkv7(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, a: Tensor, b: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-    """The one call site that picks the form: the export form under torch.export; on the CPU with
-    the native kernels, their recurrence (token by token as `wkv7_naive`, in cache: at 512 tokens
-    of the 1.5B shape over 10x faster than the chunked form; any split of a prompt gives the bits
-    of one call); else by sequence length."""
+    """The one call site that picks the form: the export form under torch.export; on CUDA the
+    Triton kernels (kernels/gpu: our fused step for one token, fla's for more) where installed; on
+    the CPU with the native kernels, their recurrence (token by token as `wkv7_naive`, in cache: at
+    512 tokens of the 1.5B shape over 10x faster than the chunked form; any split of a prompt gives
+    the bits of one call); else by sequence length."""
     if torch.compiler.is_exporting() and r.shape[1] > 1:  # one graph for any T, not T unrolled steps
         return wkv7_export(r, k, v, log_w, a, b, state)
+    if r.device.type == "cuda" and not torch.compiler.is_exporting():
+        out = gpu.wkv7_cuda(r, k, v, log_w, a, b, state)
+        if out is not None:
+            return out
     ops = None if torch.compiler.is_exporting() else _native_ops(r, v, state)
     if ops is not None:
         return ops.wkv7(*(t.contiguous() for t in (r, k, v, torch.exp(log_w), a, b, state)))

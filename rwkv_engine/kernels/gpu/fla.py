@@ -84,10 +84,12 @@ def _ops():
 def _ieee_fp32_dots():
     try:
         from triton import knobs
-    except ImportError:  # triton < 3.4: no knobs, TRITON_F32_DEFAULT is read from the environment
+
+        scope = knobs.language.scope
+    except (ImportError, AttributeError):  # older triton: TRITON_F32_DEFAULT is read from the environment
         yield
         return
-    with knobs.language.scope():
+    with scope():
         knobs.language.fp32_default = "ieee"
         yield
 

@@ -140,3 +140,17 @@ def test_package_imports_without_triton_or_fla():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_wkv7_compiles_fullgraph_on_cpu():
+    """torch.compile(fullgraph=True) traces the dispatch (the native kernels' loader stats files,
+    which dynamo cannot trace: it is skipped while compiling) and gives the recurrence's bits."""
+    from rwkv_engine.kernels import wkv7, wkv7_naive
+
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(2, 1, 2, 8, generator=g) for _ in range(6)]
+    x[3] = -x[3].abs()
+    state = torch.randn(2, 2, 8, 8, generator=g)
+    y, s = torch.compile(wkv7, fullgraph=True, backend="eager")(*x, state)
+    y0, s0 = wkv7_naive(*x, state)
+    assert torch.equal(y, y0) and torch.equal(s, s0)

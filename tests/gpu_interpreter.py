@@ -145,8 +145,10 @@ def _inputs(case: dict):
         args = [r, k, v, log_w, randn(H, K)]
     args = [x.to(dt) for x in args]
     state = 0.5 * randn(B, H, K, K)
-    if case.get("strided"):  # views with batch / head strides of a wider tensor (unit last stride)
+    if case.get("strided"):  # views with batch / head strides of a wider tensor (unit last stride),
+        # the state as a layer's slice [:, 1] of a [B, L, H, K, V] model state
         args = [torch.cat([x, torch.zeros_like(x)], dim=-1)[..., :K] if x.dim() == 4 else x for x in args]
+        state = torch.stack([torch.zeros_like(state), state], dim=1)[:, 1]
     return args, state
 
 
@@ -166,7 +168,8 @@ def _run(case: dict) -> dict:
         fn = gpu.step.wkv7_step if kernel == "step7" else gpu.step.wkv5_step
         if case.get("inplace"):  # the CUDA-graph form: preallocated y, the state updated in place
             B, _, H, _ = args[0].shape
-            s, y = state.clone(), torch.full((B, 1, H, args[2].shape[-1]), float("nan"), dtype=args[0].dtype)
+            s = torch.stack([torch.zeros_like(state), state], dim=1)[:, 1] if case.get("strided") else state.clone()
+            y = torch.full((B, 1, H, args[2].shape[-1]), float("nan"), dtype=args[0].dtype)
             y2, s2 = fn(*args, s, out=y, state_out=s)
             assert y2 is y and s2 is s
         else:

@@ -38,7 +38,7 @@ CASES = [
     # our step kernels (T = 1)
     _case("step7", "fp32", 1, 1, 64),
     _case("step7", "fp32", 3, 1, 16, strided=True),
-    _case("step7", "fp32", 3, 1, 16, inplace=True),
+    _case("step7", "fp32", 3, 1, 16, inplace=True, strided=True),
     _case("step7", "fp16", 3, 1, 16),
     _case("step7", "fp16", 1, 1, 64),
     _case("step5", "fp32", 3, 1, 16),

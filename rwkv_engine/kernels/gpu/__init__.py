@@ -11,7 +11,8 @@ dtype, the state in fp32.
 
     step.wkv7_step(r, k, v, log_w, a, b, state, *, out=None, state_out=None) -> (y, state)
     step.wkv5_step(r, k, v, log_w, u, state, *, out=None, state_out=None)    -> (y, state)
-        T == 1, any B and H, one launch. Graph-safe: no host sync; allocates only y and the new
+        T == 1, any B and H, one launch. The state's [K, V] tiles must be contiguous, its rows and
+        heads may be strided (a layer's view state[:, i] of a whole-model state). Graph-safe: no host sync; allocates only y and the new
         state, nothing when `out` ([B, 1, H, V], unit last stride) and `state_out` are given;
         `state_out=state` updates the state in place. Needs triton; compiles on the first call
         per dtype / shape class: call once before capturing a graph. Inputs not modified.
@@ -44,11 +45,15 @@ def step_available() -> bool:
     return True
 
 
+def _tiles(state: Tensor) -> Tensor:
+    return state if step.tiles_contiguous(state) else state.contiguous()
+
+
 def wkv7_cuda(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, a: Tensor, b: Tensor, state: Tensor):
     """RWKV-7's WKV on CUDA tensors with our / fla's kernels, or None where they cannot run."""
     T = r.shape[1]
     if T == 1 and step_available():
-        return step.wkv7_step(r, k, v, log_w, a, b, state.contiguous())
+        return step.wkv7_step(r, k, v, log_w, a, b, _tiles(state))
     if T > 1 and fla.available():
         return fla.wkv7_fla(r, k, v, log_w, a, b, state)
     if T > 0:
@@ -60,7 +65,7 @@ def wkv5_cuda(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor, state: 
     """RWKV-5/6's WKV on CUDA tensors with our / fla's kernels, or None where they cannot run."""
     T = r.shape[1]
     if T == 1 and step_available():
-        return step.wkv5_step(r, k, v, log_w, u, state.contiguous())
+        return step.wkv5_step(r, k, v, log_w, u, _tiles(state))
     if T > 1 and fla.available():
         return fla.wkv6_fla(r, k, v, log_w, u, state)
     if T > 0:

@@ -49,19 +49,30 @@ def _blocks(B: int, H: int, K: int, V: int) -> tuple[int, int, int]:
     return BK, BV, -(-V // BV)
 
 
+def tiles_contiguous(s: Tensor) -> bool:
+    """Each [K, V] tile of s [..., K, V] is contiguous (what the kernels need of a state)."""
+    return s.stride(-1) == 1 and s.stride(-2) == s.shape[-1]
+
+
+def _state_ok(s: Tensor, B: int, H: int, K: int, V: int) -> bool:
+    """fp32 [B, H, K, V] with each [K, V] tile contiguous (rows and heads at any stride: a layer's
+    slice of a whole-model state)."""
+    return s.dtype == torch.float32 and tuple(s.shape) == (B, H, K, V) and tiles_contiguous(s)
+
+
 def _outputs(r: Tensor, state: Tensor, B: int, H: int, K: int, V: int, out, state_out) -> tuple[Tensor, Tensor]:
-    if state.dtype != torch.float32 or tuple(state.shape) != (B, H, K, V) or not state.is_contiguous():
+    if not _state_ok(state, B, H, K, V):
         raise ValueError(
-            f"state: expected a contiguous fp32 tensor {(B, H, K, V)}, got {state.dtype} {tuple(state.shape)}"
+            f"state: expected fp32 {(B, H, K, V)} with contiguous [K, V] tiles, got {state.dtype} {tuple(state.shape)}"
         )
     if out is None:
         out = torch.empty(B, 1, H, V, dtype=r.dtype, device=r.device)
     elif tuple(out.shape) != (B, 1, H, V) or out.stride(3) != 1:
         raise ValueError(f"out: expected shape {(B, 1, H, V)} with unit last stride, got {tuple(out.shape)}")
     if state_out is None:
-        state_out = torch.empty_like(state)
-    elif state_out.dtype != torch.float32 or tuple(state_out.shape) != (B, H, K, V) or not state_out.is_contiguous():
-        raise ValueError("state_out: expected a contiguous fp32 tensor shaped like state")
+        state_out = torch.empty(B, H, K, V, dtype=torch.float32, device=state.device)
+    elif not _state_ok(state_out, B, H, K, V):
+        raise ValueError("state_out: expected fp32 [B, H, K, V] with contiguous [K, V] tiles")
     return out, state_out
 
 
@@ -79,10 +90,11 @@ def wkv7_step(
 ) -> tuple[Tensor, Tensor]:
     """One token of RWKV-7's WKV for B rows: `kernels.wkv7.wkv7_naive` with T = 1, in one launch.
 
-    r, k, log_w, a, b [B, 1, H, K]; v [B, 1, H, V] (any float dtype; any strides with a unit last
-    one); state [B, H, K, V] fp32 contiguous, [key][value]. Returns (y [B, 1, H, V] in r's dtype,
-    new state fp32). Inputs are not modified unless `state_out=state` (in-place update); `out`
-    receives y when given.
+        r, k, log_w, a, b [B, 1, H, K]; v [B, 1, H, V] (any float dtype; any strides with a unit last
+        one); state [B, H, K, V] fp32, [key][value], each [K, V] tile contiguous (rows and heads may be
+    strided: a layer's view of a whole-model state). Returns (y [B, 1, H, V] in r's dtype,
+        new state fp32). Inputs are not modified unless `state_out=state` (in-place update); `out`
+        receives y when given.
     """
     B, _, H, K = r.shape
     V = v.shape[-1]
@@ -100,6 +112,7 @@ def wkv7_step(
         r, k, v, log_w, a, b, state, out, state_out,
         H, K, V,
         sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, sa_b, sa_h, sb_b, sb_h, out.stride(0), out.stride(2),
+        state.stride(0), state.stride(1), state_out.stride(0), state_out.stride(1),
         BK=BK, BV=BV, num_warps=4 if BV >= 32 else 2,
     )  # fmt: skip
     return out, state_out
@@ -119,7 +132,7 @@ def wkv5_step(
     """One token of RWKV-5/6's WKV for B rows: `kernels.wkv5.wkv5_naive` with T = 1, in one launch.
 
     r, k [B, 1, H, K]; v [B, 1, H, V]; log_w [H, K] (RWKV-5's constant decay) or [B, 1, H, K]
-    (RWKV-6's per-token decay); u [H, K]; state [B, H, K, V] fp32 contiguous, [key][value].
+    (RWKV-6's per-token decay); u [H, K]; state [B, H, K, V] fp32 as in `wkv7_step`.
     Returns (y [B, 1, H, V] in r's dtype, new state fp32); `out` / `state_out` as in `wkv7_step`.
     """
     B, _, H, K = r.shape
@@ -145,6 +158,7 @@ def wkv5_step(
         r, k, v, log_w, u, state, out, state_out,
         H, K, V,
         sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, u.stride(0), out.stride(0), out.stride(2),
+        state.stride(0), state.stride(1), state_out.stride(0), state_out.stride(1),
         BK=BK, BV=BV, num_warps=4 if BV >= 32 else 2,
     )  # fmt: skip
     return out, state_out

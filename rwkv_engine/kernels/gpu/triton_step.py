@@ -8,7 +8,7 @@ import triton.language as tl
 def wkv7_step_kernel(
     r, k, v, w, a, b, s_in, y, s_out,
     H, K, V,
-    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, sa_b, sa_h, sb_b, sb_h, sy_b, sy_h,
+    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, sa_b, sa_h, sb_b, sb_h, sy_b, sy_h, ss_b, ss_h, so_b, so_h,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     i_bh = tl.program_id(0).to(tl.int64)  # offsets past 2**31 at large B x H x K x V
@@ -28,13 +28,13 @@ def wkv7_step_kernel(
     b_b = tl.load(b + i_b * sb_b + i_h * sb_h + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_b * sv_b + i_h * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
 
-    p_s = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(s_in + p_s, mask=m_s, other=0.0)
+    p_s = o_k[:, None] * V + o_v[None, :]  # [key][value] tiles, rows and heads at any stride
+    b_s = tl.load(s_in + i_b * ss_b + i_h * ss_h + p_s, mask=m_s, other=0.0)
     # S <- diag(w) S + b (a^T S) + k v^T ; y = S^T r (the state after the update)
     read = tl.sum(b_a[:, None] * b_s, axis=0)
     b_s = tl.exp(b_lw)[:, None] * b_s + b_b[:, None] * read[None, :] + b_k[:, None] * b_v[None, :]
     b_y = tl.sum(b_r[:, None] * b_s, axis=0)
-    tl.store(s_out + p_s, b_s, mask=m_s)
+    tl.store(s_out + i_b * so_b + i_h * so_h + p_s, b_s, mask=m_s)
     tl.store(y + i_b * sy_b + i_h * sy_h + o_v, b_y.to(y.dtype.element_ty), mask=m_v)
 
 
@@ -42,7 +42,7 @@ def wkv7_step_kernel(
 def wkv5_step_kernel(
     r, k, v, w, u, s_in, y, s_out,
     H, K, V,
-    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, su_h, sy_b, sy_h,
+    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, su_h, sy_b, sy_h, ss_b, ss_h, so_b, so_h,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
     i_bh = tl.program_id(0).to(tl.int64)  # offsets past 2**31 at large B x H x K x V
@@ -61,11 +61,11 @@ def wkv5_step_kernel(
     b_u = tl.load(u + i_h * su_h + o_k, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_b * sv_b + i_h * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
 
-    p_s = (i_b * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    b_s = tl.load(s_in + p_s, mask=m_s, other=0.0)
+    p_s = o_k[:, None] * V + o_v[None, :]  # [key][value] tiles, rows and heads at any stride
+    b_s = tl.load(s_in + i_b * ss_b + i_h * ss_h + p_s, mask=m_s, other=0.0)
     # y = r^T (u k v^T + S) with the state before the update; S <- diag(w) S + k v^T
     b_kv = b_k[:, None] * b_v[None, :]
     b_y = tl.sum(b_r[:, None] * (b_u[:, None] * b_kv + b_s), axis=0)
     b_s = tl.exp(b_lw)[:, None] * b_s + b_kv
-    tl.store(s_out + p_s, b_s, mask=m_s)
+    tl.store(s_out + i_b * so_b + i_h * so_h + p_s, b_s, mask=m_s)
     tl.store(y + i_b * sy_b + i_h * sy_h + o_v, b_y.to(y.dtype.element_ty), mask=m_v)

@@ -152,8 +152,55 @@ def _inputs(case: dict):
     return args, state
 
 
+def _run_model(case: dict) -> dict:
+    """A tiny random model (B rows: a 5-token prefill, then 2 decode steps) with its WKV calls routed
+    through the CUDA dispatch (gpu.wkv7_cuda / wkv5_cuda) against the same model on its CPU path:
+    the kernels take the tensors the models really pass (views, layer slices of the state)."""
+    import tempfile
+
+    import torch
+
+    import rwkv_engine
+    from rwkv_engine import testing
+    from rwkv_engine.kernels import gpu
+    from rwkv_engine.models import rwkv5, rwkv6, rwkv7
+
+    sd = testing.random_state_dict(case["version"], n_layer=2, n_embd=32, vocab_size=300, head_size=16, seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = rwkv_engine.load(testing.save_pth(sd, f"{tmp}/m.pth"), progress=False)
+    model.native_decode = False  # one-token steps through the modules, as on CUDA
+    ids = torch.randint(0, 300, (case["B"], 7), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        logits, state = model.forward(ids[:, :5])
+        out = [logits]
+        for t in (5, 6):
+            logits, state = model.forward(ids[:, t : t + 1], state)
+            out.append(logits)
+        return torch.stack(out)
+
+    ref = run()
+    gpu.fla.available = lambda: True
+    calls = []
+
+    def via7(*args):
+        calls.append(args[0].shape[1])
+        return gpu.wkv7_cuda(*args)
+
+    def via5(*args):
+        calls.append(args[0].shape[1])
+        return gpu.wkv5_cuda(*args)
+
+    rwkv7.wkv7, rwkv5.wkv5, rwkv6.wkv5 = via7, via5, via5
+    got = run()
+    return {"logits": testing.rel_rms(got.double(), ref.double()), "calls": sorted(set(calls))}
+
+
 def _run(case: dict) -> dict:
     import torch
+
+    if case["kernel"] == "model":
+        return _run_model(case)
 
     from rwkv_engine import kernels
     from rwkv_engine.kernels import gpu

@@ -13,6 +13,8 @@ MALLOC_TRIM_THRESHOLD_ / GLIBC_TUNABLES, or RWKV_ENGINE_MALLOC=0.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import math
@@ -72,14 +74,31 @@ _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 HUGE_PAGES_ENV = "RWKV_ENGINE_HUGE_PAGES"
+# The mode a caller asks for where the user set none (`huge_pages_default`): a context variable,
+# so that one load's choice reaches the tensors it copies and no other load's.
+_huge_pages_default: contextvars.ContextVar[str | None] = contextvars.ContextVar("huge_pages_default", default=None)
+
+
+@contextlib.contextmanager
+def huge_pages_default(mode: str | None):
+    """Within the block (a load), the huge-page mode is `mode` ("1", "0" or "private"; None: on)
+    unless the user set RWKV_ENGINE_HUGE_PAGES, which wins."""
+    if mode not in (None, "1", "0", "private"):
+        raise ValueError(f"huge pages: expected '1', '0' or 'private', got {mode!r}")
+    token = _huge_pages_default.set(mode)
+    try:
+        yield
+    finally:
+        _huge_pages_default.reset(token)
 
 
 def huge_pages_available(mapped: bool = False) -> bool:
     """Whether weights go to transparent huge pages: Linux with THP not "[never]", unless the user
     set RWKV_ENGINE_HUGE_PAGES=0; with RWKV_ENGINE_HUGE_PAGES=private only weights that are the
     process's own anyway (a checkpoint's, transformed at load), not those `mapped` from a converted
-    directory, which processes on one machine share through the page cache (Ray replicas)."""
-    mode = os.environ.get(HUGE_PAGES_ENV, "1")
+    directory, which processes on one machine share through the page cache (Ray replicas).
+    Without the variable, the mode of the enclosing `huge_pages_default`, else on."""
+    mode = os.environ.get(HUGE_PAGES_ENV) or _huge_pages_default.get() or "1"
     if mode == "0" or (mapped and mode == "private"):
         return False
     return _thp_enabled()

@@ -49,6 +49,7 @@ def ref(model_path):
 @pytest.fixture(scope="module")
 def cluster(model_path):
     from rwkv_engine.serve.ray import build_app, free_port
+    from rwkv_engine.serve.server import Config, EngineConfig, ModelSpec
 
     ray.init(
         num_cpus=4,
@@ -59,23 +60,8 @@ def cluster(model_path):
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(
-        build_app(
-            [
-                str(model_path),
-                "--replicas",
-                "2",
-                "--max-batch",
-                "4",
-                "--prefill-chunk",
-                str(CHUNK),
-                "--replica-cpus",
-                "1",
-            ]
-        ),
-        name="rwkv-engine",
-        route_prefix="/",
-    )
+    config = Config(ModelSpec(str(model_path)), EngineConfig(max_batch=4, prefill_chunk=CHUNK))
+    serve.run(build_app(config, replicas=2, replica_cpus=1), name="rwkv-engine", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     yield url
     serve.shutdown()

@@ -227,7 +227,7 @@ def test_health_says_starting_until_the_warm_up_is_done(model_and_tokenizer):
 
     from fastapi.testclient import TestClient
 
-    from rwkv_engine.serve.app import ServerSettings, create_app
+    from rwkv_engine.serve.app import AppSettings, create_app
     from rwkv_engine.serve.engine import Engine
 
     model, tok = model_and_tokenizer
@@ -246,7 +246,7 @@ def test_health_says_starting_until_the_warm_up_is_done(model_and_tokenizer):
             return model.forward(*args, **kw)
 
     engine = Engine(SlowFirstForward(), tok)
-    with TestClient(create_app(engine, ServerSettings(model_name=MODEL))) as http:
+    with TestClient(create_app(engine, AppSettings(model_name=MODEL))) as http:
         r = http.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "starting"}
         release.set()
@@ -289,10 +289,10 @@ def test_twenty_at_once_with_eight_slots_and_two_queue_places(open_server):
 def test_accepted_connections_have_tcp_nodelay():
     """D2: the listening socket was made with protocol 0, so asyncio never set TCP_NODELAY on the
     connections and a small response waited for the client's delayed ACK (about 40 ms)."""
-    from rwkv_engine.cli.serve import _bind
+    from rwkv_engine.serve.launch import bind
 
     async def run():
-        sock = _bind("127.0.0.1", 0)
+        sock = bind("127.0.0.1", 0)
         accepted = asyncio.get_running_loop().create_future()
 
         class Probe(asyncio.Protocol):
@@ -461,27 +461,30 @@ def test_api_key_sources_and_exposure_warning(tmp_path):
 
     from rwkv_engine.cli import serve
     from rwkv_engine.errors import InputError
+    from rwkv_engine.serve.security import api_key, exposure_warning
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
     parse = lambda *a: parser.parse_args(["model.pth", *a])  # noqa: E731
-    assert serve.api_key(parse(), {}) is None
-    assert serve.api_key(parse(), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-env"
-    assert serve.api_key(parse("--api-key-file", str(key_file)), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-file"
-    assert serve.api_key(parse("--api-key", "k"), {}) == "k"
+    key = lambda args, environ: serve.config(args, environ).server.api_key  # noqa: E731
+    assert key(parse(), {}) is None
+    assert key(parse(), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-env"
+    assert key(parse("--api-key-file", str(key_file)), {"RWKV_ENGINE_API_KEY": "from-env"}) == "from-file"
+    assert key(parse("--api-key", "k"), {}) == "k"
+    assert api_key(None, key_file, {}) == "from-file"
     for bad in (
         ("--api-key", "k", "--api-key-file", str(key_file)),
         ("--api-key-file", str(tmp_path / "none")),
         ("--api-key", ""),
     ):
         with pytest.raises(InputError):
-            serve.api_key(parse(*bad), {})
-    assert serve.exposure_warning("0.0.0.0", None) and "WARNING" in serve.exposure_warning("0.0.0.0", None)
-    assert serve.exposure_warning("::", None)
-    assert serve.exposure_warning("0.0.0.0", "k") is None
-    assert serve.exposure_warning("127.0.0.1", None) is None and serve.exposure_warning("::1", None) is None
+            key(parse(*bad), {})
+    assert exposure_warning("0.0.0.0", None) and "WARNING" in exposure_warning("0.0.0.0", None)
+    assert exposure_warning("::", None)
+    assert exposure_warning("0.0.0.0", "k") is None
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
 
 
 # --- D7: SIGTERM (last: it stops the server) -------------------------------------------------------

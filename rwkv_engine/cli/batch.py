@@ -60,8 +60,19 @@ def add_arguments(parser) -> None:
         default=1.0,
         help="with --ray: CPUs Ray reserves for each worker (default: %(default)s)",
     )
-    # The server-only settings `serve.build` reads: requests come from this process, on loopback.
-    parser.set_defaults(state_dir=None, host="127.0.0.1", allowed_host=[], cors_origin=[], body_timeout=30.0)
+
+
+def config(args):
+    """The flags as a server `Config`: requests come from this process, so the server settings
+    are those of a loopback server with no key (`ServerSettings`'s defaults)."""
+    from ..serve.server import Config, ServerSettings
+
+    return Config(
+        serve.model_spec(args),
+        serve.engine_config(args),
+        serve.limits(args),
+        ServerSettings(served_model_name=args.served_model_name),
+    )
 
 
 def run(args) -> int:
@@ -96,16 +107,28 @@ def run(args) -> int:
         bar.update(1)
 
     try:
+        cfg = config(args)
+        concurrency = args.concurrency or 2 * args.max_batch
         if args.ray:
             from ..serve.ray import batch_on_ray
 
-            batch_on_ray(args, lines, write)
+            batch_on_ray(
+                cfg,
+                lines,
+                write,
+                workers=args.workers,
+                worker_cpus=args.worker_cpus,
+                concurrency=concurrency,
+                address=args.ray_address,
+            )
         else:
-            engine, app, settings = serve.build(args)
+            from ..serve.server import build
+
+            engine, app, settings = build(cfg)
             engine.start()
             try:
                 client = AppClient(app, settings.model_name)
-                asyncio.run(client.answer_all(lines, write, args.concurrency or 2 * args.max_batch))
+                asyncio.run(client.answer_all(lines, write, concurrency))
             finally:
                 engine.stop()
     finally:

@@ -15,17 +15,13 @@ Exposure (README "Security"): the API key comes from --api-key, --api-key-file o
 RWKV_ENGINE_API_KEY environment variable; a bind outside loopback without a key gets a loud
 warning; the request checks (Host, Origin, key, body deadline) are serve/security.py's, the
 connection cap and header deadline serve/connections.py's.
+
+This module only turns the flags into typed settings (`config`): the server is assembled by
+serve/server.py and run by serve/launch.py (or serve/ray.py with --ray).
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import resource
-import signal
-import socket
-import sys
-import threading
 from pathlib import Path
 
 from ..errors import InputError
@@ -249,208 +245,82 @@ def add_engine_arguments(parser) -> None:
     )
 
 
-def _model_name(model_arg: str) -> str:
-    path = Path(model_arg)
-    if path.exists():
-        return path.stem if path.is_file() else path.resolve().name
-    return model_arg  # a hub id
+def model_spec(args, huge_pages: str | None = None):
+    """The model flags as a `ModelSpec`."""
+    from ..serve.server import ModelSpec
 
-
-def api_key(args, environ=os.environ) -> str | None:
-    """The API key: --api-key, --api-key-file or $RWKV_ENGINE_API_KEY, in that order (None: no key)."""
-    if args.api_key is not None and args.api_key_file is not None:
-        raise InputError("give --api-key or --api-key-file, not both")
-    if args.api_key_file is not None:
-        try:
-            key, source = args.api_key_file.read_text().strip(), f"--api-key-file {args.api_key_file}"
-        except (OSError, UnicodeError) as e:
-            raise InputError(f"--api-key-file {args.api_key_file}: {getattr(e, 'strerror', None) or e}") from None
-    elif args.api_key is not None:
-        key, source = args.api_key, "--api-key"
-    elif "RWKV_ENGINE_API_KEY" in environ:
-        key, source = environ["RWKV_ENGINE_API_KEY"], "RWKV_ENGINE_API_KEY"
-    else:
-        return None
-    if not key.strip():
-        raise InputError(f"{source}: the API key is empty")
-    return key
-
-
-def exposure_warning(host: str, key: str | None) -> str | None:
-    """The warning for a server reachable from other machines with no API key, or None."""
-    from ..serve.security import is_loopback
-
-    if key is not None or is_loopback(host):
-        return None
-    return (
-        f"WARNING: listening on {host}, reachable from other machines, with NO API KEY: anyone who can "
-        "reach this port can use the model. Set a key (--api-key-file PATH or RWKV_ENGINE_API_KEY), or "
-        "listen on 127.0.0.1."
+    return ModelSpec(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        group_size=args.group_size,
+        tokenizer=args.tokenizer,
+        huge_pages=huge_pages,
     )
 
 
-def allowed_hosts(host: str, names: list[str]) -> tuple[str, ...] | None:
-    """The Host names accepted besides the loopback ones; None = any (security.Guard)."""
-    from ..serve.security import is_loopback
+def engine_config(args):
+    """The engine flags (`add_engine_arguments`) as an `EngineConfig`."""
+    from ..serve.server import EngineConfig
 
-    if "*" in names or not (names or is_loopback(host)):
-        return None
-    if not is_loopback(host) and host not in ("0.0.0.0", "::", ""):
-        names = [*names, host]  # the address it listens on is a name of it too
-    return tuple(names)
-
-
-def _connection_budget(wanted: int) -> int:
-    """`wanted` connections, or fewer if the open-file limit cannot be raised to hold them."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + 128  # (the model files, the log, the listening socket, ...)
-    if soft != resource.RLIM_INFINITY and soft < need:
-        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-        if soft < need:
-            wanted = max(1, soft - 128)
-            print(
-                f"rwkv-engine serve: the open-file limit is {soft}: at most {wanted} connections",
-                file=sys.stderr,
-                flush=True,
-            )
-    return wanted
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for sockets made
-    # with it, and without TCP_NODELAY a small answer waits for the client's delayed ACK (~40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _server_class():
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        """uvicorn's server, whose graceful shutdown stops the engine after `cut_after` seconds:
-        each request still running then ends with an error ("the server is shutting down"), a
-        stream with an error event and `data: [DONE]`, instead of being cancelled mid-stream."""
-
-        def __init__(self, config, engine, cut_after: float):
-            super().__init__(config)
-            self.engine, self.cut_after = engine, cut_after
-
-        async def shutdown(self, sockets=None):
-            stop = lambda: threading.Thread(target=self.engine.stop, daemon=True).start()  # noqa: E731
-            cut = asyncio.get_running_loop().call_later(self.cut_after, stop)
-            try:
-                await super().shutdown(sockets=sockets)
-            finally:
-                cut.cancel()
-
-    return _Server
-
-
-def build(args, key: str | None = None, progress: bool | None = None):
-    """(engine, app, settings): the model the flags name, loaded, and the engine and app over it
-    with the API key `key`. What the single server process runs, and what every replica runs
-    under --ray and every worker of `rwkv-engine batch`. progress: as `common.load_model`."""
-    from ..serve.app import ServerSettings, create_app
-    from ..serve.engine import Engine, EngineConfig
-
-    model, tokenizer = common.load_model(args, progress)
-    engine = Engine(
-        model,
-        tokenizer,
-        EngineConfig(
-            max_batch=args.max_batch,
-            max_queue=args.max_queue,
-            prefill_chunk=args.prefill_chunk,
-            state_cache_bytes=args.state_cache_mb << 20,
-        ),
+    return EngineConfig(
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        prefill_chunk=args.prefill_chunk,
+        state_cache_bytes=args.state_cache_mb << 20,
     )
-    settings = ServerSettings(
-        model_name=args.served_model_name or _model_name(args.model),
-        api_key=key,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_tokens_cap=args.max_tokens,
-        max_body_bytes=args.max_body_kb << 10,
+
+
+def limits(args):
+    """The request limits (`add_engine_arguments`) as `Limits`."""
+    from ..serve.server import Limits
+
+    return Limits(
+        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_body_bytes=args.max_body_kb << 10
+    )
+
+
+def config(args, environ=None):
+    """serve's parsed flags as a `Config` (the API key read from where the flags say)."""
+    import os
+
+    from ..serve.security import api_key
+    from ..serve.server import Config, ServerSettings
+
+    if args.state_dir is not None and not args.state_dir.is_dir():
+        raise InputError(f"--state-dir {args.state_dir}: not a directory")
+    server = ServerSettings(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=api_key(args.api_key, args.api_key_file, os.environ if environ is None else environ),
         state_dir=args.state_dir,
-        allowed_hosts=allowed_hosts(args.host, args.allowed_host),
+        allowed_hosts=tuple(args.allowed_host),
         cors_origins=tuple(args.cors_origin),
+        header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
     )
-    return engine, create_app(engine, settings), settings
+    return Config(model_spec(args), engine_config(args), limits(args), server)
+
+
+def parse(argv: list[str]):
+    """(Config, args) from serve's command line without the command name (MODEL first)."""
+    parser = common.ArgumentParser(prog="rwkv-engine serve")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return config(args), args
 
 
 def run(args) -> int:
-    if args.state_dir is not None and not args.state_dir.is_dir():
-        raise InputError(f"--state-dir {args.state_dir}: not a directory")
-    key = api_key(args)
+    cfg = config(args)
     if args.ray:
         from ..serve.ray import run_cli
 
-        return run_cli(args, key)
-    # Bound first: a port in use fails before a long model load, and clients that connect
-    # meanwhile wait in the backlog (then /health says "starting" until the warm-up is done).
-    sock = _bind(args.host, args.port)
-    try:
-        return _serve(args, key, sock)
-    finally:
-        sock.close()
+        return run_cli(cfg, replicas=args.replicas, replica_cpus=args.replica_cpus, address=args.ray_address)
+    from ..serve.launch import run as launch
 
-
-def _serve(args, key: str | None, sock: socket.socket) -> int:
-    import uvicorn
-
-    from ..serve.connections import guarded_protocol
-
-    engine, app, settings = build(args, key)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(
-        f"rwkv-engine serve: {settings.model_name} on http://{shown}:{port}/v1 "
-        f"(max batch {args.max_batch}, queue {args.max_queue})",
-        file=sys.stderr,
-        flush=True,
-    )
-    print(f"rwkv-engine serve: chat page at http://{shown}:{port}/", file=sys.stderr, flush=True)
-    warning = exposure_warning(host, key)
-    if warning:
-        print("\n".join(["", "!" * 78, warning, "!" * 78, ""]), file=sys.stderr, flush=True)
-
-    # The graceful-shutdown backstop comes after the engine has cut what still runs (_Server).
-    config = uvicorn.Config(
-        app,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout + 10,
-        lifespan="on",
-        access_log=args.log_level in ("info", "debug"),
-    )
-    config.load()
-    config.http_protocol_class = guarded_protocol(
-        config.http_protocol_class, _connection_budget(args.max_connections), args.header_timeout
-    )
-    server = _server_class()(config, engine, args.shutdown_timeout)
-    # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's default
-    # action that would kill the process before the engine stops. Catch it instead.
-    terminated = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        engine.stop()
-    if not server.started:
-        return 1
-    print("rwkv-engine serve: stopped", file=sys.stderr, flush=True)
-    return 0
+    return launch(cfg)

@@ -82,7 +82,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "freque
 
 
 @dataclass
-class ServerSettings:
+class AppSettings:
     model_name: str
     api_key: str | None = None
     max_prompt_tokens: int = 16384
@@ -167,7 +167,7 @@ class _Choice:
         return "".join(self.parts)
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: Engine, settings: AppSettings) -> FastAPI:
     """The FastAPI application serving `engine` (started and stopped with the app's lifespan)."""
     metrics = engine.metrics
     tokenizer = engine.tokenizer

@@ -6,13 +6,14 @@
 
     from ray import serve
     from rwkv_engine.serve.ray import build_app
-    serve.run(build_app(["out-q8", "--max-batch", "8", "--replicas", "2"]), route_prefix="/")
+    from rwkv_engine.serve.server import Config, EngineConfig, ModelSpec
+    serve.run(build_app(Config(ModelSpec("out-q8"), EngineConfig(max_batch=8)), replicas=2), route_prefix="/")
 
 Serving: HTTP -> Ray Serve's proxy -> `Ingress` (one replica) -> `EngineReplica` x N.
 
 * `EngineReplica` loads the model and runs the engine and the very FastAPI app of
-  `rwkv-engine serve` (`cli.serve.build`, from the same flags): every endpoint, flag, error and
-  metric is the single-process server's. The ingress forwards each HTTP request as it came
+  `rwkv-engine serve` (`serve.server.build`, from the same settings): every endpoint, flag, error
+  and metric is the single-process server's. The ingress forwards each HTTP request as it came
   (method, path, headers, body); the replica runs it through that app in-process (an ASGI call)
   and streams the response back chunk by chunk, server-sent events included.
 * Routing (`PrefixAffinityRouter`, a Ray Serve request router, running in the ingress): a
@@ -42,12 +43,10 @@ loading the model once and answering its blocks through the same in-process app 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import bisect
 import hashlib
 import json
-import os
 import signal
 import socket
 import sys
@@ -56,8 +55,11 @@ import time
 import uuid
 from array import array
 from collections import defaultdict
+from dataclasses import replace
 
 from ..errors import InputError
+from .launch import print_banner, url
+from .server import Config, build
 
 try:
     import ray
@@ -262,23 +264,20 @@ def _num(v: float) -> str:
 # --- the deployments -----------------------------------------------------------------------------
 
 
-def share_mapped_weights() -> None:
-    """In a replica's or worker's own process: a converted directory's weights stay in its file
+def share_mapped_weights(config: Config) -> Config:
+    """The config a replica or worker loads: a converted directory's weights stay in its file
     mapping, which the replicas on one machine share through the page cache, rather than each
     taking a private copy on huge pages (rwkv_engine/memory.py); the user's setting wins."""
-    from ..memory import HUGE_PAGES_ENV
-
-    os.environ.setdefault(HUGE_PAGES_ENV, "private")
+    if config.model.huge_pages is not None:
+        return config
+    return replace(config, model=replace(config.model, huge_pages="private"))
 
 
 class EngineReplica:
     """One engine and the server's app; answers forwarded HTTP requests through that app."""
 
-    def __init__(self, args: argparse.Namespace, key: str | None, board):
-        from ..cli.serve import build
-
-        share_mapped_weights()
-        self.engine, self.app, self.settings = build(args, key, progress=False)
+    def __init__(self, config: Config, board):
+        self.engine, self.app, self.settings = build(share_mapped_weights(config), progress=False)
         self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.board = board
@@ -361,12 +360,12 @@ class EngineReplica:
 class Ingress:
     """Receives every HTTP request, keys it for routing and forwards it to a replica."""
 
-    def __init__(self, replicas, args: argparse.Namespace, board):
+    def __init__(self, replicas, config: Config, board):
         from ..tokenizer import load_tokenizer
 
         self.replicas = replicas.options(stream=True)
-        self.tokenizer = load_tokenizer(args.model, args.tokenizer)
-        self.chunk = args.prefill_chunk
+        self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer)
+        self.chunk = config.engine.prefill_chunk
         self.board = board
         # Ray Serve ships this class and the router's by value, each with copies of the module's
         # globals: both reach the one DECISIONS of this process through the module itself.
@@ -441,45 +440,30 @@ async def _rest(stream, sse: bool):
 # --- building and running ------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """`rwkv-engine serve`'s flags (argv: MODEL and flags, as on the command line)."""
-    from ..cli.common import ArgumentParser
-    from ..cli.serve import add_arguments
-
-    parser = ArgumentParser(prog="rwkv-engine serve")
-    add_arguments(parser)
-    return parser.parse_args(argv)
-
-
-def build_app(args: argparse.Namespace | list[str], key: str | None = None, board=None):
-    """The Ray Serve application: `args.replicas` engine replicas behind one ingress.
-    `args`: serve's parsed flags, or a list of them (MODEL first); `key`: the API key (default:
-    the one the flags name, as `rwkv-engine serve` reads it)."""
-    from ..cli.serve import api_key
-
-    if not isinstance(args, argparse.Namespace):
-        args = parse_args(list(args))
-        key = api_key(args) if key is None else key
+def build_app(config: Config, replicas: int = 2, replica_cpus: float = 1.0, board=None):
+    """The Ray Serve application: `replicas` engine replicas, each reserving `replica_cpus` CPUs,
+    behind one ingress; each replica builds the server of `config` (its API key included)."""
     if board is None:
         board = MetricsBoard.options(name=METRICS_ACTOR, get_if_exists=True).remote()
+    max_batch = config.engine.max_batch
     replica = serve.deployment(
         EngineReplica,
         name="EngineReplica",
-        num_replicas=args.replicas,
-        ray_actor_options={"num_cpus": args.replica_cpus},
-        max_ongoing_requests=args.max_batch + args.max_queue,
-        graceful_shutdown_timeout_s=args.shutdown_timeout,
+        num_replicas=replicas,
+        ray_actor_options={"num_cpus": replica_cpus},
+        max_ongoing_requests=max_batch + config.engine.max_queue,
+        graceful_shutdown_timeout_s=config.server.shutdown_timeout,
         graceful_shutdown_wait_loop_s=0.5,
         health_check_period_s=2,
         health_check_timeout_s=30,
         request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAffinityRouter, request_router_kwargs={"spill": args.max_batch}
+            request_router_class=PrefixAffinityRouter, request_router_kwargs={"spill": max_batch}
         ),
     )
     ingress = serve.deployment(
         Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000
     )
-    return ingress.bind(replica.bind(args, key, board), args, board)
+    return ingress.bind(replica.bind(config, board), config, board)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -501,24 +485,21 @@ def start_ray(address: str | None) -> bool:
     return True
 
 
-def run_cli(args: argparse.Namespace, key: str | None) -> int:
+def run_cli(config: Config, replicas: int = 2, replica_cpus: float = 1.0, address: str | None = None) -> int:
     """`rwkv-engine serve --ray`: deploy, print the address, serve until SIGTERM / Ctrl-C, drain."""
-    from ..cli.serve import exposure_warning
-
-    started = start_ray(args.ray_address)
-    port = args.port or free_port(args.host)
-    serve.start(http_options={"host": args.host, "port": port})
-    serve.run(build_app(args, key), name="rwkv-engine", route_prefix="/")
-    shown = f"[{args.host}]" if ":" in args.host else args.host
-    print(
-        f"rwkv-engine serve: {args.served_model_name or _name(args)} on http://{shown}:{port}/v1 "
-        f"(Ray Serve, {args.replicas} replicas, max batch {args.max_batch} each)",
-        file=sys.stderr,
-        flush=True,
+    server = config.server
+    started = start_ray(address)
+    port = server.port or free_port(server.host)
+    serve.start(http_options={"host": server.host, "port": port})
+    serve.run(build_app(config, replicas, replica_cpus), name="rwkv-engine", route_prefix="/")
+    print_banner(
+        config.model_name,
+        url(server.host, port),
+        f"Ray Serve, {replicas} replicas, max batch {config.engine.max_batch} each",
+        server.host,
+        server.api_key,
+        chat_page=False,
     )
-    warning = exposure_warning(args.host, key)
-    if warning:
-        print("\n".join(["", "!" * 78, warning, "!" * 78, ""]), file=sys.stderr, flush=True)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -534,27 +515,19 @@ def run_cli(args: argparse.Namespace, key: str | None) -> int:
     return 0
 
 
-def _name(args) -> str:
-    from ..cli.serve import _model_name
-
-    return _model_name(args.model)
-
-
 # --- batch inference on Ray Data -----------------------------------------------------------------
 
 
 class BatchWorker:
     """A Ray Data actor: loads the model once, answers blocks of lines through the server's app."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, config: Config, concurrency: int):
         from ..batch import AppClient
-        from ..cli.serve import build
 
-        share_mapped_weights()
-        self.engine, app, settings = build(args, progress=False)
+        self.engine, app, settings = build(share_mapped_weights(config), progress=False)
         self.engine.start()
         self.client = AppClient(app, settings.model_name)
-        self.concurrency = args.concurrency or 2 * args.max_batch
+        self.concurrency = concurrency
 
     def __call__(self, block: dict) -> dict:
         from ..batch import Line
@@ -564,23 +537,33 @@ class BatchWorker:
         return {"number": [a["line"] for a in answers], "answer": [json.dumps(a, ensure_ascii=False) for a in answers]}
 
 
-def batch_on_ray(args: argparse.Namespace, lines, write) -> None:
-    """Answer `lines` on Ray Data with `args.workers` actors; `write` gets the answers in order."""
-    started = start_ray(args.ray_address)
+def batch_on_ray(
+    config: Config,
+    lines,
+    write,
+    workers: int = 2,
+    worker_cpus: float = 1.0,
+    concurrency: int | None = None,
+    address: str | None = None,
+) -> None:
+    """Answer `lines` on Ray Data with `workers` actors, each reserving `worker_cpus` CPUs and
+    keeping `concurrency` requests in flight (default: twice the batch); `write` gets the answers
+    in order. address: a Ray cluster to join (default: start a local one)."""
+    started = start_ray(address)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    per_block = max(1, 2 * args.max_batch)
+    per_block = max(1, 2 * config.engine.max_batch)
     ds = ray.data.from_items(
         [{"number": line.number, "text": line.text} for line in lines],
         override_num_blocks=max(1, -(-len(lines) // per_block)),
     )
     ds = ds.map_batches(
         BatchWorker,
-        fn_constructor_args=(args,),
+        fn_constructor_args=(config, concurrency or 2 * config.engine.max_batch),
         batch_size=per_block,
-        compute=ray.data.ActorPoolStrategy(size=args.workers),
-        num_cpus=args.worker_cpus,
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        num_cpus=worker_cpus,
     )
     try:
         for row in ds.iter_rows():

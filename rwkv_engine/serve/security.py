@@ -34,9 +34,12 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..errors import InputError
 from . import protocol as p
 
 CORS_METHODS = "GET, POST, OPTIONS"
@@ -59,6 +62,48 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def api_key(key: str | None, key_file: Path | None, environ=os.environ) -> str | None:
+    """The API key: `key` (--api-key), read from `key_file` (--api-key-file) or
+    $RWKV_ENGINE_API_KEY, in that order (None: no key)."""
+    if key is not None and key_file is not None:
+        raise InputError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            key, source = key_file.read_text().strip(), f"--api-key-file {key_file}"
+        except (OSError, UnicodeError) as e:
+            raise InputError(f"--api-key-file {key_file}: {getattr(e, 'strerror', None) or e}") from None
+    elif key is not None:
+        source = "--api-key"
+    elif "RWKV_ENGINE_API_KEY" in environ:
+        key, source = environ["RWKV_ENGINE_API_KEY"], "RWKV_ENGINE_API_KEY"
+    else:
+        return None
+    if not key.strip():
+        raise InputError(f"{source}: the API key is empty")
+    return key
+
+
+def exposure_warning(host: str, key: str | None) -> str | None:
+    """The warning for a server reachable from other machines with no API key, or None."""
+    if key is not None or is_loopback(host):
+        return None
+    return (
+        f"WARNING: listening on {host}, reachable from other machines, with NO API KEY: anyone who can "
+        "reach this port can use the model. Set a key (--api-key-file PATH or RWKV_ENGINE_API_KEY), or "
+        "listen on 127.0.0.1."
+    )
+
+
+def allowed_hosts(host: str, names: list[str]) -> tuple[str, ...] | None:
+    """The Host names accepted besides the loopback ones, for a server listening on `host`, given
+    the names of --allowed-host; None = any (`Guard`)."""
+    if "*" in names or not (names or is_loopback(host)):
+        return None
+    if not is_loopback(host) and host not in ("0.0.0.0", "::", ""):
+        names = [*names, host]  # the address it listens on is a name of it too
+    return tuple(names)
 
 
 def host_name(header: str) -> str:

@@ -500,6 +500,11 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> ErrorResponse:
+    """OpenAI's error body for an answer of HTTP `status`: every error the server sends is one."""
+    return ErrorResponse(error=ErrorDetail(message=message, type=error_type(status), param=param, code=code))
+
+
 def error_type(status: int) -> str:
     """OpenAI's error `type` for an HTTP status."""
     if status == 401:

@@ -58,6 +58,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from ..errors import InputError
+from . import protocol as p
 from .launch import print_banner, url
 from .server import Config, build
 
@@ -84,7 +85,6 @@ def routing_key(path: str, body: bytes, tokenizer, chunk: int) -> str | None:
     """A hash of the first `chunk` prompt token ids of a completion or chat request, or None when
     the prompt is shorter (no cache entry can help it) or the body is not a valid request."""
     from ..chat_format import render_chat
-    from . import protocol as p
 
     if path not in (COMPLETIONS, CHAT):
         return None
@@ -402,17 +402,8 @@ class Ingress:
             except (RayError, StopAsyncIteration) as e:
                 self.decisions.pop(token, None)
                 if attempt == 1:
-                    return JSONResponse(
-                        {
-                            "error": {
-                                "message": f"no replica could answer: {type(e).__name__}",
-                                "type": "server_error",
-                                "param": None,
-                                "code": None,
-                            }
-                        },
-                        status_code=503,
-                    )
+                    body = p.error_body(503, f"no replica could answer: {type(e).__name__}")
+                    return JSONResponse(body.model_dump(), status_code=503)
         headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_rest(stream, sse), status_code=head["status"], headers=headers)
@@ -424,15 +415,8 @@ async def _rest(stream, sse: bool):
             yield chunk
     except RayError as e:
         if sse:
-            error = {
-                "error": {
-                    "message": f"the replica answering this request failed ({type(e).__name__})",
-                    "type": "server_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            error = p.error_body(502, f"the replica answering this request failed ({type(e).__name__})")
+            yield f"data: {json.dumps(error.model_dump())}\n\ndata: [DONE]\n\n".encode()
     finally:
         stream.cancel()
 

@@ -278,5 +278,4 @@ class Guard:
 
 def error_body(status: int, message: str, code: str) -> bytes:
     """OpenAI's error body as JSON bytes (also for answers written below ASGI: connections.py)."""
-    detail = p.ErrorDetail(message=message, type=p.error_type(status), code=code)
-    return json.dumps(p.ErrorResponse(error=detail).model_dump()).encode()
+    return json.dumps(p.error_body(status, message, code=code).model_dump()).encode()

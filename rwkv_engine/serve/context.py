@@ -1,0 +1,112 @@
+"""What every route of the app shares: the engine, the settings, the tokenizer, the saved states."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import StateError
+from ..sampling import SamplingParams
+from ..state import State
+from . import protocol as p
+from .engine import Engine
+from .errors import APIError
+from .logprobs import TokenText
+
+
+@dataclass
+class AppSettings:
+    """What the routes read (serve/server.py builds it from the typed server settings)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_prompt_tokens: int = 16384
+    max_tokens_cap: int = 4096
+    max_body_bytes: int = 4 << 20
+    state_dir: Path | None = None
+    allowed_hosts: tuple[str, ...] | None = None  # None: any Host header (see security.Guard)
+    cors_origins: tuple[str, ...] = ()
+    body_timeout: float = 30.0
+
+
+@dataclass
+class ServingContext:
+    """The shared state of the routes. The sampling presets and the end-of-text id come from
+    app.py, which owns them."""
+
+    engine: Engine
+    settings: AppSettings
+    chat_defaults: SamplingParams
+    completion_defaults: SamplingParams
+    completion_max_tokens: int
+    eos_token_id: int
+    created: int = field(default_factory=p.now)
+
+    def __post_init__(self):
+        self.tokenizer = self.engine.tokenizer
+        self.model = self.engine.model
+        self.metrics = self.engine.metrics
+        self.token_text = TokenText(self.tokenizer)
+        self.states = SavedStates(self.settings.state_dir, self.model)
+
+
+class SavedStates:
+    """The saved states requests may start from (extension `state`): files of `root`, loaded on
+    first use and kept (the last 8) while their file is unchanged."""
+
+    KEEP = 8
+
+    def __init__(self, root: Path | None, model):
+        self.root, self.model = root, model
+        self.loaded: OrderedDict[tuple, State] = OrderedDict()
+
+    async def get(self, name: str | None) -> tuple[State | None, str]:
+        """The state `name` names, and its key for the prompt cache ((None, "") for no name)."""
+        if name is None:
+            return None, ""
+        if self.root is None:
+            raise APIError(400, "this server loads no saved states (start it with --state-dir DIR)", param="state")
+        key, path = self._find(name)
+        state = self.loaded.get(key)
+        if state is None:
+            state = await self._load(name, path)
+            self.loaded[key] = state
+            while len(self.loaded) > self.KEEP:
+                self.loaded.popitem(last=False)
+        self.loaded.move_to_end(key)
+        return state, "file:" + ":".join(map(str, key))
+
+    def _find(self, name: str) -> tuple[tuple, Path]:
+        outside = APIError(400, "state must name a file inside the server's state directory", param="state")
+        if "\x00" in name or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise outside
+        root = self.root.resolve()
+        try:
+            path = (root / name).resolve()
+            if not path.is_relative_to(root):
+                raise outside
+            st = path.stat()
+            if not path.is_file():
+                raise OSError
+        except (OSError, ValueError):
+            raise APIError(400, f"no saved state named {name[:200]!r}", param="state", code="state_not_found") from None
+        return (str(path), st.st_mtime_ns, st.st_size), path
+
+    async def _load(self, name: str, path: Path) -> State:
+        model = self.model
+        try:
+            state = await asyncio.to_thread(State.load, path, model.device)
+        except StateError:  # (its message names the server's path: not for clients)
+            raise APIError(400, f"state {name!r} is not a file written by State.save", param="state") from None
+        if state.signature != model.config.state_signature():
+            raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
+        if state.batch_size != 1:
+            raise APIError(400, f"state {name!r} holds {state.batch_size} sequences, not one", param="state")
+        layout = lambda s: {k: (t.shape, t.dtype) for k, t in s.items()}  # noqa: E731
+        if layout(state) != layout(model.new_state(1)):
+            raise APIError(400, f"state {name!r} does not have the shapes of this model's state", param="state")
+        if not all(bool(t.isfinite().all()) for _, t in state.items()):
+            raise APIError(400, f"state {name!r} holds NaN or infinite values", param="state")
+        return state

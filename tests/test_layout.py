@@ -39,8 +39,62 @@ def test_no_library_module_imports_the_cli():
     assert not offenders, "library modules importing the command line:\n" + "\n".join(offenders)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a name inside a module counts as the module)."""
+    paths = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        paths[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in paths.items():
+        graph[name] = set()
+        for imported in imported_modules(path):
+            while imported and imported not in paths:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                graph[name].add(imported)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while not component or v not in component:
+                component.add(w := stack.pop())
+                on_stack.discard(w)
+            if len(component) > 1:
+                found.append(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_through_the_server():
+    """A package importing its own submodules (__init__ re-exports) is left out: it is the
+    package, not a circle of modules."""
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in import_graph().items()}
+    found = [c for c in circles(graph) if any(m.startswith(("rwkv_engine.serve", "rwkv_engine.cli.serve")) for m in c)]
+    assert not found, f"import circles: {found}"
+
+
 def test_the_rule_sees_relative_and_lazy_imports(tmp_path):
     """The check itself: a relative import inside a function is found."""
     path = ROOT / "serve" / "server.py"
     assert "rwkv_engine.serve.engine" in imported_modules(path)
     assert "rwkv_engine.memory" in imported_modules(path)  # a lazy `from ..memory import ...`
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]

@@ -8,10 +8,14 @@ Three layers, each usable without the ones above it:
                and `State`, nothing of HTTP or JSON.
 * `protocol` : the OpenAI wire format as pydantic models (requests, responses, stream chunks,
                error bodies). Knows nothing of the engine.
-* `app`      : the FastAPI router: validates a request with `protocol`, renders chat messages
-               with `chat_format`, turns it into token ids and `SamplingParams`, submits it to
-               the engine and streams the answer back (SSE).
+* `app`      : the FastAPI application, assembled from the routes (`serving_completion`,
+               `serving_chat`, `serving_tokenize`) over a shared `context.ServingContext`:
+               a request is parsed (`parsing`), submitted to the engine and answered whole or
+               streamed (SSE) (`jobs`).
 
-`metrics` renders the engine's counters in the Prometheus text format. The command line is
-`rwkv_engine/cli/serve.py`; docs/server.md is the user guide.
+`server` builds the whole from typed settings (`Config`: `ModelSpec`, `EngineConfig`, `Limits`,
+`ServerSettings`), `launch` serves it with uvicorn, `ray` scales it out; `security` and
+`connections` guard it; `metrics` renders the engine's counters in the Prometheus text format.
+The command line (`rwkv_engine/cli/serve.py`) only turns its flags into those settings;
+docs/server.md is the user guide.
 """

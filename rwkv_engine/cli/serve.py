@@ -11,7 +11,7 @@ SIGTERM (or Ctrl-C) shuts down gracefully: no new connections; requests in fligh
 most --shutdown-timeout seconds; then the engine stops, and each request still running ends
 with an error: a stream gets an error event and `data: [DONE]`); exit status 0 for SIGTERM.
 
-Exposure (README "Security"): the API key comes from --api-key, --api-key-file or the
+Exposure (docs/server.md, "Security"): the API key comes from --api-key, --api-key-file or the
 RWKV_ENGINE_API_KEY environment variable; a bind outside loopback without a key gets a loud
 warning; the request checks (Host, Origin, key, body deadline) are serve/security.py's, the
 connection cap and header deadline serve/connections.py's.
@@ -115,7 +115,7 @@ def add_arguments(parser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, wait this long for requests in flight (default: %(default)s)",
     )
-    s = parser.add_argument_group("exposure (see README, Security)")
+    s = parser.add_argument_group("exposure (see docs/server.md, Security)")
     s.add_argument(
         "--allowed-host",
         metavar="NAME",

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rwkv_engine.kernels import native  # noqa: E402
+from rwkv_engine.kernels.native import build  # noqa: E402
 from rwkv_engine.quant import linear as QL  # noqa: E402
 
 # RWKV-5 World 1.5B: n_embd 2048, ffn 7168, vocab 65536; (out_features, in_features).
@@ -249,8 +250,8 @@ def load_baseline(spec: str, ops):
     base = cpp_extension.load(
         name=f"rwkv_engine_native_base_{h}",
         sources=[str(d / f) for f in srcs if f.endswith(".cpp")],
-        extra_cflags=list(native._CFLAGS) + list(native.level("avx2").flags),
-        extra_ldflags=list(native._LDFLAGS),
+        extra_cflags=list(build._CFLAGS) + list(native.level("avx2").flags),
+        extra_ldflags=list(build._LDFLAGS),
     )
     return base, ours
 

@@ -12,9 +12,9 @@ import torch
 
 import rwkv_engine
 from rwkv_engine import converted, loading, testing
+from rwkv_engine.kernels import native
 from rwkv_engine.quant import primitives as P
 from rwkv_engine.quant import quantize_model
-from rwkv_engine.quant.linear import native_ops
 
 MB = 2**20
 
@@ -103,10 +103,10 @@ def test_streamed_quantization_equals_in_memory(tmp_path, version, dtype, scheme
     assert [type(m) for m in streamed.modules()] == [type(m) for m in in_memory.modules()]
 
 
-@pytest.mark.skipif(native_ops() is None, reason="native kernels unavailable")
+@pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_int8_quantizer_and_column_scales_equal_the_reference(dtype):
-    ops = native_ops()
+    ops = native.load()
     g = torch.Generator().manual_seed(0)
     for N, K in ((64, 96), (300, 1024), (33, 2048)):
         w = testing._linear(g, N, K, True).to(dtype)

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from rwkv_engine.kernels import native
+from rwkv_engine.kernels.native import build
 from rwkv_engine.quant import primitives as P
 
 from . import test_kernels_v7 as TW
@@ -46,7 +47,7 @@ def _note(name: str, what: str) -> None:
 
 
 def _compiler_for(lv: native.Level) -> str:
-    return native._compiler() if lv.arch == native._arch() else CROSS[lv.arch]
+    return build.compiler() if lv.arch == build._arch() else CROSS[lv.arch]
 
 
 @pytest.mark.parametrize("name", LEVELS)
@@ -64,7 +65,7 @@ def _why_not_runnable(name: str) -> str:
     for lv, why in native.supported_levels():
         if lv.name == name:
             return why
-    return f"not this machine's architecture ({native._arch()})"
+    return f"not this machine's architecture ({build._arch()})"
 
 
 @pytest.fixture(params=LEVELS)
@@ -145,30 +146,30 @@ def test_env_forces_a_level_or_turns_the_kernels_off():
 
 
 def test_choose_level_follows_the_cpu_features(monkeypatch):
-    monkeypatch.setattr(native, "_arch", lambda: "x86_64")
-    monkeypatch.setattr(native, "_cpu_features", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
+    monkeypatch.setattr(build, "_arch", lambda: "x86_64")
+    monkeypatch.setattr(build, "_cpu_features", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})
     assert native.choose_level()[0].name == "avx2"  # no avx512vl / dq
     lv, why = native.choose_level("avx512")
     assert lv is None and "avx512dq, avx512vl" in why
-    monkeypatch.setattr(native, "_cpu_features", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(build, "_cpu_features", lambda: {"sse2", "avx"})
     lv, why = native.choose_level()
     assert lv is None and "lacks avx2, f16c, fma" in why
-    monkeypatch.setattr(native, "_arch", lambda: "aarch64")
-    monkeypatch.setattr(native, "_cpu_features", lambda: {"fp", "asimd"})
+    monkeypatch.setattr(build, "_arch", lambda: "aarch64")
+    monkeypatch.setattr(build, "_cpu_features", lambda: {"fp", "asimd"})
     assert native.choose_level()[0].name == "neon"
-    monkeypatch.setattr(native, "_cpu_features", lambda: {"fp", "asimd", "asimddp"})
+    monkeypatch.setattr(build, "_cpu_features", lambda: {"fp", "asimd", "asimddp"})
     assert native.choose_level()[0].name == "neon_dotprod"
-    monkeypatch.setattr(native, "_arch", lambda: "riscv64")
+    monkeypatch.setattr(build, "_arch", lambda: "riscv64")
     assert native.choose_level()[0] is None
 
 
 def test_builds_are_shared_between_checkouts(tmp_path):
     # Two copies of the same sources (two checkouts of one commit) give one cached build.
     lv = native.supported_levels()[0][0]
-    if shutil.which(native._compiler()) is None:
+    if shutil.which(build.compiler()) is None:
         pytest.skip("no C++ compiler")
     copy = tmp_path / "native"
-    shutil.copytree(native._HERE, copy)
+    shutil.copytree(build._HERE, copy)
     assert native.build_kernels(lv, src=copy) == native.build_kernels(lv)
     (copy / "kernels.cpp").write_text((copy / "kernels.cpp").read_text() + "\n// changed\n")
     assert native.library_path(lv, src=copy) != native.library_path(lv)
@@ -208,8 +209,8 @@ def test_kernel_cases_against_pytorch(tmp_path, name):
         if name is None:
             pytest.skip("native kernels unavailable here (see log)")
     lv = native.level(name)
-    native_run = lv.arch == native._arch()
-    cxx = native._compiler() if native_run else CROSS["aarch64"]
+    native_run = lv.arch == build._arch()
+    cxx = build.compiler() if native_run else CROSS["aarch64"]
     runner = [] if native_run else ["qemu-aarch64", "-cpu", "max", "-L", "/usr/aarch64-linux-gnu"]
     if native_run and _why_not_runnable(name):
         _note(name, f"run skipped: {_why_not_runnable(name)}")
@@ -370,9 +371,9 @@ def test_a_stale_build_lock_is_removed(tmp_path):
     """A build killed halfway leaves torch's lock file, on which every later build would wait forever."""
     lock = tmp_path / "lock"
     lock.write_text("")
-    native._drop_stale_lock(lock)
+    build._drop_stale_lock(lock)
     assert lock.exists()  # a build may be running: leave it
-    old = time.time() - native.STALE_LOCK_SECONDS - 60
+    old = time.time() - build.STALE_LOCK_SECONDS - 60
     os.utime(lock, (old, old))
-    native._drop_stale_lock(lock)
+    build._drop_stale_lock(lock)
     assert not lock.exists()

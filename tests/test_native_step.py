@@ -12,7 +12,7 @@ import torch
 import rwkv_engine
 from rwkv_engine import testing
 from rwkv_engine.kernels import native
-from rwkv_engine.quant.linear import GEMV_MAX_ROWS
+from rwkv_engine.kernels.native import GEMV_MAX_ROWS
 from rwkv_engine.quant.schemes import quantize_model
 
 from .conftest import rel_rms

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rwkv_engine.errors import InputError
+from rwkv_engine.kernels import native
 from rwkv_engine.quant import DenseLinear, Int4Linear, Int8Linear, get_scheme, quantize_model, scheme_names, schemes
 from rwkv_engine.quant import linear as QL
 from rwkv_engine.quant import primitives as P
@@ -21,8 +22,8 @@ from .conftest import rel_rms
 def path(request, monkeypatch):
     """Run a test with the native kernels (when available) and with them switched off."""
     if request.param == "plain":
-        monkeypatch.setattr(QL, "native_ops", lambda: None)
-    elif QL.native_ops() is None:
+        monkeypatch.setattr(native, "load", lambda verbose=False: None)
+    elif native.load() is None:
         pytest.skip("native kernels unavailable here")
     return request.param
 

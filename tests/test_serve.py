@@ -42,8 +42,8 @@ pytest.importorskip("uvicorn")
 
 import rwkv_engine  # noqa: E402
 from rwkv_engine import SamplingParams  # noqa: E402
+from rwkv_engine.kernels.native import GEMV_MAX_ROWS  # noqa: E402
 from rwkv_engine.models.model import prefill_end  # noqa: E402
-from rwkv_engine.quant.linear import GEMV_MAX_ROWS  # noqa: E402
 from rwkv_engine.serve.engine import decode_rows  # noqa: E402
 from rwkv_engine.state import State  # noqa: E402
 from rwkv_engine.testing import random_state_dict, save_pth  # noqa: E402

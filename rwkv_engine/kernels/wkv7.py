@@ -184,7 +184,7 @@ def wkv7_export(
     return torch.cat(ys, dim=1), S
 
 
-def _native_ops(r: Tensor, v: Tensor, state: Tensor):
+def _native_for(r: Tensor, v: Tensor, state: Tensor):
     """The native kernels when they run this call (fp32 on the CPU, square heads), else None."""
     if (
         r.device.type != "cpu"
@@ -195,9 +195,9 @@ def _native_ops(r: Tensor, v: Tensor, state: Tensor):
         or torch.compiler.is_compiling()  # load() stats files: dynamo cannot trace it (the naive form runs)
     ):
         return None
-    from .native import load
+    from . import native
 
-    return load()
+    return native.load()
 
 
 def wkv7(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, a: Tensor, b: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
@@ -212,7 +212,7 @@ def wkv7(r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, a: Tensor, b: Tensor, s
         out = gpu.wkv7_cuda(r, k, v, log_w, a, b, state)
         if out is not None:
             return out
-    ops = None if torch.compiler.is_exporting() else _native_ops(r, v, state)
+    ops = None if torch.compiler.is_exporting() else _native_for(r, v, state)
     if ops is not None:
         return ops.wkv7(*(t.contiguous() for t in (r, k, v, torch.exp(log_w), a, b, state)))
     if r.shape[1] < CHUNKED_MIN_T:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import InputError, StateError
-from ..quant.linear import GEMV_MAX_ROWS
+from ..kernels.native import GEMV_MAX_ROWS
 from ..state import State
 from . import native_step
 from .layers import LORA_DTYPES, ChannelMix, Embedding

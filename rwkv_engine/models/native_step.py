@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quant.linear import _NATIVE_DENSE_DTYPES, DenseLinear, Int4Linear, Int8Linear, native_ops
+from ..kernels import native
+from ..quant.linear import _NATIVE_DENSE_DTYPES, DenseLinear, Int4Linear, Int8Linear
 from .layers import LORA_DTYPES
 
 Tensor = torch.Tensor
@@ -156,7 +157,7 @@ class DecodeStep:
 
     @classmethod
     def build(cls, model) -> DecodeStep | None:
-        ops = native_ops()
+        ops = native.load()
         if ops is None or not hasattr(ops, "DecodePlan") or model.device.type != "cpu":
             return None
         cfg = model.config

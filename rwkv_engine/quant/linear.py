@@ -36,30 +36,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from rwkv_engine.errors import InputError
+from rwkv_engine.kernels import native
+from rwkv_engine.kernels.native import GEMV_MAX_ROWS
 from rwkv_engine.quant import primitives as P
 
 Tensor = torch.Tensor
 
-# Rows of x up to which the GEMV kernels are used (8 rows per pass over the weight); above,
-# dequantized tiles + GEMM. The crossover of `benchmarks/bench_kernels.py` (docs/performance.md).
-GEMV_MAX_ROWS = 16
 # Weight rows dequantized per GEMM call in prefill.
 PREFILL_TILE = 1024
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_native_ops = None
-_native_loaded = False
-
-
-def native_ops():
-    """The native kernel module, or None (loaded once, on first use)."""
-    global _native_ops, _native_loaded
-    if not _native_loaded:
-        from rwkv_engine.kernels import native
-
-        _native_ops = native.load()
-        _native_loaded = True
-    return _native_ops
 
 
 def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
@@ -108,7 +94,7 @@ def _native_quantizer(weight: Tensor):
         or weight.numel() == 0
     ):
         return None
-    return native_ops()
+    return native.load()
 
 
 def _tiled_linear(x2: Tensor, n_rows: int, ct: torch.dtype, tile_fn) -> Tensor:
@@ -159,7 +145,7 @@ class _QuantLinearBase(nn.Module):
         M = x2.shape[0]
         if M == 0:
             return x.new_empty(*lead, self.out_features)
-        ops = native_ops() if x.device.type == "cpu" and self.qweight.device.type == "cpu" else None
+        ops = native.load() if x.device.type == "cpu" and self.qweight.device.type == "cpu" else None
         if ops is not None and self._native_ok():
             x2 = x2.contiguous()
             y = self._gemv(ops, x2) if M <= GEMV_MAX_ROWS else self._prefill(ops, x2)
@@ -340,7 +326,7 @@ class DenseLinear(nn.Linear):
         x2 = x.reshape(-1, self.in_features)
         M = x2.shape[0]
         if 0 < M <= GEMV_MAX_ROWS:
-            ops = native_ops()
+            ops = native.load()
             if (
                 ops is not None
                 and w.dtype in _NATIVE_DENSE_DTYPES
@@ -378,4 +364,4 @@ def weight_bytes(module: nn.Module) -> int:
     return total
 
 
-__all__ = ["Int8Linear", "Int4Linear", "DenseLinear", "GEMV_MAX_ROWS", "PREFILL_TILE", "native_ops", "weight_bytes"]
+__all__ = ["Int8Linear", "Int4Linear", "DenseLinear", "PREFILL_TILE", "weight_bytes"]

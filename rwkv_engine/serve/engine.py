@@ -77,8 +77,8 @@ import torch
 
 from ..errors import InputError, RWKVEngineError
 from ..generation import TextStream, encode_prompt
+from ..kernels.native import GEMV_MAX_ROWS
 from ..models.model import prefill_end
-from ..quant.linear import GEMV_MAX_ROWS
 from ..sampling import Sampler, SamplingParams
 from ..state import State
 from ..structured import Constraint, grammar_for

@@ -486,20 +486,10 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool int8, const ui
 // The int8 / int4 kernel. A step is a 64-column chunk, which the weight format (Q8Format /
 // Q4Format) decodes into pieces (int16 vectors for int8, u8 vectors for int4) and multiplies
 // with the prepared x into int32 sums (Fmt::dot), then acc[n][b] += (float(sum) * dx[b, chunk])
-// * scale. Registers (AVX2): a row's pieces + the R x Bt accumulators (all rows of x of the pass
-// from B = 5; R = 1 leaves Bt = 8). int8 (int16 x): per 64 multiply-adds about 11 instructions
-// (4 vpmaddwd with the x load folded in, 3 adds, the scaling, a share of the decoding), bound by
-// them, not by loads: sharing x loads between 2 weight rows (their int32 sums in registers,
-// decoded pieces shared by 4 rows of x) took more instructions and measured 5-20% slower with 2
-// threads. With VNNI the 3 adds fold into vpdpwssd; there (32 registers on Zen 4) 2-3 weight
-// rows per x load at B = 8 measured within 3% of one. int4 (int8 x): 2 vpdpbusd + the scaling
-// per 64 multiply-adds, and 3 instructions of decoding per row.
-// One row at a time at B = 1 (decode): each thread then reads one sequential stream (the row,
-// and for rows up to kPrefetchMaxRow the next row prefetched beside it) instead of R streams a
-// row apart. Measured on Zen 4,
-// 2 threads, weights streamed from memory, against R = 4: ffn.value (2048 x 7168, rows of 3.5 /
-// 7 KB) int4 1.50-1.61x, int8 1.18-1.22x; other shapes 1.03-1.11x. In cache R = 4 is up to 10%
-// faster for int4 (one fp32 accumulator chain per row), but decode reads from memory.
+// * scale. The loop is bound by instructions, not loads, so x loads are not shared between
+// weight rows. At B = 1 (decode) one row at a time: each thread then reads one sequential stream
+// (plus the next row prefetched), which streams weights from memory faster than R rows a row
+// apart (benchmarks/bench_kernels.py).
 template <int B> constexpr int kIntRows = B <= 1 ? 1 : B <= 2 ? 4 : B <= 4 ? 2 : 1;
 template <int B> constexpr int kIntXRows = B;
 

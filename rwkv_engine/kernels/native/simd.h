@@ -1,7 +1,7 @@
 // The SIMD layer of the native kernels: one vector type and a few dozen primitives per ISA
 // level, so that kernels.cpp and step.cpp are written once and compiled once per level.
 //
-//   level    flags (see kernels/native/__init__.py)                 F (fp32 lanes)  I16 lanes
+//   level    flags (see kernels/native/build.py)                    F (fp32 lanes)  I16 lanes
 //   avx2     -mavx2 -mfma -mf16c                                      8               16
 //   avx512   + -mavx512f -mavx512bw -mavx512vl -mavx512dq            16               32
 //   avx512_vnni  + -mavx512vnni (vpdpwssd: madd_add in one instruction; 16             32

@@ -1,0 +1,277 @@
+"""How the native kernels are built and cached (the API is in `rwkv_engine.kernels.native`).
+
+The kernels are written once (kernels.cpp: GEMVs, dequantization, the int4 quantizer; step.cpp:
+the fused decode step of models/native_step.py) on the SIMD layer of simd.h, and compiled per
+ISA level into a plain shared library (no torch headers: seconds to build); bindings.cpp (the
+torch extension) loads the level's library and calls through its table of entry points (api.h).
+Both are cached under torch's extension directory (`~/.cache/torch_extensions`, or
+`$TORCH_EXTENSIONS_DIR`), keyed by the sources, flags, compiler and torch version, and built
+from copies of the sources in that directory, so checkouts of the same sources share one build.
+Later processes only load them (well under a second). The build needs a C++20 compiler (gcc >=
+10; `$CXX`, else `c++`) and, for the bindings, `ninja` on PATH (`pip install ninja`).
+
+ISA levels (`LEVELS`; each CPU runs the best one it supports):
+
+    avx2     x86-64 with AVX2, FMA and F16C (Haswell, Zen 1 and later): the x86 baseline
+    avx512   x86-64 with AVX-512 F/BW/VL/DQ (Skylake-SP, Ice Lake, Zen 4 and later)
+    avx512_vnni  avx512 + VNNI (vpdpwssd / vpdpbusd: the int8 kernel's int16 and the int4
+             kernel's int8 dot products in one instruction; Cascade Lake, Ice Lake, Zen 4 and later)
+    avx512_bf16  avx512_vnni + AVX512-BF16 (vdpbf16ps: bf16 weights times activations that are
+             bf16 already, two products per fp32 lane; Cooper Lake, Sapphire Rapids, Zen 4 and later)
+    neon     ARM64 (Advanced SIMD is part of ARMv8-A: Apple Silicon, Graviton, phones)
+    neon_dotprod  neon + the ARMv8.2 dot product instructions (sdot: the int4 kernel's int8 dot
+             products; Apple M1, Graviton 2, Cortex-A55/A76 and later)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_HERE = Path(__file__).parent
+_BINDING_SOURCES = ("bindings.cpp",)  # the torch extension, built with the baseline level's flags
+_KERNEL_SOURCES = ("kernels.cpp", "step.cpp", "api.cpp", "quantize.cpp")  # one shared library per level
+_HEADERS = ("api.h", "kernels.h", "numeric.h", "pool.h", "quantize.h", "simd.h", "step.h")
+_BINDING_HEADERS = ("api.h", "kernels.h", "quantize.h", "step.h")  # what bindings.cpp includes
+# -ffp-contract=off: no silent a*b+c -> fma, so quantize_q4 repeats the reference's roundings
+# and every level rounds where the source says.
+_CFLAGS = ("-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")
+_LDFLAGS = ("-fopenmp",)
+ENV = "RWKV_ENGINE_ISA"
+
+
+@dataclass(frozen=True)
+class Level:
+    """An ISA level: the compiler flags of its build and the CPU features it needs."""
+
+    name: str
+    arch: str  # platform.machine(), normalized: x86_64 / aarch64
+    flags: tuple[str, ...]
+    features: frozenset[str]  # /proc/cpuinfo flags (x86) / Features (ARM)
+
+
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+LEVELS = (  # per architecture, lowest first
+    Level("avx2", "x86_64", _AVX2, frozenset({"avx2", "fma", "f16c"})),
+    Level(
+        "avx512",
+        "x86_64",
+        _AVX2 + _AVX512,
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    ),
+    Level(
+        "avx512_vnni",
+        "x86_64",
+        _AVX2 + _AVX512 + ("-mavx512vnni",),
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+    ),
+    Level(
+        "avx512_bf16",
+        "x86_64",
+        _AVX2 + _AVX512 + ("-mavx512vnni", "-mavx512bf16"),
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"}),
+    ),
+    Level("neon", "aarch64", ("-march=armv8-a",), frozenset()),
+    Level("neon_dotprod", "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimddp"})),
+)
+
+
+def level(name: str) -> Level:
+    for lv in LEVELS:
+        if lv.name == name:
+            return lv
+    raise ValueError(f"unknown ISA level {name!r}; known: {', '.join(lv.name for lv in LEVELS)}")
+
+
+def _arch() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
+
+
+def _cpu_features() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (None where there is none, e.g. macOS)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in ("flags", "Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def supported_levels() -> list[tuple[Level, str]]:
+    """Every level of this machine's architecture with '' where the CPU runs it, else the reason."""
+    arch, feats = _arch(), _cpu_features()
+    out = []
+    for lv in LEVELS:
+        if lv.arch != arch:
+            continue
+        if feats is None:  # no feature list: trust torch for AVX2 and assume nothing above the baseline
+            ok = lv.name == "neon" or (lv.name == "avx2" and torch.cpu._is_avx2_supported())
+            out.append((lv, "" if ok else "the CPU's features are unknown"))
+            continue
+        missing = sorted(lv.features - feats)
+        out.append((lv, f"the CPU lacks {', '.join(missing)}" if missing else ""))
+    return out
+
+
+def choose_level(requested: str | None = None) -> tuple[Level | None, str]:
+    """(level, reason): the best level this CPU runs, or the requested one (RWKV_ENGINE_ISA) when
+    the CPU runs it; (None, why) where there is none."""
+    levels = supported_levels()
+    runnable = [lv for lv, why in levels if not why]
+    if not levels:
+        return None, f"no native kernels for CPU architecture {_arch()!r}"
+    if not runnable:
+        return None, f"this CPU runs none of the ISA levels ({levels[0][1]} for {levels[0][0].name})"
+    if requested in (None, ""):
+        return runnable[-1], ""
+    if requested == "none":
+        return None, f"{ENV}=none"
+    names = [lv.name for lv, _ in levels]
+    if requested not in names:
+        return None, f"{ENV}={requested!r} is not an ISA level of this machine (one of: none, {', '.join(names)})"
+    why = dict((lv.name, why) for lv, why in levels)[requested]
+    if why:
+        return None, f"{ENV}={requested}: {why}"
+    return level(requested), ""
+
+
+def compiler() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
+def _digest(parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else repr(p).encode())
+    return h.hexdigest()[:12]
+
+
+def _cache_dir() -> Path:
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory("rwkv_engine_native", False)).parent
+
+
+def _copy_sources(names, dest: Path, src: Path = _HERE) -> None:
+    """The sources and headers into dest, so a build never names a checkout's own paths (two
+    checkouts of the same sources then share one build instead of rebuilding each other's)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        data = (src / n).read_bytes()
+        if not (dest / n).exists() or (dest / n).read_bytes() != data:
+            tmp = dest / f".{n}.{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, dest / n)
+
+
+def _compiler_version(cxx: str) -> bytes:
+    return subprocess.run([cxx, "--version"], capture_output=True, check=True).stdout
+
+
+def library_path(
+    lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE, selftest: bool = False
+) -> Path:
+    """Where build_kernels keeps the build of these arguments (its name holds the digest of the
+    sources, flags and compiler)."""
+    return _build_plan(lv, cxx, out_dir, src, selftest)[0]
+
+
+def _build_plan(lv, cxx, out_dir, src, selftest):
+    lv = level(lv) if isinstance(lv, str) else lv
+    cxx = cxx or compiler()
+    if selftest:
+        sources = ("selftest.cpp",) + tuple(s for s in _KERNEL_SOURCES if s != "api.cpp")
+        flags = _CFLAGS + lv.flags
+    else:
+        sources = _KERNEL_SOURCES
+        flags = _CFLAGS + lv.flags + ("-fPIC", "-shared", "-fvisibility=hidden")
+    key = _digest([(src / s).read_bytes() for s in sources + _HEADERS] + [flags, _LDFLAGS, _compiler_version(cxx)])
+    out_dir = out_dir or _cache_dir() / "rwkv_engine_kernels"
+    lib = out_dir / f"{lv.name}_{key}{'_selftest' if selftest else '.so'}"
+    return lib, lv, cxx, sources, flags, key, out_dir
+
+
+def build_kernels(
+    lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE, selftest: bool = False
+) -> Path:
+    """The kernel library of level `lv` (built with `cxx` unless cached): the path of its .so;
+    with `selftest`, the standalone test program of selftest.cpp instead.
+
+    Any level of any architecture can be built where a compiler for it is given (the tests build
+    the ARM64 level with aarch64-linux-gnu-g++); a failed build raises RuntimeError with the
+    compiler's message. `src`: another copy of this directory (benchmarks/bench_kernels.py
+    --baseline builds a git revision's kernels)."""
+    lib, lv, cxx, sources, flags, key, out_dir = _build_plan(lv, cxx, out_dir, src, selftest)
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src_dir = out_dir / f"src_{key}"
+    _copy_sources(sources + _HEADERS, src_dir, src)
+    fd, tmp = tempfile.mkstemp(prefix=f".{lv.name}_", dir=out_dir)
+    os.close(fd)
+    cmd = [cxx, *flags, *[str(src_dir / s) for s in sources], "-o", tmp, *_LDFLAGS]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        Path(tmp).unlink(missing_ok=True)  # the compiler may have removed it already
+        raise RuntimeError(f"building the {lv.name} kernels failed:\n{' '.join(cmd)}\n{r.stderr.strip()[-3000:]}")
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, lib)  # atomic: a concurrent process sees the whole library or none
+    return lib
+
+
+STALE_LOCK_SECONDS = 900  # a bindings build takes a few minutes even on a loaded 2-core machine
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch's extension build waits forever on the lock file of a build whose process was killed
+    (a server stopped while it was building, say): remove a lock older than any real build."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing a stale build lock %s (%.0f s old): its build was interrupted", lock, age)
+        lock.unlink(missing_ok=True)
+
+
+def _load_bindings(base: Level, verbose: bool):
+    from torch.utils import cpp_extension
+
+    srcs = _BINDING_SOURCES + _BINDING_HEADERS
+    flags = _CFLAGS + base.flags
+    name = "rwkv_engine_native_" + _digest([(_HERE / s).read_bytes() for s in srcs] + [flags, torch.__version__])
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose))
+    _drop_stale_lock(build_dir / "lock")
+    _copy_sources(srcs, build_dir / "src")
+    return cpp_extension.load(
+        name=name,
+        sources=[str(build_dir / "src" / s) for s in _BINDING_SOURCES],
+        extra_cflags=list(flags),
+        extra_ldflags=list(_LDFLAGS) + ["-ldl"],
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+def load_module(lv: Level, verbose: bool = False):
+    """The bindings (built unless cached) using the kernels of level `lv`; raises where a build fails."""
+    base = next(x for x in LEVELS if x.arch == lv.arch)
+    ops = _load_bindings(base, verbose)
+    ops.use_kernels(str(build_kernels(lv)))
+    return ops

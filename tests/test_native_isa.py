@@ -18,7 +18,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -365,15 +364,3 @@ def test_kernel_cases_against_pytorch(tmp_path, name):
         check(out[pos : pos + n])
         pos += n
     _note(name, f"ran {len(cases)} kernel cases {'natively' if native_run else 'under qemu-aarch64'}")
-
-
-def test_a_stale_build_lock_is_removed(tmp_path):
-    """A build killed halfway leaves torch's lock file, on which every later build would wait forever."""
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    build._drop_stale_lock(lock)
-    assert lock.exists()  # a build may be running: leave it
-    old = time.time() - build.STALE_LOCK_SECONDS - 60
-    os.utime(lock, (old, old))
-    build._drop_stale_lock(lock)
-    assert not lock.exists()

@@ -5,7 +5,7 @@ the fused decode step of models/native_step.py) on the SIMD layer of simd.h, and
 ISA level into a plain shared library (no torch headers: seconds to build); bindings.cpp (the
 torch extension) loads the level's library and calls through its table of entry points (api.h).
 Both are cached under torch's extension directory (`~/.cache/torch_extensions`, or
-`$TORCH_EXTENSIONS_DIR`), keyed by the sources, flags, compiler and torch version, and built
+`$TORCH_EXTENSIONS_DIR`), keyed by the sources, flags, compiler, torch version and (the bindings) interpreter, and built
 from copies of the sources in that directory, so checkouts of the same sources share one build.
 Later processes only load them (well under a second). The build needs a C++20 compiler (gcc >=
 10; `$CXX`, else `c++`) and, for the bindings, `ninja` on PATH (`pip install ninja`).
@@ -25,17 +25,25 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows: torch's lock file only
+    fcntl = None
 
 logger = logging.getLogger(__name__)
 
@@ -235,34 +243,62 @@ def build_kernels(
     return lib
 
 
-STALE_LOCK_SECONDS = 900  # a bindings build takes a few minutes even on a loaded 2-core machine
+LOCK_NAME = "rwkv_engine.lock"
 
 
-def _drop_stale_lock(lock: Path) -> None:
-    """torch's extension build waits forever on the lock file of a build whose process was killed
-    (a server stopped while it was building, say): remove a lock older than any real build."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning("removing a stale build lock %s (%.0f s old): its build was interrupted", lock, age)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def build_lock(build_dir: Path, what: str):
+    """Held while building in build_dir: an exclusive flock on build_dir/LOCK_NAME, which the OS
+    releases when its holder dies (torch's own lock file outlives a killed build, and torch waits
+    on it forever). A waiter says on stderr whom it waits for; once it holds the lock, any torch
+    lock file left in build_dir is a killed build's (every builder takes this lock first)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = build_dir / LOCK_NAME
+    with open(path, "a+") as f:
+        if fcntl is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "?"
+                print(
+                    f"rwkv-engine: waiting for process {holder}, which is building {what} (lock {path})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                fcntl.flock(f, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)  # closing the file releases the flock
 
 
-def _load_bindings(base: Level, verbose: bool):
+def _bindings_dir(base: Level) -> tuple[str, Path]:
+    """(extension name, build directory) of the bindings: keyed by everything that goes into
+    their build, interpreter and include paths too (two virtualenvs on one cache would otherwise
+    rebuild each other's extension, ninja seeing other include paths each time)."""
     from torch.utils import cpp_extension
 
     srcs = _BINDING_SOURCES + _BINDING_HEADERS
-    flags = _CFLAGS + base.flags
-    name = "rwkv_engine_native_" + _digest([(_HERE / s).read_bytes() for s in srcs] + [flags, torch.__version__])
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose))
-    _drop_stale_lock(build_dir / "lock")
-    _copy_sources(srcs, build_dir / "src")
+    key = [(_HERE / s).read_bytes() for s in srcs]
+    key += [_CFLAGS + base.flags, torch.__version__, sys.executable, sysconfig.get_paths()["include"]]
+    key += [tuple(cpp_extension.include_paths())]
+    name = "rwkv_engine_native_" + _digest(key)
+    return name, Path(cpp_extension._get_build_directory(name, False))
+
+
+def _load_bindings(base: Level, name: str, build_dir: Path, verbose: bool):
+    from torch.utils import cpp_extension
+
+    _copy_sources(_BINDING_SOURCES + _BINDING_HEADERS, build_dir / "src")
     return cpp_extension.load(
         name=name,
         sources=[str(build_dir / "src" / s) for s in _BINDING_SOURCES],
-        extra_cflags=list(flags),
+        extra_cflags=list(_CFLAGS + base.flags),
         extra_ldflags=list(_LDFLAGS) + ["-ldl"],
         build_directory=str(build_dir),
         verbose=verbose,
@@ -272,6 +308,18 @@ def _load_bindings(base: Level, verbose: bool):
 def load_module(lv: Level, verbose: bool = False):
     """The bindings (built unless cached) using the kernels of level `lv`; raises where a build fails."""
     base = next(x for x in LEVELS if x.arch == lv.arch)
-    ops = _load_bindings(base, verbose)
-    ops.use_kernels(str(build_kernels(lv)))
+    name, build_dir = _bindings_dir(base)
+    with build_lock(build_dir, "the native kernels"):
+        building = not (build_dir / f"{name}.so").exists() or not library_path(lv).exists()
+        if building:  # minutes of silence otherwise, on a first run
+            print(
+                f"rwkv-engine: building the native kernels for this CPU ({lv.name}), once: 1-3 minutes",
+                file=sys.stderr,
+                flush=True,
+            )
+            t0 = time.perf_counter()
+        ops = _load_bindings(base, name, build_dir, verbose)
+        ops.use_kernels(str(build_kernels(lv)))
+        if building:
+            print(f"rwkv-engine: native kernels built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return ops

@@ -173,6 +173,55 @@ def test_q4_rounds_x_as_the_reference_bit_for_bit():
         assert torch.equal(ops.gemv_q4(x, P.pack_int4(codes), s, b), P.round_activations_int8(x).to(dt)), dt
 
 
+def _identity_q8(K):
+    return torch.eye(K, dtype=torch.int8), torch.ones(K, 1, dtype=torch.float16)
+
+
+def _identity_q4(K):
+    codes = torch.eye(K, dtype=torch.uint8)
+    return P.pack_int4(codes), torch.ones(K, K // 32, dtype=torch.float16), torch.zeros(K, K // 32, dtype=torch.float16)
+
+
+def test_tiny_and_denormal_blocks_round_to_zero_bit_for_bit():
+    """R8: 127 / absmax overflowed for 0 < absmax < ~3.7e-37 and 0 * inf gave NaN. With an
+    identity weight the output is x as the kernel rounded it: the reference's value exactly."""
+    K = 256
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, K, generator=g)
+    x[:, :64] *= 1e-38  # tiny: below 127 / FLT_MAX
+    x[:, 1] = 0.0
+    x[:, 64:128] = torch.randn(4, 64, generator=g) * 1e-42  # denormal
+    x[:, 128:192] = 0.0
+    y4 = ops.gemv_q4(x, *_identity_q4(K))
+    assert torch.equal(y4, P.round_activations_int8(x)) and torch.equal(y4[:, :192], torch.zeros(4, 192))
+    y8 = ops.gemv_q8(x, *_identity_q8(K))
+    assert torch.isfinite(y8).all() and torch.equal(y8[:, :192], torch.zeros(4, 192))
+    assert rel_rms(y8, P.round_activations_int16(x)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_nan_or_inf_in_x_gives_non_finite_rows(dtype):
+    """R9: a NaN in x rounded to an integer gave a finite output. Rows that see a NaN or an
+    infinity come out non-finite, in every kernel; the other rows as alone."""
+    K, N = 256, 48
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(3, K, generator=g).to(dtype)
+    x[0, 70] = float("nan")
+    x[1, 200] = float("inf")
+    q8, s8 = P.quantize_int8(w, 64)
+    q4, s4, b4 = P.quantize_int4(w, 32)
+    kernels = (
+        lambda x: ops.gemv_q8(x, q8, s8),
+        lambda x: ops.gemv_q4(x, q4, s4, b4),
+        lambda x: ops.gemv_dense(x, w.to(dtype)),
+    )
+    for f in kernels:
+        y = f(x)
+        assert not torch.isfinite(y[:2]).any()
+        assert torch.equal(y[2:], f(x[2:]))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequant_tiles_equal_reference(dtype):
     N, K = 50, 256

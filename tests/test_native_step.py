@@ -174,3 +174,20 @@ def test_step_checks_the_state_it_is_given(checkpoints):
     fields = [t for _, t in state.items()]
     with pytest.raises(RuntimeError, match="state field"):
         step(torch.zeros(1, 128), fields, [torch.empty_like(t) for t in fields])  # 1 row of x, 2 of state
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: f"{f[0]}-{f[1] or 'dense'}")
+def test_a_nan_state_gives_nan_logits(checkpoints, fmt):
+    """R9: a NaN state came out of the int8 decode as finite (all-zero) logits. The row whose
+    state holds a NaN gives NaN logits, native step and PyTorch modules alike; the other row not."""
+    dtype, quantization = fmt
+    model = rwkv_engine.load(checkpoints["7"], dtype=dtype, quantization=quantization, progress=False)
+    _, state = model.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    state = state.clone()
+    for name in state.fields:
+        t = getattr(state, name)
+        if t.is_floating_point():
+            t[0] = float("nan")
+    (ln, _), (lt, _) = _decode_both(model, torch.tensor([[7], [8]]), state, steps=1)
+    for logits in (ln, lt):
+        assert torch.isnan(logits[:, 0]).all() and torch.isfinite(logits[:, 1]).all()

@@ -161,6 +161,67 @@ def test_quant_linear_equals_dequantized_matmul(name, make, dtype, path):
         assert rel_rms(y, xs @ wd.T) < tol, shape
 
 
+def _tiny_blocks(B: int) -> torch.Tensor:
+    """x [B, 256] whose first 32-column blocks are tiny (0 < absmax < 3.7e-37, where 127 / absmax
+    overflows), denormal, or all zero; the rest ordinary."""
+    torch.manual_seed(0)
+    x = torch.randn(B, 256)
+    x[:, :32] *= 1e-38
+    x[:, 1] = 0.0
+    x[:, 32:64] = torch.randn(B, 32) * 1e-42  # denormals
+    x[:, 64:96] = 0.0
+    return x
+
+
+def test_tiny_activation_blocks_round_to_zero():
+    x = _tiny_blocks(2)
+    for r in (P.round_activations_int8(x), P.round_activations_int16(x)):
+        assert torch.isfinite(r).all()
+        assert torch.equal(r[:, :96], torch.zeros(2, 96))
+
+
+@pytest.mark.parametrize("name,make", MODULES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_activation_blocks_give_finite_outputs(name, make, dtype, path):
+    """R8: 127 / absmax overflowed to inf and 0 * inf gave NaN, native and PyTorch paths alike."""
+    torch.manual_seed(0)
+    m = make(torch.randn(64, 256) * 0.05)
+    for B in (1, 3, 20):  # decode and prefill
+        x = _tiny_blocks(B).to(dtype)
+        y = m(x)
+        assert torch.isfinite(y).all(), (B, y)
+        xs = x.double()
+        xs[:, :96] = 0.0  # what the tiny blocks contribute (they are far below any rounding)
+        assert rel_rms(y, xs @ m.dequantize(torch.float64).T) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "name,make", MODULES + [("dense_bf16", lambda w: DenseLinear.from_linear(_linear(w), torch.bfloat16))]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [3, 20])  # decode (the native GEMVs) and prefill
+def test_nan_or_inf_input_gives_non_finite_rows(name, make, dtype, B, path):
+    """R9: a NaN in x came out finite from the int8 GEMV (rounded to an integer): the rows that
+    see a NaN or an infinity come out all non-finite, the other rows as computed alone."""
+    torch.manual_seed(0)
+    m = make(torch.randn(64, 256) * 0.05)
+    x = torch.randn(B, 256).to(dtype)
+    x[0, 100] = float("nan")
+    x[1, 5] = float("inf")
+    y = m(x)
+    assert torch.isnan(y[0]).all(), y[0]
+    assert not torch.isfinite(y[1]).any(), y[1]
+    assert torch.isfinite(y[2:]).all()
+    if path == "native" and B <= QL.GEMV_MAX_ROWS:  # the per-row GEMVs: each row's bits its own
+        assert torch.equal(y[2:], m(x[2:]))
+
+
+def _linear(w: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data.copy_(w)
+    return lin
+
+
 @pytest.mark.parametrize("name,make", MODULES)
 def test_quant_linear_state_dict_round_trip(name, make, tmp_path):
     from safetensors.torch import load_file, save_file

@@ -319,8 +319,10 @@ def _round_blocks(x: Tensor, block: int, qmax: float) -> Tensor:
     head = xf[..., :full].reshape(*xf.shape[:-1], full // block, block)
     amax = head.abs().amax(dim=-1, keepdim=True)
     # qmax / amax as one division (torch's `scalar / tensor` is a reciprocal times the scalar,
-    # which differs in the last bit, and the rounding of x would flip at exact halves)
-    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
+    # which differs in the last bit, and the rounding of x would flip at exact halves). Where it
+    # overflows (amax 0 or below ~1e-37) the block rounds to zero; a NaN / inf gives NaN rows.
+    inv = torch.full_like(amax, qmax) / amax
+    inv = torch.where(torch.isinf(inv), torch.zeros_like(inv), inv)
     dx = amax / qmax
     q = torch.round(head * inv).clamp_(-qmax, qmax)
     out = xf.clone()

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace rwkv_native {
@@ -425,12 +426,26 @@ XQView view(const XQ& x, int64_t b0, int64_t K) {
 
 // n values of src rounded to integers of magnitude <= qmax in steps of their absmax / qmax
 // (nearest even) into q, and the rounded values q * step into xh; returns the step. The same
-// fp32 operations as primitives.round_activations_int16 / _int8.
+// fp32 operations as primitives.round_activations_int16 / _int8. A block whose qmax / absmax
+// overflows (absmax 0 or below ~1e-37) rounds to zero; a block holding a NaN or an infinity
+// returns a NaN step, so the rows it enters come out NaN instead of silently finite.
 template <typename T>
 float round_block(const float* src, int n, float qmax, T* q, float* xh) {
   float amax = 0.f;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(src[i]));
-  const float dx = amax / qmax, inv = amax > 0.f ? qmax / amax : 0.f;
+  bool finite = true;
+  for (int i = 0; i < n; ++i) {
+    const float a = std::fabs(src[i]);
+    amax = std::max(amax, a);
+    finite &= a <= std::numeric_limits<float>::max();  // false for a NaN
+  }
+  if (!finite) {
+    for (int i = 0; i < n; ++i) {
+      q[i] = 0;
+      xh[i] = std::numeric_limits<float>::quiet_NaN();
+    }
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float r = qmax / amax, dx = amax / qmax, inv = std::isinf(r) ? 0.f : r;
   for (int i = 0; i < n; ++i) {
     const float v = std::nearbyint(src[i] * inv);  // |v| <= qmax
     q[i] = static_cast<T>(v);

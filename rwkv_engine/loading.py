@@ -39,7 +39,7 @@ from .errors import CheckpointError, InputError, UnsupportedModelError
 from .memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
 from .models import RWKV
 from .models.layers import lora_dtype
-from .quant.schemes import convert_weight, describe, get_scheme, plan, replace_module
+from .quant.schemes import applied_scheme, convert_weight, describe, get_scheme, plan, replace_module
 
 Tensor = torch.Tensor
 
@@ -670,7 +670,7 @@ class Plan:
                 self.targets[name] = _dense_scheme(module.weight.dtype)
         for name, target in self.targets.items():
             replace_module(self.model, name, convert_weight(self.model.get_submodule(name).weight, target, empty=True))
-        self.model.quantization = scheme
+        self.model.quantization = applied_scheme(scheme, self.targets, dtype)
         self.model.quantization_report = report
         self.model.initial_state = {}
         self.huge_pages = False  # tensors() puts the weights on huge pages (load sets it on the CPU)

@@ -70,6 +70,23 @@ def test_bench_json(world_model):
     assert line.split()[2] == (lowest if lowest != "none" else "off"), line
 
 
+def test_bench_says_when_nothing_was_quantized(tmp_path):
+    """R10: bench of q4 on a model whose matrices are all below the policy's size."""
+    from rwkv_engine.quant.schemes import NOTHING_QUANTIZED
+
+    small = testing.save_pth(testing.random_state_dict("7", n_layer=1, n_embd=64, vocab_size=256), tmp_path / "s.pth")
+    args = ("bench", str(small), "--prompt-len", "8", "--decode-tokens", "2", "-q", "q4")
+    out = _run(*args, "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    dense = {"float32": "q0f32", "bfloat16": "q0bf16", "float16": "q0f16"}[r["dtype"]]
+    assert r["quantization"] == dense and r["quantization_note"] == NOTHING_QUANTIZED
+    assert NOTHING_QUANTIZED in out.stderr
+    out = _run(*args)
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("model"))
+    assert f"quantization {dense} (q4 asked: {NOTHING_QUANTIZED})" in line, line
+
+
 def test_bench_rejects_bad_values(world_model):
     for args in (("--batch", "0"), ("--prompt-len", "-1"), ("-q", "q3")):
         out = _run("bench", str(world_model), *args)

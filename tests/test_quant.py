@@ -492,3 +492,22 @@ def test_quantize_model_empty_on_meta_then_load():
     dst.load_state_dict(sd, assign=True)
     x = torch.randn(1, 128)
     assert torch.equal(src(x), dst(x))
+
+
+def test_load_of_a_model_too_small_to_quantize_says_so(tmp_path, capsys):
+    """R10: q4 of a model whose matrices are all below the policy's size quantized nothing, yet
+    the model said q4: it says what it holds, and why, on stderr."""
+    import rwkv_engine
+    from rwkv_engine import testing
+
+    path = testing.save_pth(testing.random_state_dict("7", n_layer=2, n_embd=32, vocab_size=256), tmp_path / "m.pth")
+    capsys.readouterr()
+    model = rwkv_engine.load(path, quantization="q4")
+    assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+    assert model.quantization.weights == "dense" and model.quantization.dtype == model.dtype
+    assert f"q4: {schemes.NOTHING_QUANTIZED}" in capsys.readouterr().err
+    assert schemes.quantization_note("q4", model.quantization) == schemes.NOTHING_QUANTIZED
+    big = testing.save_pth(testing.random_state_dict("7", n_layer=2, n_embd=32, vocab_size=2048), tmp_path / "b.pth")
+    model = rwkv_engine.load(big, quantization="q4")  # its head (2048 x 32) is quantized
+    assert model.quantization.name == "q4" and "nothing quantized" not in capsys.readouterr().err
+    assert schemes.quantization_note("q4", model.quantization) is None

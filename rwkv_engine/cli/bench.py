@@ -156,6 +156,7 @@ def run(args) -> int:
 
     huge = huge_page_bytes()
     from ..kernels import native
+    from ..quant.schemes import quantization_note
 
     isa = native.isa()
     read_bw = read_bandwidth_gb_s()
@@ -169,6 +170,7 @@ def run(args) -> int:
         "dtype_reason": getattr(model, "dtype_reason", None),
         "matmul_dtype": _matmul_dtype(model),
         "quantization": getattr(getattr(model, "quantization", None), "name", None),
+        "quantization_note": quantization_note(args.quantization, getattr(model, "quantization", None)),
         "device": str(model.device),
         "threads": torch.get_num_threads(),
         "isa": isa,  # the native kernels' ISA level; None: the PyTorch paths
@@ -188,9 +190,10 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
+    note = f" ({args.quantization} asked: {result['quantization_note']})" if result["quantization_note"] else ""
     print(
         f"model           {result['model']} (RWKV-{c.version}, {c.n_layer} x {c.n_embd}, "
-        f"{result['dtype']}, quantization {result['quantization']}, {result['device']}, {result['threads']} threads)"
+        f"{result['dtype']}, quantization {result['quantization']}{note}, {result['device']}, {result['threads']} threads)"
     )
     print(
         f"native kernels  {isa or 'off (PyTorch paths)'}" + (f" (ISA level; {native.ENV} picks another)" if isa else "")

@@ -55,6 +55,7 @@ Actions: a scheme name or alias ("q4", "q8", "q0bf16", ...; group size from the 
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Union
@@ -284,6 +285,28 @@ def quantize_model(
         replace_module(model, name, convert_weight(model.get_submodule(name).weight, target, empty))
         report[name] = describe(target)
     return report
+
+
+NOTHING_QUANTIZED = "nothing quantized (all matrices below the policy's size)"
+
+
+def applied_scheme(scheme: Scheme, targets: Mapping[str, Scheme], dtype: torch.dtype) -> Scheme:
+    """The scheme a model of `dtype` holds once `targets` (plan's) are applied: `scheme`, or where
+    it quantizes but the plan quantizes no matrix (a small model), the dense scheme of `dtype`,
+    said on stderr: a model that claims q4 while holding dense weights misleads every report."""
+    if scheme.weights == "dense" or any(t.weights != "dense" for t in targets.values()):
+        return scheme
+    dense = next(s for s in SCHEMES.values() if s.weights == "dense" and s.dtype == dtype)
+    print(f"rwkv-engine: {scheme.name}: {NOTHING_QUANTIZED}; the model stays {dense.name}", file=sys.stderr, flush=True)
+    return dense
+
+
+def quantization_note(asked: str | Scheme | None, held: Scheme | None) -> str | None:
+    """NOTHING_QUANTIZED where the scheme `asked` quantizes and the model `held` none (see
+    applied_scheme), else None."""
+    if asked is None or held is None or held.weights != "dense":
+        return None
+    return NOTHING_QUANTIZED if get_scheme(asked).weights != "dense" else None
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:

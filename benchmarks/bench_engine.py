@@ -121,7 +121,7 @@ def converted_dir(work: Path, ckpt: Path, scheme: str, dtype: str = "bf16") -> P
     """`rwkv-engine convert` of ckpt with `scheme` and activation `dtype`, once, into work. The
     name carries a hash of the quantization code, so a change of format or policy converts anew."""
     code = Path(__file__).resolve().parents[1] / "rwkv_engine"
-    sources = sorted((code / "quant").glob("*.py")) + [code / "converted.py"]
+    sources = sorted((code / "quant").glob("*.py")) + sorted((code / "loading").glob("*.py"))
     stamp = hashlib.sha1(b"".join(p.read_bytes() for p in sources)).hexdigest()[:8]
     out = work / (f"{ckpt.stem}-{scheme}" + ("" if dtype == "bf16" else f"-{dtype}") + f"-{stamp}")
     if not out.exists():

@@ -221,40 +221,13 @@ def save_safetensors(sd: dict[str, Tensor], path: str | os.PathLike) -> Path:
 
 # --- Hugging Face layouts (FORMATS.md B.1 - B.4) -------------------------------------------
 
-_HF_ATT_RENAMES = {
-    "time_mix_k": "time_mix_key",
-    "time_mix_v": "time_mix_value",
-    "time_mix_r": "time_mix_receptance",
-    "time_mix_g": "time_mix_gate",
-}
-_HF_FFN_RENAMES = {"time_mix_k": "time_mix_key", "time_mix_r": "time_mix_receptance"}
-
 
 def to_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """Rename a BlinkDL RWKV-4/5/6 state dict to the transformers naming (values unchanged; RWKV-6
     keeps its time_maa_* names)."""
-    out = {}
-    for k, v in sd.items():
-        if k == "emb.weight":
-            nk = "rwkv.embeddings.weight"
-        elif k.startswith("ln_out."):
-            nk = "rwkv." + k
-        elif k == "head.weight":
-            nk = k
-        else:
-            _, i, part, rest = k.split(".", 3)
-            if part == "ln0":
-                nk = f"rwkv.blocks.{i}.pre_ln.{rest}"
-            elif part in ("ln1", "ln2"):
-                nk = f"rwkv.blocks.{i}.{part}.{rest}"
-            elif part == "att":
-                nk = f"rwkv.blocks.{i}.attention.{_HF_ATT_RENAMES.get(rest, rest)}"
-            elif part == "ffn":
-                nk = f"rwkv.blocks.{i}.feed_forward.{_HF_FFN_RENAMES.get(rest, rest)}"
-            else:
-                raise ValueError(f"to_hf: unexpected key {k}")
-        out[nk] = v
-    return out
+    from .loading.names import hf_name
+
+    return {hf_name(k): v for k, v in sd.items()}
 
 
 def hf_config(sd: dict[str, Tensor], version: str) -> dict:
@@ -301,37 +274,25 @@ def hf_config(sd: dict[str, Tensor], version: str) -> dict:
     return cfg
 
 
-_FLA_PROJ = {"receptance": "r_proj", "key": "k_proj", "value": "v_proj", "output": "o_proj", "ln_x": "g_norm"}
-_FLA_PARTS = {"att": "attn", "ffn": "ffn", "ln0": "pre_norm", "ln1": "attn_norm", "ln2": "ffn_norm"}
-_FLA_LORA = {"1": "lora.0.weight", "2": "lora.2.weight", "0": "lora.2.bias"}
-
-
 def to_fla(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """A BlinkDL RWKV-7 state dict in flash-linear-attention's RWKV7ForCausalLM naming (FORMATS B.4).
 
     LoRA matrices become nn.Linear weights (transposed), w0/a0/v0 their biases; layer 0 has no
     v_lora; k_k, k_a and ffn.x_k are (C,).
     """
-    out = {"model.embeddings.weight": sd["emb.weight"], "lm_head.weight": sd["head.weight"]}
+    from .loading.names import FLA_LORA, fla_name
+
+    out = {}
     for k, v in sd.items():
-        if k.startswith("ln_out."):
-            out["model.norm." + k[len("ln_out.") :]] = v
-        if not k.startswith("blocks."):
-            continue
-        _, i, part, rest = k.split(".", 3)
-        if part == "att" and rest[0] in "wavg" and rest[1:] in _FLA_LORA:
-            if i == "0" and rest[0] == "v":
-                continue  # unused in layer 0; fla has no v_lora there
-            v = v.reshape(-1) if rest[1] == "0" else v.t()
-            rest = f"{rest[0]}_lora.{_FLA_LORA[rest[1:]]}"
-        elif part == "att":
-            head, dot, tail = rest.partition(".")
-            rest = _FLA_PROJ.get(head, head) + dot + tail
-            if rest in ("k_k", "k_a"):
+        if k.startswith("blocks."):
+            _, i, part, rest = k.split(".", 3)
+            if part == "att" and rest[0] in "wavg" and rest[1:] in FLA_LORA:
+                if i == "0" and rest[0] == "v":
+                    continue  # unused in layer 0; fla has no v_lora there
+                v = v.reshape(-1) if rest[1] == "0" else v.t()
+            elif (part == "att" and rest in ("k_k", "k_a")) or (part != "att" and rest == "x_k"):
                 v = v.reshape(-1)
-        elif rest == "x_k":
-            v = v.reshape(-1)
-        out[f"model.layers.{i}.{_FLA_PARTS[part]}.{rest}"] = v
+        out[fla_name(k)] = v
     return out
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import rwkv_engine
-from rwkv_engine import converted, loading, testing
+from rwkv_engine import loading, testing
 from rwkv_engine.kernels import native
+from rwkv_engine.loading import converted
 from rwkv_engine.quant import primitives as P
 from rwkv_engine.quant import quantize_model
 
@@ -22,7 +23,8 @@ MB = 2**20
 _MEASURE = r"""
 import json, sys, torch
 from pathlib import Path
-from rwkv_engine import converted, loading
+from rwkv_engine import loading
+from rwkv_engine.loading import converted
 from rwkv_engine.kernels import native
 native.load()
 def hwm():
@@ -190,7 +192,7 @@ def test_cli_dtype_auto_in_help_and_bench(tiny):
 def test_progress_bar_on_a_terminal_and_nothing_for_small_models(tiny):
     pexpect = pytest.importorskip("pexpect")
     code = (
-        "import rwkv_engine, rwkv_engine.loading as L; L._PROGRESS_MIN_BYTES = 0; "
+        "import rwkv_engine, rwkv_engine.loading.progress as P; P.MIN_BYTES = 0; "
         f"rwkv_engine.load({str(tiny['fp32'])!r}); print('DONE')"
     )
     child = pexpect.spawn(sys.executable, ["-c", code], env=dict(os.environ), timeout=120, encoding="utf-8")

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import rwkv_engine
-from rwkv_engine import converted, testing
+from rwkv_engine import testing
 from rwkv_engine.errors import InputError
+from rwkv_engine.loading import converted
 
 from .conftest import rel_rms
 

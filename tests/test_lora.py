@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import rwkv_engine
-from rwkv_engine import converted, loading, testing
+from rwkv_engine import loading, testing
 from rwkv_engine.export.program import exportable_copy
 from rwkv_engine.kernels import native
+from rwkv_engine.loading import converted
 
 from .conftest import rel_rms
 

@@ -41,7 +41,7 @@ def test_file_rows_reads_rows_without_mapping_them(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from rwkv_engine.converted import _tensor_offset
+    from rwkv_engine.loading.converted import _tensor_offset
     from rwkv_engine.memory import FileRows
 
     V, C = 65536, 256
@@ -171,7 +171,8 @@ def test_loaded_weights_on_huge_pages_give_the_same_logits(tmp_path, monkeypatch
     import torch
 
     import rwkv_engine
-    from rwkv_engine import converted, loading, testing
+    from rwkv_engine import loading, testing
+    from rwkv_engine.loading import converted
 
     if not _thp_in_use():
         pytest.skip("no transparent huge pages here")

@@ -1,7 +1,7 @@
 """State-tuned RWKV-7 checkpoints: blocks.{i}.att.time_state becomes the model's initial state.
 
 The file tensor [H, N, N] is [value][key] (the `rwkv` pip package's RWKV-7 state layout, the one
-RWKV-PEFT trains and web-rwkv reads; sources in loading.initial_state); our att_kv is
+RWKV-PEFT trains and web-rwkv reads; sources in loading.transforms.initial_state); our att_kv is
 [key][value], so the model starts from time_state.transpose(1, 2). Random time_state tensors are
 not symmetric, so every check below fails if the transpose is dropped.
 """
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import rwkv_engine
-from rwkv_engine import State, converted, testing
+from rwkv_engine import State, testing
 from rwkv_engine.errors import CheckpointError
 from rwkv_engine.kernels import native
+from rwkv_engine.loading import converted
 
 from .conftest import rel_rms
 

@@ -167,10 +167,10 @@ def run(args) -> int:
         "n_layer": c.n_layer,
         "n_embd": c.n_embd,
         "dtype": str(model.dtype).removeprefix("torch."),
-        "dtype_reason": getattr(model, "dtype_reason", None),
+        "dtype_reason": model.dtype_reason,
         "matmul_dtype": _matmul_dtype(model),
-        "quantization": getattr(getattr(model, "quantization", None), "name", None),
-        "quantization_note": quantization_note(args.quantization, getattr(model, "quantization", None)),
+        "quantization": model.quantization.name if model.quantization else None,
+        "quantization_note": quantization_note(args.quantization, model.quantization),
         "device": str(model.device),
         "threads": torch.get_num_threads(),
         "isa": isa,  # the native kernels' ISA level; None: the PyTorch paths

@@ -39,24 +39,20 @@ def _tokenizer_file(path: Path, vocab_size: int, args) -> Path | None:
 def run(args) -> int:
     import torch
 
-    from .. import converted, loading
+    from ..loading import converted, prepare
 
     out = Path(args.out)
     if out.exists():
         raise InputError(f"{out}: already exists; choose a new output directory")
     if not out.resolve().parent.is_dir():
         raise InputError(f"{out.parent}: no such directory")
-    plan = loading.prepare(args.model, "cpu", args.dtype, quantization=args.quantization, group_size=args.group_size)
-    if not isinstance(plan, loading.Plan) and not isinstance(plan, torch.nn.Module):
+    plan = prepare(args.model, "cpu", args.dtype, quantization=args.quantization, group_size=args.group_size)
+    model = plan.model
+    if not isinstance(model, torch.nn.Module):
         raise InputError(f"{args.model} is an exported program; convert the checkpoint it was exported from")
-    if not isinstance(plan, loading.Plan):  # a converted directory: written again as it is
-        model = plan
-        converted.save(model, out, _tokenizer_file(model.path, model.config.vocab_size, args))
-    else:
-        model = plan.model
-        converted.convert(plan, out, _tokenizer_file(model.path, model.config.vocab_size, args))
+    converted.convert(plan, out, _tokenizer_file(model.path, model.config.vocab_size, args))
     size = sum(f.stat().st_size for f in out.iterdir())
-    scheme = model.quantization.name if getattr(model, "quantization", None) else "none"
+    scheme = model.quantization.name if model.quantization else "none"
     print(
         f"wrote {out} (RWKV-{model.config.version}, {str(model.dtype).removeprefix('torch.')} [{model.dtype_reason}], "
         f"quantization {scheme}, {size / 1e6:.1f} MB)"

@@ -44,7 +44,7 @@ def _describe(args) -> str:
 def run(args) -> int:
     import rwkv_engine
     from rwkv_engine.errors import InputError
-    from rwkv_engine.loading import DTYPES
+    from rwkv_engine.loading.formats import DTYPES
     from rwkv_engine.verify import compare, format_report, greedy_tokens, trace_model, trace_rwkv_package
 
     if args.steps < 0:

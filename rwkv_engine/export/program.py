@@ -115,7 +115,7 @@ class InitialState(nn.Module):
 
 def exportable_copy(model) -> nn.Module:
     """A copy of the model's module tree (sharing its tensors) that torch.export and ExecuTorch take."""
-    scheme = getattr(model, "quantization", None)
+    scheme = model.quantization
     quantized = scheme is not None and scheme.weights != "dense"
     if model.dtype != torch.float32 or quantized or any(isinstance(m, _QuantLinearBase) for m in model.modules()):
         raise InputError(

@@ -44,6 +44,8 @@ class ProgramModel:
 
     native_decode = False
     layer_observer = None
+    dtype_reason = None  # fixed at export
+    quantization_report: dict[str, str] = {}
 
     def __init__(self, path: str | Path):
         try:

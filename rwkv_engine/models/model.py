@@ -114,6 +114,11 @@ class RWKV(nn.Module):
         self.dtype = dtype
         self.rescale_every = rescale_every
         self.path: Path | None = None
+        # Set by the loader: which rule chose `dtype`, the quantization scheme (None: the
+        # checkpoint's matrices as they are) and {linear name: how it is stored}.
+        self.dtype_reason: str | None = None
+        self.quantization = None
+        self.quantization_report: dict[str, str] = {}
         # LayerNorm ln0 folded in; _weight skips nn.Embedding's random init (seconds of CPU at start-up)
         self.emb = Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd, dtype=dtype))
         self.blocks = nn.ModuleList(Block(cfg, dtype, i) for i in range(cfg.n_layer))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -25,12 +24,14 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .errors import CheckpointError, InputError
+from ..config import ModelConfig
+from ..errors import CheckpointError, InputError
+from ..quant.schemes import replace_module
+from .formats import DTYPE_NAMES, SafetensorsWriter, dtype_of
+from .progress import Progress
 
 FORMAT = 1
 MODEL_TYPE = "rwkv-engine"
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _INITIAL = "initial_state."
 
 
@@ -39,7 +40,7 @@ def is_converted(hf_config: dict | None) -> bool:
 
 
 def _linear_kinds(model) -> dict[str, list]:
-    from .quant import DenseLinear, Int4Linear, Int8Linear
+    from ..quant import DenseLinear, Int4Linear, Int8Linear
 
     kinds = {}
     for name, m in model.named_modules():
@@ -52,72 +53,6 @@ def _linear_kinds(model) -> dict[str, list]:
         elif isinstance(m, torch.nn.Linear):
             kinds[name] = ["linear", DTYPE_NAMES[m.weight.dtype]]
     return kinds
-
-
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.float64: "F64",
-}
-
-
-class SafetensorsWriter:
-    """A safetensors file written one tensor at a time, in any order, from the names, shapes and
-    dtypes known up front (the header comes first in the format). Nothing is buffered: each
-    tensor's bytes go straight from its memory to the file, so a whole model never sits in
-    memory twice (safetensors' own save_file copies every tensor into bytes first)."""
-
-    def __init__(self, path: Path, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], metadata: dict | None = None):
-        # Widest elements first (then by name), as safetensors lays files out: every tensor aligned.
-        order = sorted(specs, key=lambda k: (-specs[k][1].itemsize, k))
-        header: dict = {"__metadata__": metadata or {}}
-        self.slots: dict[str, tuple[int, int]] = {}
-        pos = 0
-        for k in order:
-            shape, dt = specs[k]
-            n = math.prod(shape) * dt.itemsize
-            header[k] = {"dtype": _ST_DTYPES[dt], "shape": list(shape), "data_offsets": [pos, pos + n]}
-            pos += n
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-(8 + len(blob)) % 8)
-        base = 8 + len(blob)
-        self.slots = {
-            k: (base + header[k]["data_offsets"][0], header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
-            for k in order
-        }
-        self.specs = specs
-        self.written: set[str] = set()
-        self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        os.pwrite(self.fd, len(blob).to_bytes(8, "little") + blob, 0)
-        os.ftruncate(self.fd, base + pos)
-
-    def write(self, name: str, t: torch.Tensor) -> None:
-        if name not in self.slots or name in self.written:
-            raise CheckpointError(
-                f"{self.path}: unexpected tensor {name!r}" + (" (twice)" if name in self.written else "")
-            )
-        shape, dt = self.specs[name]
-        if tuple(t.shape) != tuple(shape) or t.dtype != dt:
-            raise CheckpointError(f"{self.path}: tensor {name} is {tuple(t.shape)} {t.dtype}, expected {shape} {dt}")
-        offset, n = self.slots[name]
-        if n:
-            data = memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
-            done = 0
-            while done < n:
-                done += os.pwrite(self.fd, data[done:], offset + done)
-        self.written.add(name)
-
-    def close(self, check: bool = True) -> None:
-        missing = sorted(set(self.slots) - self.written)
-        os.close(self.fd)
-        if check and missing:
-            raise CheckpointError(f"{self.path}: {len(missing)} tensor(s) never written: {', '.join(missing[:3])}")
 
 
 def _meta(model, scheme) -> dict:
@@ -148,7 +83,7 @@ def _write_dir(out: Path, model, specs: dict, write_tensors, tokenizer_source: P
             writer.close(check=False)
             raise
         writer.close()
-        meta = _meta(model, getattr(model, "quantization", None))
+        meta = _meta(model, model.quantization)
         config = {
             "architectures": ["RWKV"],
             "model_type": MODEL_TYPE,
@@ -186,11 +121,12 @@ def save(model, out: str | os.PathLike, tokenizer_source: Path | None = None) ->
 
 
 def convert(plan, out: str | os.PathLike, tokenizer_source: Path | None = None, progress: bool = True) -> Path:
-    """Write the checkpoint of a loading.Plan as an rwkv-engine directory at `out`, one tensor at a
+    """Write the checkpoint of a Plan as an rwkv-engine directory at `out`, one tensor at a
     time: each is read, transformed, quantized and written before the next is read, so the peak
-    memory is a few tensors, not the model."""
-    from .loading import Progress
-
+    memory is a few tensors, not the model. A built plan's model (a converted directory) is
+    written again as it is."""
+    if plan.built:
+        return save(plan.model, out, tokenizer_source)
     model = plan.model
     initial = plan.initial_state()
     specs = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
@@ -225,7 +161,7 @@ def _tensor_offset(weights: Path, name: str) -> int:
 def _read_embedding_rows(model, weights: Path) -> None:
     """Let the embedding read its rows from the file (memory.FileRows) instead of faulting in
     pages of the mapping, where the platform has pread."""
-    from .memory import FileRows
+    from ..memory import FileRows
 
     emb = model.emb
     if not FileRows.available() or not emb.weight.is_contiguous():
@@ -238,17 +174,17 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     """Build the model recorded in an rwkv-engine directory (on the CPU) from its mapped tensors."""
     from safetensors import safe_open
 
-    from .memory import release_pages, to_huge_pages
-    from .models import RWKV
-    from .models.layers import lora_dtype
-    from .quant import DenseLinear, Int4Linear, Int8Linear, get_scheme
+    from ..memory import release_pages, to_huge_pages
+    from ..models import RWKV
+    from ..models.layers import lora_dtype
+    from ..quant import DenseLinear, Int4Linear, Int8Linear, get_scheme
 
     meta = hf_config.get("rwkv_engine")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: an rwkv-engine directory of an unknown format version")
     try:
         cfg = ModelConfig(**meta["config"])
-        dt = {v: k for k, v in DTYPE_NAMES.items()}[meta["dtype"]]
+        dt = dtype_of(meta["dtype"])
         linears = meta["linears"]
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path}/config.json: incomplete rwkv_engine section ({e})") from None
@@ -270,11 +206,10 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
             elif kind == "int8":
                 new = Int8Linear(K, N, arg)
             elif kind == "dense":
-                new = DenseLinear(K, N, dtype={v: k for k, v in DTYPE_NAMES.items()}[arg])
+                new = DenseLinear(K, N, dtype=dtype_of(arg))
             else:  # kept as the model builds it; DenseLinear for the same CPU paths as the rest
                 new = DenseLinear(K, N, dtype=old.weight.dtype)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, new)
+            replace_module(model, name, new)
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{path}: model.safetensors is missing")

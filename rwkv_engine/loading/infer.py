@@ -1,0 +1,122 @@
+"""The model's config (version and sizes) from a checkpoint's tensor names and shapes, checked
+against its config.json when there is one."""
+
+from __future__ import annotations
+
+import re
+
+from ..config import ModelConfig
+from ..errors import CheckpointError, UnsupportedModelError
+from .formats import Checkpoint
+
+
+def _version(ck: Checkpoint) -> str:
+    keys = ck.keys()
+    if keys and all(k.endswith(".att.time_state") for k in keys):
+        raise CheckpointError(
+            f"{ck.where}: a state-only file (time_state tensors, no weights); merge its tensors "
+            "into the checkpoint of the model it was tuned on and load that"
+        )
+    if "emb.weight" not in ck or not any(k.startswith("blocks.") for k in keys):
+        raise CheckpointError(f"{ck.where}: not an RWKV checkpoint (no emb.weight / blocks.* tensors)")
+    if any(".att.time_misc_" in k for k in keys):
+        raise UnsupportedModelError(
+            f"{ck.where}: an RWKV-7 preview checkpoint (time_misc_* names); rwkv-engine runs the released x070 format"
+        )
+    if any(k.endswith((".att.r_k", ".att.x_r", ".att.w0")) for k in keys):
+        if any(".ffn.s_emb" in k for k in keys):
+            raise UnsupportedModelError(
+                f"{ck.where}: an RWKV-7 DeepEmbed checkpoint (ffn.s_emb); rwkv-engine runs standard RWKV-7 only"
+            )
+        return "7"
+    if any("time_maa" in k for k in keys):
+        return "6.0"
+    version = "4"
+    if any(".ln_x." in k for k in keys):
+        version = "5.0"
+        if any(k.endswith(".att.gate.weight") for k in keys):
+            version = "5.1"
+        shape = ck.shape("blocks.0.att.time_decay") if "blocks.0.att.time_decay" in ck else ()
+        if len(shape) > 1 and shape[1] > 1:
+            version = "5.2"
+    return version
+
+
+def _size(ck: Checkpoint, name: str, axis: int) -> int:
+    """The size of tensor `name` along `axis`, or a CheckpointError naming the tensor."""
+    if name not in ck:
+        raise CheckpointError(f"{ck.where}: tensor {name} is missing")
+    shape = ck.shape(name)
+    if len(shape) <= axis:
+        raise CheckpointError(f"{ck.where}: tensor {name} has shape {shape}, expected at least {axis + 1} dimensions")
+    return shape[axis]
+
+
+# config.json model_type -> the RWKV family its weights must be
+_HF_MODEL_TYPES = {"rwkv": 4, "rwkv5": 5, "rwkv6": 6, "rwkv7": 7}
+
+
+def infer_config(ck: Checkpoint) -> ModelConfig:
+    hf = ck.hf_config
+    if hf is not None:
+        mt = hf.get("model_type")
+        if mt not in _HF_MODEL_TYPES:
+            raise CheckpointError(f"{ck.where}: config.json says model_type {mt!r}, not an RWKV model")
+    version = _version(ck)
+    family = int(float(version))
+    if hf is not None and _HF_MODEL_TYPES[mt] != family:
+        raise CheckpointError(f"{ck.where}: config.json says model_type {mt!r} but the weights are RWKV-{version}")
+    blocks = {int(m.group(1)) for k in ck.keys() if (m := re.match(r"blocks\.(\d+)\.", k))}
+    n_layer = max(blocks) + 1
+    missing = sorted(set(range(n_layer)) - blocks)
+    if missing:
+        raise CheckpointError(f"{ck.where}: blocks {missing[:5]} are missing (the file has blocks up to {n_layer - 1})")
+    V, C = ck.shape("emb.weight")
+    A = _size(ck, "blocks.0.att.key.weight", 0)
+    F_ = _size(ck, "blocks.0.ffn.key.weight", 0)
+    n_head, lora = 0, {}
+    if family in (4, 5):
+        n_head = _size(ck, "blocks.0.att.time_decay", 0) if family == 5 else 0
+    elif family == 6:
+        n_head = _size(ck, "blocks.0.att.time_faaaa", 0)
+        lora = dict(
+            lora_mix=_size(ck, "blocks.0.att.time_maa_w2", 1), lora_decay=_size(ck, "blocks.0.att.time_decay_w1", 1)
+        )
+    else:  # 7; layer 0's value-residual LoRA is unused (and absent in fla files): read layer 1's
+        n_head = _size(ck, "blocks.0.att.r_k", 0)
+        lora = dict(
+            lora_decay=_size(ck, "blocks.0.att.w1", 1),
+            lora_iclr=_size(ck, "blocks.0.att.a1", 1),
+            lora_gate=_size(ck, "blocks.0.att.g1", 1),
+            lora_value=_size(ck, "blocks.1.att.v1", 1) if n_layer > 1 else 0,
+        )
+    head_size = A // n_head if n_head else 0
+    cfg = ModelConfig(
+        version=version,
+        n_layer=n_layer,
+        n_embd=C,
+        vocab_size=V,
+        ffn_dim=F_,
+        dim_att=A,
+        n_head=n_head,
+        head_size=head_size,
+        **lora,
+    )
+    if hf is not None:
+        checks = [("num_hidden_layers", n_layer), ("hidden_size", C), ("vocab_size", V)]
+        if family == 6:
+            checks += [("head_size", head_size), ("attention_hidden_size", A)]
+        if family == 7:  # flash-linear-attention's config (FORMATS B.4)
+            checks += [
+                ("head_dim", head_size),
+                ("num_heads", n_head),
+                ("decay_low_rank_dim", cfg.lora_decay),
+                ("a_low_rank_dim", cfg.lora_iclr),
+                ("gate_low_rank_dim", cfg.lora_gate),
+            ]
+            if n_layer > 1:
+                checks.append(("v_low_rank_dim", cfg.lora_value))
+        for field, value in checks:
+            if field in hf and hf[field] is not None and hf[field] != value:
+                raise CheckpointError(f"{ck.where}: config.json says {field}={hf[field]} but the weights have {value}")
+    return cfg

@@ -1,0 +1,346 @@
+"""Plan a load: resolve, open, rename, infer the config, choose the dtype, build the modules on the
+meta device; then `load` fills them, one transformed (and quantized) tensor at a time."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import CheckpointError, InputError
+from ..memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
+from ..models import RWKV
+from ..models.layers import lora_dtype
+from ..quant.schemes import applied_scheme, convert_weight, describe, get_scheme, plan, replace_module
+from . import converted
+from .formats import DTYPE_NAMES, Checkpoint, open_checkpoint, parse_dtype
+from .infer import infer_config
+from .names import canonical_name, stored_transposed
+from .progress import Progress
+from .resolve import resolve
+from .transforms import embedding, initial_state, target_name, transform
+
+Tensor = torch.Tensor
+
+# With fp16 weights, halve the residual every this many blocks (FORMATS A.7, RESCALE_LAYER).
+FP16_RESCALE_EVERY = 6
+
+
+def _check_names(ck: Checkpoint, cfg: ModelConfig, expected) -> dict[str, str | None]:
+    """{canonical name: our parameter name or None}, after checking no tensor is unknown or missing."""
+    mapping = {k: target_name(k, cfg.family) for k in ck.keys()}
+    unknown = sorted(k for k, t in mapping.items() if t is not None and t not in expected)
+    if unknown:
+        raise CheckpointError(
+            f"{ck.where}: {len(unknown)} unknown tensor(s) for an RWKV-{cfg.version} model: {', '.join(unknown[:5])}"
+        )
+    have = {t for t in mapping.values() if t is not None}
+    missing = sorted(k for k in expected if k not in have and k != "emb.weight")
+    if "blocks.0.ln0.weight" not in ck or "blocks.0.ln0.bias" not in ck:
+        missing.insert(0, "blocks.0.ln0.weight/bias")
+    if missing:
+        raise CheckpointError(f"{ck.where}: {len(missing)} tensor(s) missing: {', '.join(missing[:5])}")
+    return mapping
+
+
+class Plan:
+    """A model about to be loaded, on `device`. For a checkpoint: the model on the meta device with
+    its final modules (the linear layers already of the kinds the scheme gives them), and
+    `tensors()`, which reads, transforms and quantizes the checkpoint one tensor at a time. For a
+    converted directory or an exported program (`built`): the loaded model, and no tensors to read.
+
+    `load` assigns what `tensors()` yields into the model; `converted.convert` writes it to disk
+    and keeps nothing. Either way, at most a couple of source tensors are in flight: the peak
+    memory is the result (for `load`) plus about twice the largest tensor in fp32.
+    """
+
+    def __init__(
+        self,
+        ck: Checkpoint,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        rescale_every: int,
+        scheme,
+        policy,
+        dtype_reason: str,
+        device: torch.device,
+        path: Path,
+    ):
+        self.ck, self.cfg, self.dtype, self.rescale_every = ck, cfg, dtype, rescale_every
+        self.device = device
+        self.built = False
+        with torch.device("meta"):
+            self.model = RWKV(cfg, dtype, rescale_every)
+        self.model.path = path
+        self.model.dtype_reason = dtype_reason
+        # The biggest tensors first (the embedding and the head): the transients of reading them
+        # (their source pages, the folded embedding's rows) then add to a small result, not to
+        # nearly the whole model's, which sets the peak of a quantizing load.
+        self.mapping = dict(
+            sorted(_check_names(ck, cfg, self.model.state_dict()).items(), key=lambda kv: -math.prod(ck.shape(kv[0])))
+        )
+        # The LoRA matrices keep a 16-bit checkpoint's type: their values exactly, in half the
+        # memory of fp32 (770 MB at the 7B shape); the modules upcast them where they are used.
+        self.lora = set(self.model.lora_names())
+        self.lora_dtype = lora_dtype({ck.dtype(k) for k, t in self.mapping.items() if t in self.lora})
+        self.model.set_lora_dtype(self.lora_dtype)
+        self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
+        if scheme is None:
+            scheme = _dense_scheme(dtype)
+        self.targets = plan(self.model, scheme, policy=policy)
+        report = {name: describe(t) for name, t in self.targets.items()}
+        # The matrices the policy kept (too small to quantize) become DenseLinear in their own
+        # dtype, so every matrix of a decode step runs through the same per-row kernels.
+        for name, module in self.model.named_modules():
+            if type(module) is nn.Linear and module.bias is None and name not in self.targets:
+                self.targets[name] = _dense_scheme(module.weight.dtype)
+        for name, target in self.targets.items():
+            replace_module(self.model, name, convert_weight(self.model.get_submodule(name).weight, target, empty=True))
+        self.model.quantization = applied_scheme(scheme, self.targets, dtype)
+        self.model.quantization_report = report
+        self.huge_pages = False  # tensors() puts the weights on huge pages (load sets it on the CPU)
+
+    @classmethod
+    def of_built(cls, model) -> Plan:
+        """The plan of a model that is loaded already (a converted directory, an exported program)."""
+        plan = cls.__new__(cls)
+        plan.model, plan.device, plan.built = model, model.device, True
+        plan.ck, plan.mapping, plan.huge_pages = None, {}, False
+        return plan
+
+    def initial_state(self) -> dict[str, Tensor]:
+        return self.model.initial_state if self.built else initial_state(self.ck, self.cfg)
+
+    def source_bytes(self) -> int:
+        ck = self.ck
+        return sum(math.prod(ck.shape(k)) * _itemsize(ck, k) for k, t in self.mapping.items() if t is not None)
+
+    def tensors(self, progress: Progress | None = None):
+        """Yield {our state-dict name: tensor} for one source tensor at a time (a quantized
+        linear's weight gives its module's buffers); nothing for a built model."""
+        if self.built:
+            return
+        ck, cfg, dtype = self.ck, self.cfg, self.dtype
+        real_bonus = any(k.endswith(".time_faaaa") for k in ck.keys())
+        for name, target in self.mapping.items():
+            if target is None:
+                continue
+            src = ck.get(name)
+            nbytes = src.numel() * src.element_size()
+            module, _, leaf = target.rpartition(".")
+            linear = self.targets.get(module) if leaf == "weight" else None
+            dt = dtype
+            if linear is not None and linear.weights != "dense" and src.dtype.itemsize < dtype.itemsize:
+                dt = src.dtype  # quantized from the narrower type: the same values, no wide copy
+            if name == "emb.weight":
+                t = embedding(src, ck.get("blocks.0.ln0.weight"), ck.get("blocks.0.ln0.bias"), dtype)
+            elif target in self.lora:
+                t = src.to(self.lora_dtype)
+            else:
+                t = transform(name, src, cfg, dt, self.rescale_every, real_bonus)
+            want = self.expected[target][0]
+            if tuple(t.shape) != want:
+                raise CheckpointError(
+                    f"{ck.where}: tensor {name} has shape {tuple(ck.shape(name))}, expected {want} for this model"
+                )
+            if linear is not None:
+                new = convert_weight(t, linear)
+                out = {f"{module}.{k}": v for k, v in new.state_dict().items()}
+            else:
+                out = {target: t}
+            if self.huge_pages:  # the weights a decode step streams (memory.to_huge_pages)
+                out = {k: v if k == "emb.weight" else to_huge_pages(v) for k, v in out.items()}
+            if name in ck.mapped and all(
+                v.untyped_storage().data_ptr() != src.untyped_storage().data_ptr() for v in out.values()
+            ):
+                release_pages(src)  # consumed: its file pages need not stay resident
+            del src, t
+            release_free_memory()  # the transients' pages, before the next tensor's
+            yield out
+            if progress is not None:
+                progress.update(nbytes)
+
+
+def _dense_scheme(dtype: torch.dtype):
+    return get_scheme(_DENSE_SCHEME[dtype])
+
+
+def _itemsize(ck: Checkpoint, name: str) -> int:
+    return ck.dtype(name).itemsize
+
+
+_DENSE_SCHEME = {torch.float32: "q0f32", torch.bfloat16: "q0bf16", torch.float16: "q0f16"}
+
+
+def load(
+    path_or_id: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+    *,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    policy=None,
+    rescale_every: int | None = None,
+    progress: bool = True,
+) -> RWKV:
+    """Load an RWKV model from a checkpoint file, a model directory or a Hugging Face Hub id.
+
+    dtype: "auto" (default; None means the same), "fp32", "bf16" or "fp16": the model dtype, in
+    which the matrices are stored (unless quantized) and the activations enter them; the state,
+    the recurrence and the norms are fp32. "auto" keeps a 16-bit checkpoint's type (fp32 stays
+    fp32); quantized, the activations take the checkpoint's 16-bit type where the device computes
+    in it fast and fp32 elsewhere (`auto_dtype`); a quantization name that implies a dtype
+    (e.g. "q4f16_1" -> fp16) gives that one. `model.dtype_reason` says which rule chose it.
+    quantization: a scheme of rwkv_engine.quant ("q8", "q4", "q0bf16", MLC names like
+    "q4f16_1"); the weights are quantized while they are read, one tensor at a time. group_size
+    and policy go to `rwkv_engine.quant.quantize_model`.
+    rescale_every: halve the residual every this many blocks (default: 6 for fp16, off otherwise).
+    progress: for a model of 256 MB or more, a progress bar on stderr when it is a terminal, else
+    one summary line there.
+    """
+    tune_malloc()
+    plan_ = prepare(
+        path_or_id,
+        device,
+        dtype,
+        quantization=quantization,
+        group_size=group_size,
+        policy=policy,
+        rescale_every=rescale_every,
+    )
+    if plan_.built:  # a converted directory or an exported program: loaded as it is
+        return plan_.model
+    device = plan_.device
+    plan_.huge_pages = device.type == "cpu"  # each tensor as it comes: no second copy of the model
+    model = plan_.model
+    bar = Progress("loading", plan_.source_bytes(), len(plan_.mapping), progress)
+    sd: dict[str, Tensor] = {}
+    rows = None
+    ok = False
+    try:
+        for tensors in plan_.tensors(bar):
+            if "emb.weight" in tensors and device.type == "cpu":  # its rows read from a file, as a directory's
+                tensors["emb.weight"], rows = spill(tensors["emb.weight"])
+            sd.update(tensors)
+        ok = True
+    finally:
+        bar.close(ok)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.emb.file_rows = rows
+    model.initial_state = plan_.initial_state()
+    del sd, plan_
+    return _finish(model, model.path, device)
+
+
+def prepare(
+    path_or_id: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+    *,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    policy=None,
+    rescale_every: int | None = None,
+) -> Plan:
+    """The Plan of loading a checkpoint, a converted directory or an exported program (see `load`)."""
+    scheme = None
+    if quantization is not None:
+        scheme = get_scheme(quantization, group_size)
+    elif group_size is not None:
+        raise InputError("group_size is only meaningful with a quantization scheme")
+    auto = dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto")
+    explicit = None if auto else parse_dtype(dtype)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InputError(f"device: {e}") from None
+    path = resolve(path_or_id)
+    if _is_exported_program(path):  # an ExecuTorch .pte: its own runtime, nothing to convert
+        return Plan.of_built(_load_program(path, device, dtype, quantization, group_size, policy))
+    hf_config = _peek_config(path)
+    if converted.is_converted(hf_config):  # already transformed and quantized: map it in
+        model = converted.load(path, hf_config, explicit, quantization)
+        model.dtype_reason = "explicit" if explicit is not None else "the converted directory's"
+        return Plan.of_built(_finish(model, path, device))
+    ck = open_checkpoint(path)
+    ck.rename(canonical_name, transposed=stored_transposed)
+    cfg = infer_config(ck)
+    implied = scheme.dtype if scheme is not None else None
+    if explicit is not None:
+        if implied is not None and implied != explicit:
+            raise InputError(
+                f"quantization {quantization!r} implies dtype {str(implied).removeprefix('torch.')}, but dtype {dtype!r} was asked for"
+            )
+        dt, reason = explicit, "explicit"
+    elif implied is not None:
+        dt, reason = implied, f"implied by {quantization}"
+    else:
+        dt, reason = auto_dtype(ck.weights_dtype(), device, quantized=scheme is not None and scheme.weights != "dense")
+    if scheme is not None and scheme.weights == "dense" and scheme.dtype is None:
+        scheme = None
+    if rescale_every is None:
+        rescale_every = FP16_RESCALE_EVERY if dt == torch.float16 else 0
+    return Plan(ck, cfg, dt, rescale_every, scheme, policy, reason, device, path)
+
+
+def auto_dtype(weights: torch.dtype, device: torch.device, quantized: bool) -> tuple[torch.dtype, str]:
+    """(model dtype, why) for `dtype="auto"`, given the dtype of the checkpoint's matrices.
+
+    Dense: the checkpoint's own type (a 16-bit file stays 16-bit in memory; fp32 stays fp32);
+    each GEMM then runs in `compute_dtype` of it (bf16 with AVX512-BF16 / AMX and on CUDA, fp32
+    tiles on CPUs where bf16 matmuls are slow). Quantized: the weights no longer need the type,
+    so the activations take `compute_dtype` of it directly.
+    """
+    from ..quant.linear import compute_dtype
+
+    name = DTYPE_NAMES.get(weights, "fp32")
+    if weights not in (torch.bfloat16, torch.float16):
+        return torch.float32, f"auto: {name} checkpoint"
+    if not quantized:
+        return weights, f"auto: {name} checkpoint"
+    ct = compute_dtype(weights, device)
+    return ct, f"auto: {name} checkpoint, {DTYPE_NAMES[ct]} matmuls on {device.type}"
+
+
+def _is_exported_program(path: Path) -> bool:
+    from ..export.runtime import is_program
+
+    return is_program(path)
+
+
+def _load_program(path: Path, device, dtype, quantization, group_size, policy):
+    """An exported program (rwkv_engine/export): its weights and quantization are fixed at export."""
+    if str(device) != "cpu":
+        raise InputError(f"{path} is an exported ExecuTorch program: it runs on the CPU (device cpu), not {device}")
+    fixed = dtype not in (None, "auto", "fp32", torch.float32)
+    if fixed or any(x is not None for x in (quantization, group_size, policy)):
+        raise InputError(
+            f"{path} is an exported ExecuTorch program: its dtype and quantization were fixed "
+            f"when it was exported (drop --dtype / --quantization)"
+        )
+    from ..export.runtime import ProgramModel
+
+    return ProgramModel(path)
+
+
+def _finish(model: RWKV, path: Path, device: torch.device) -> RWKV:
+    model.requires_grad_(False)
+    model.eval()
+    model.path = path
+    return model.to(device)
+
+
+def _peek_config(path: Path) -> dict | None:
+    """config.json of a model directory, if it has a readable one (open_checkpoint reports errors)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return None

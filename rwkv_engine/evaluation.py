@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from .errors import InputError
 from .scoring import continuation_scores, sequence_nll
+from .tokenizer import EOS_TOKEN_ID
 
 try:
     from lm_eval.api.model import TemplateLM
@@ -40,7 +41,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     ) from None
 
 ROLLING_PIECE = 512  # tokens per forward when scoring a whole document
-EOT = 0  # the World vocabulary's end-of-text id
 
 
 def _progress(total: int, desc: str, disable: bool):
@@ -94,7 +94,7 @@ class RWKVEngineLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return EOT
+        return EOS_TOKEN_ID
 
     @property
     def tokenizer_name(self) -> str:
@@ -131,7 +131,7 @@ class RWKVEngineLM(TemplateLM):
         out = []
         for (text,) in _progress_iter(requests, "loglikelihood_rolling", disable_tqdm):
             tokens = self.tok_encode(text)
-            out.append(-sequence_nll(self.model, [EOT] + tokens, ROLLING_PIECE)[0] if tokens else 0.0)
+            out.append(-sequence_nll(self.model, [EOS_TOKEN_ID] + tokens, ROLLING_PIECE)[0] if tokens else 0.0)
         return out
 
     # --- generate_until ---------------------------------------------------------------------------
@@ -144,7 +144,7 @@ class RWKVEngineLM(TemplateLM):
         jobs = []
         for req in requests:
             context, kwargs = req.args
-            jobs.append((self.tok_encode(context) or [EOT], _sampling(dict(kwargs or {}), SamplingParams)))
+            jobs.append((self.tok_encode(context) or [EOS_TOKEN_ID], _sampling(dict(kwargs or {}), SamplingParams)))
         texts: list[list[str]] = [[] for _ in jobs]
         ends: list[Finished | None] = [None] * len(jobs)
         done = threading.Semaphore(0)

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InputError
+from .tokenizer.world import EOS_TOKEN_ID
 
 Tensor = torch.Tensor
 
@@ -118,7 +119,7 @@ class SamplingParams:
     penalty_decay: float = 0.996
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     banned_token_ids: Sequence[int] = ()
-    stop_token_ids: Sequence[int] = (0,)
+    stop_token_ids: Sequence[int] = (EOS_TOKEN_ID,)
     stop: Sequence[str] = ()
     max_tokens: int | None = 256
     seed: int | None = None
@@ -215,6 +216,15 @@ class SamplingParams:
 
 
 # --- pure functions ----------------------------------------------------------------------------
+
+
+# The presets every front end starts from (the CLI and the server add their own max_tokens and stops).
+# Chat: ChatRWKV's API_DEMO_CHAT.py (the RWKV-7 chat demo).
+CHAT = SamplingParams(temperature=1.0, top_p=0.3, presence_penalty=0.5, frequency_penalty=0.5, penalty_decay=0.996)
+# Completion: a wider nucleus and lighter penalties, for continuing free text.
+COMPLETION = SamplingParams(
+    temperature=1.0, top_p=0.85, presence_penalty=0.2, frequency_penalty=0.2, penalty_decay=0.996
+)
 
 
 def _per_row(value, like: Tensor) -> Tensor:

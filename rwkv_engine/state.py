@@ -21,7 +21,7 @@ file (no pickle) that `State.load` reads back.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -145,8 +145,3 @@ class State:
         order = [k for k in meta.get("fields", "").split(",") if k in tensors]  # safetensors sorts keys
         order += sorted(k for k in tensors if k not in order)
         return State({k: tensors[k] for k in order}, meta["signature"])
-
-
-def stack_layers(per_layer: dict[str, Iterable[Tensor]], signature: str) -> State:
-    """Build a State from per-layer tensors [B, ...] (stacked on axis 1)."""
-    return State({k: torch.stack(list(v), dim=1) for k, v in per_layer.items()}, signature)

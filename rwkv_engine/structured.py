@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from .errors import InputError, RWKVEngineError
+from .tokenizer import EOS_TOKEN_ID
 
-EOS_TOKEN_ID = 0
 TOOL_CALL_MARKER = "<tool_call>"
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: "," and ":" without spaces
 

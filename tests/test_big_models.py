@@ -213,7 +213,7 @@ def test_legacy_pth_gets_a_message_on_how_to_resave(tmp_path, monkeypatch, capsy
     sd = testing.random_state_dict("5.2", n_layer=1, n_embd=64, vocab_size=300, head_size=16)
     path = tmp_path / "legacy.pth"
     torch.save(sd, path, _use_new_zipfile_serialization=False)
-    monkeypatch.setattr(loading, "_PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(loading.progress, "MIN_BYTES", 0)
     m = rwkv_engine.load(path)
     assert m.config.n_layer == 1
     err = capsys.readouterr().err

@@ -231,8 +231,7 @@ def test_stateless_system_prompt_and_ctrl_c(model_path, model, tok, tmp_path):
 
 
 def test_session_behaviour(model, tok, tmp_path):
-    from rwkv_engine.cli.chat import DEFAULTS, normalize_message
-    from rwkv_engine.cli.chat_session import ChatSession
+    from rwkv_engine.chat import DEFAULTS, ChatSession, normalize_message
     from rwkv_engine.sampling import SamplingParams
 
     assert normalize_message("  a\r\n\r\n\nb\n\nc  ") == "a\nb\nc"
@@ -289,8 +288,7 @@ def test_session_behaviour(model, tok, tmp_path):
 
 
 def test_interrupted_regen_keeps_the_turn(model, tok):
-    from rwkv_engine.cli.chat import DEFAULTS
-    from rwkv_engine.cli.chat_session import ChatSession
+    from rwkv_engine.chat import DEFAULTS, ChatSession
     from rwkv_engine.sampling import SamplingParams
 
     class Interruptible:

@@ -195,3 +195,64 @@ def test_hf_dir_problems(tmp_path, make_pth):
     one.mkdir()
     shutil.copy(make_pth("4"), one / "a.pth")
     assert rwkv_engine.load(one).config.version == "4"
+
+
+# Names as the files of each layout spell them (FORMATS B.1-B.4), written out by hand.
+KNOWN_NAMES = {
+    "hf": [
+        ("rwkv.embeddings.weight", "emb.weight"),
+        ("rwkv.ln_out.bias", "ln_out.bias"),
+        ("head.weight", "head.weight"),
+        ("rwkv.blocks.0.pre_ln.weight", "blocks.0.ln0.weight"),
+        ("rwkv.blocks.2.attention.time_mix_key", "blocks.2.att.time_mix_k"),
+        ("rwkv.blocks.2.attention.time_mix_gate", "blocks.2.att.time_mix_g"),
+        ("rwkv.blocks.1.feed_forward.time_mix_receptance", "blocks.1.ffn.time_mix_r"),
+        ("rwkv.blocks.1.attention.time_maa_w1", "blocks.1.att.time_maa_w1"),
+        ("rwkv.blocks.3.ln2.bias", "blocks.3.ln2.bias"),
+    ],
+    "fla": [
+        ("model.embeddings.weight", "emb.weight"),
+        ("model.norm.weight", "ln_out.weight"),
+        ("lm_head.weight", "head.weight"),
+        ("model.layers.0.pre_norm.bias", "blocks.0.ln0.bias"),
+        ("model.layers.1.attn.w_lora.lora.0.weight", "blocks.1.att.w1"),
+        ("model.layers.1.attn.a_lora.lora.2.weight", "blocks.1.att.a2"),
+        ("model.layers.1.attn.v_lora.lora.2.bias", "blocks.1.att.v0"),
+        ("model.layers.0.attn.g_norm.weight", "blocks.0.att.ln_x.weight"),
+        ("model.layers.0.attn.r_proj.weight", "blocks.0.att.receptance.weight"),
+        ("model.layers.0.attn.k_k", "blocks.0.att.k_k"),
+        ("model.layers.2.ffn_norm.weight", "blocks.2.ln2.weight"),
+        ("model.layers.2.ffn.key.weight", "blocks.2.ffn.key.weight"),
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", ["hf", "fla"])
+def test_name_table_both_ways(layout):
+    """Reading (canonical_name) and writing (hf_name / fla_name, used by testing) agree with the
+    hand-written names, and with each other over whole random state dicts."""
+    from rwkv_engine.loading.names import canonical_name, fla_name, hf_name
+
+    write = hf_name if layout == "hf" else fla_name
+    for theirs, ours in KNOWN_NAMES[layout]:
+        assert canonical_name(theirs) == ours and write(ours) == theirs
+    for version in ("4", "5.2", "6.0") if layout == "hf" else ("7",):
+        sd = testing.random_state_dict(version, **SIZES)
+        assert all(canonical_name(write(k)) == k for k in sd)
+
+
+def test_prepare_returns_a_plan_for_every_source(tmp_path):
+    """A checkpoint gives a plan to fill; a converted directory a built one, which convert writes again."""
+    from rwkv_engine import loading
+    from rwkv_engine.loading import converted
+
+    src = testing.save_pth(testing.random_state_dict("5.2", **SIZES), tmp_path / "m.pth")
+    plan = loading.prepare(src, quantization="q8")
+    assert isinstance(plan, loading.Plan) and not plan.built and plan.model.dtype_reason == "auto: fp32 checkpoint"
+    out = converted.convert(plan, tmp_path / "conv", progress=False)
+    again = loading.prepare(out)
+    assert isinstance(again, loading.Plan) and again.built and list(again.tensors()) == []
+    assert again.model.quantization.name == "q8" and again.model.dtype_reason == "the converted directory's"
+    copy = converted.convert(again, tmp_path / "copy", progress=False)
+    a = rwkv_engine.load(out).forward(PROMPT)[0]
+    assert torch.equal(rwkv_engine.load(copy).forward(PROMPT)[0], a)

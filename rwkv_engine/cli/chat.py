@@ -1,25 +1,8 @@
 """`rwkv-engine chat MODEL`: chat with an RWKV World model in the terminal.
 
-The conversation is the World chat format (FORMATS.md D), fed to the model as one growing text:
-
-    {system}User: {message 1}\n\nAssistant:{reply 1}\n\nUser: {message 2}\n\nAssistant:{reply 2}\n\n...
-
-* The system preamble is by default the exchange every RWKV front end seeds ("User: hi\n\n
-  Assistant: Hi. I am your assistant ...\n\n"); `--system TEXT` replaces it with
-  "System: TEXT\n\n", `--system ''` removes it. Its state is computed once and kept: the
-  conversation state always continues from it, and /reset goes back to it without any prefill.
-  With `--stateless` every message starts from the system state again.
-* A message is normalised so that it never contains "\n\n", the turn separator: CRLF -> LF,
-  stripped, runs of newlines folded to one.
-* A reply ends at "\n\n" (not shown) or after --max-tokens; token 0 (end of text) is banned.
-  The space the model puts after "Assistant:" is part of the conversation but not shown.
-* Whatever the model generated past the end of the reply (a token like "\n\n\n" or ".\n\n")
-  is not kept: the conversation holds exactly reply + "\n\n", re-read from the state before the
-  reply when needed. So the state after any number of turns is the state of prefilling the
-  conversation's token ids (`ChatSession.conversation_ids()`) in one go.
-
-Sampling defaults are ChatRWKV's API_DEMO_CHAT.py (the RWKV-7 chat demo): temperature 1.0,
-top-p 0.3, presence 0.5, frequency 0.5, decay 0.996; at most 500 tokens a reply.
+The terminal front end of rwkv_engine/chat.py, which documents the chat format and its rules:
+--system TEXT replaces the default preamble ("System: TEXT\n\n"; '' for none), --stateless answers
+every message from the system state alone, --load resumes a session saved with /save.
 """
 
 from __future__ import annotations
@@ -28,37 +11,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ..chat_format import TURN_SEPARATOR, render_chat
+from ..chat import DEFAULTS, ChatSession, plural
 from ..chat_format import normalize_text as normalize_message
 from ..errors import InputError, RWKVEngineError
 from . import common
 
-if TYPE_CHECKING:  # the session module imports torch: only at run time
-    from .chat_session import ChatSession
-
 HELP = "Chat with an RWKV World model in the terminal (type /help once it runs)."
-
-DEFAULT_SYSTEM = (
-    "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full details. "
-    "Please feel free to ask any question and I will always answer it.\n\n"
-)
-EOS_TOKEN_ID = 0
-
-# SamplingParams fields (ChatRWKV API_DEMO_CHAT.py); `chat_params` adds the chat rules on top.
-DEFAULTS = dict(
-    temperature=1.0,
-    top_p=0.3,
-    top_k=0,
-    presence_penalty=0.5,
-    frequency_penalty=0.5,
-    penalty_decay=0.996,
-    max_tokens=500,
-    stop=(TURN_SEPARATOR,),
-    stop_token_ids=(),
-    banned_token_ids=(EOS_TOKEN_ID,),
-)
 
 COMMANDS_HELP = """\
 commands:
@@ -73,22 +32,6 @@ commands:
   /load FILE            resume a saved session
 Ctrl-C stops a reply. End a line with \\ to continue the message on the next line.
 Start a message with // to send a text that begins with /."""
-
-
-def system_preamble(system: str | None) -> str:
-    """The text before the first turn: the default exchange, "System: ...\\n\\n", or nothing."""
-    if system is None:
-        return DEFAULT_SYSTEM
-    system = normalize_message(system)
-    return f"System: {system}{TURN_SEPARATOR}" if system else ""
-
-
-def turn_prompt(message: str) -> str:
-    return render_chat([("user", message)])
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def add_arguments(parser) -> None:
@@ -171,7 +114,7 @@ class _Terminal:
                 self.say(f"(saved to {s.save(rest)})")
             else:
                 s.load(rest)
-                self.say(f"(loaded {rest}: {_plural(len(s.turns), 'turn')})")
+                self.say(f"(loaded {rest}: {plural(len(s.turns), 'turn')})")
         else:
             raise InputError(f"unknown command {name}; /help lists the commands")
         return True
@@ -206,20 +149,18 @@ def run(args) -> int:
             import readline  # noqa: F401  (line editing and history for input())
         except ImportError:
             pass
-    from .chat_session import ChatSession
-
     model, tokenizer = common.load_model(args, progress=True)
     t0 = time.perf_counter()
     session = ChatSession(model, tokenizer, params, system=args.system, stateless=args.stateless)
     if args.load is not None:
         session.load(args.load)
     c = model.config
-    name = Path(getattr(model, "path", "") or args.model).name
+    name = Path(model.path or args.model).name
     notes = [f"system prompt {len(session.system_ids)} tokens in {time.perf_counter() - t0:.2f}s"]
     if session.stateless:
         notes.append("stateless")
     if args.load is not None:
-        notes.append(f"resumed {_plural(len(session.turns), 'turn')}")
+        notes.append(f"resumed {plural(len(session.turns), 'turn')}")
     print(f"rwkv-engine chat: {name} (RWKV-{c.version}, {c.n_layer} layers, {c.n_embd} wide); {'; '.join(notes)}.")
     print("Type /help for commands, /exit or Ctrl-D to quit.\n", flush=True)
     _Terminal(session).loop()

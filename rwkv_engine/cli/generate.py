@@ -13,27 +13,20 @@ is complete (or at --max-tokens, with the JSON cut short: --stats says finish: l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from ..errors import InputError
+from ..sampling import COMPLETION
 from ..structured import check_json_schema
 from . import common
 
 HELP = "Continue a prompt with an RWKV model, streaming the text to stdout."
 
-# SamplingParams fields
-DEFAULTS = dict(
-    temperature=1.0,
-    top_p=0.85,
-    top_k=0,
-    presence_penalty=0.2,
-    frequency_penalty=0.2,
-    penalty_decay=0.996,
-    max_tokens=200,
-    stop_token_ids=(0,),
-)
+# SamplingParams fields: the completion preset
+DEFAULTS = dataclasses.asdict(COMPLETION.replace(max_tokens=200))
 
 
 def add_arguments(parser) -> None:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ..errors import InputError
+from ..tokenizer import EOS_TOKEN_ID
 from . import common
 
 HELP = "Measure the perplexity of a model on a text file (and the speed it reads it at)."
@@ -45,7 +46,7 @@ def run(args) -> int:
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     model, tokenizer = common.load_model(args)
-    ids = [0] + tokenizer.encode(text)
+    ids = [EOS_TOKEN_ID] + tokenizer.encode(text)
     if args.max_tokens is not None:
         if args.max_tokens < 1:
             raise InputError(f"--max-tokens must be at least 1, got {args.max_tokens}")

@@ -38,7 +38,7 @@ from torch import nn
 from ..errors import InputError
 from ..models.layers import mean_norm
 from ..quant.linear import _QuantLinearBase
-from ..quant.schemes import SCHEMES, _user_action, default_action
+from ..quant.schemes import SCHEMES, _user_action, default_action, replace_module
 
 Tensor = torch.Tensor
 
@@ -132,13 +132,12 @@ def exportable_copy(model) -> nn.Module:
     m.emb = nn.Embedding.from_pretrained(model.emb.weight, freeze=True)
     m.set_lora_dtype(torch.float32)  # 16-bit LoRA matrices (a bf16 checkpoint's): fp32 copies in the program
     for name, module in list(m.named_modules()):
-        parent, _, child = name.rpartition(".")
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear:
             plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
             plain.weight = module.weight
-            setattr(m.get_submodule(parent), child, plain)
+            replace_module(m, name, plain)
         elif isinstance(module, nn.LayerNorm):
-            setattr(m.get_submodule(parent), child, _LayerNorm(module))
+            replace_module(m, name, _LayerNorm(module))
     return m.eval()
 
 

@@ -40,31 +40,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..sampling import SamplingParams
+from ..sampling import CHAT, COMPLETION
+from ..tokenizer import EOS_TOKEN_ID
 from . import serving_chat, serving_completion, serving_tokenize, webui
 from .context import AppSettings, ServingContext
 from .engine import Engine
 from .errors import APIError, error_response
 from .security import Guard
 
-EOS_TOKEN_ID = 0
-
-CHAT_DEFAULTS = SamplingParams(
-    temperature=1.0,
-    top_p=0.3,
-    presence_penalty=0.5,
-    frequency_penalty=0.5,
-    penalty_decay=0.996,
-    stop_token_ids=(EOS_TOKEN_ID,),
-)
-COMPLETION_DEFAULTS = SamplingParams(
-    temperature=1.0,
-    top_p=0.85,
-    presence_penalty=0.2,
-    frequency_penalty=0.2,
-    penalty_decay=0.996,
-    stop_token_ids=(EOS_TOKEN_ID,),
-)
+CHAT_DEFAULTS, COMPLETION_DEFAULTS = CHAT, COMPLETION
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 

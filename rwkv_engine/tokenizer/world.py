@@ -412,10 +412,6 @@ class WorldTokenizer:
         """Text of the tokens; invalid UTF-8 becomes U+FFFD per bad sequence (see the class doc)."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes of one token id (b"" for ids without text)."""
-        return self.decode_bytes([token_id])
-
     def fix_trailing_newlines(self, ids: Sequence[int]) -> list[int]:
         """No-op for World models (the quirk is RWKV-4 Pile only); returns a copy of `ids`."""
         return list(ids)

@@ -1,7 +1,25 @@
-"""The state of a chat: the conversation, its recurrent states, settings and session files.
+"""A chat with an RWKV World model: the conversation, its recurrent states, settings and session files.
 
-The terminal side is rwkv_engine/cli/chat.py (it also documents the format and the rules);
-this module is what it drives, and what tests and other front ends can drive directly.
+The conversation is the World chat format (FORMATS.md D), fed to the model as one growing text:
+
+    {system}User: {message 1}\n\nAssistant:{reply 1}\n\nUser: {message 2}\n\nAssistant:{reply 2}\n\n...
+
+* The system preamble is by default the exchange every RWKV front end seeds ("User: hi\n\n
+  Assistant: Hi. I am your assistant ...\n\n"); a system text replaces it with
+  "System: TEXT\n\n", an empty one removes it. Its state is computed once and kept: the
+  conversation state always continues from it, and /reset goes back to it without any prefill.
+  Stateless, every message starts from the system state again.
+* A message is normalised so that it never contains "\n\n", the turn separator: CRLF -> LF,
+  stripped, runs of newlines folded to one.
+* A reply ends at "\n\n" (not shown) or after max_tokens; token 0 (end of text) is banned.
+  The space the model puts after "Assistant:" is part of the conversation but not shown.
+* Whatever the model generated past the end of the reply (a token like "\n\n\n" or ".\n\n")
+  is not kept: the conversation holds exactly reply + "\n\n", re-read from the state before the
+  reply when needed. So the state after any number of turns is the state of prefilling the
+  conversation's token ids (`ChatSession.conversation_ids()`) in one go.
+
+Sampling defaults are `sampling.CHAT` (ChatRWKV's chat demo); at most 500 tokens a reply.
+The terminal front end is rwkv_engine/cli/chat.py; tests and other front ends drive `ChatSession` directly.
 """
 
 from __future__ import annotations
@@ -18,10 +36,22 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InputError, RWKVEngineError, StateError
-from ..generation import GenerationStats, generate
-from ..sampling import SamplingParams
-from .chat import DEFAULTS, EOS_TOKEN_ID, TURN_SEPARATOR, _plural, normalize_message, system_preamble, turn_prompt
+from .chat_format import TURN_SEPARATOR, ReplyText, render_chat
+from .chat_format import normalize_text as normalize_message
+from .errors import InputError, RWKVEngineError, StateError
+from .generation import GenerationStats, generate
+from .sampling import CHAT, SamplingParams
+from .tokenizer import EOS_TOKEN_ID
+
+DEFAULT_SYSTEM = (
+    "User: hi\n\nAssistant: Hi. I am your assistant and I will provide expert full response in full details. "
+    "Please feel free to ask any question and I will always answer it.\n\n"
+)
+
+# SamplingParams fields: the chat preset; `chat_params` adds the chat rules on top.
+DEFAULTS = dataclasses.asdict(
+    CHAT.replace(max_tokens=500, stop=(TURN_SEPARATOR,), stop_token_ids=(), banned_token_ids=(EOS_TOKEN_ID,))
+)
 
 SESSION_FORMAT = "rwkv-engine-chat/1"
 
@@ -40,6 +70,22 @@ SETTABLE = {
     "max_tokens": "max_tokens",
     "seed": "seed",
 }
+
+
+def system_preamble(system: str | None) -> str:
+    """The text before the first turn: the default exchange, "System: ...\\n\\n", or nothing."""
+    if system is None:
+        return DEFAULT_SYSTEM
+    system = normalize_message(system)
+    return f"System: {system}{TURN_SEPARATOR}" if system else ""
+
+
+def turn_prompt(message: str) -> str:
+    return render_chat([("user", message)])
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def chat_params(params: SamplingParams) -> SamplingParams:
@@ -112,12 +158,10 @@ class ChatSession:
     def _reply(self, message: str, before, replace: bool = False) -> Iterator[str]:
         prompt_ids = self.tokenizer.encode(turn_prompt(message))
         gen = generate(self.model, self.tokenizer, prompt_ids, self.params, state=before, generator=self.generator)
-        first = True
+        reply_text = ReplyText()
         try:
             for chunk in gen:
-                if first:
-                    first = False
-                    chunk = chunk[1:] if chunk.startswith(" ") else chunk
+                chunk = reply_text(chunk)
                 if chunk:
                     yield chunk
         finally:
@@ -188,7 +232,7 @@ class ChatSession:
             )
         lines.append(
             f"conversation: {len(self.conversation_ids())} tokens (system {len(self.system_ids)}), "
-            f"{_plural(len(self.turns), 'turn')}{' (stateless)' if self.stateless else ''}; state: {self.state.nbytes} bytes"
+            f"{plural(len(self.turns), 'turn')}{' (stateless)' if self.stateless else ''}; state: {self.state.nbytes} bytes"
         )
         return "\n".join(lines)
 
@@ -204,7 +248,7 @@ class ChatSession:
         params["logit_bias"] = {str(k): v for k, v in self.params.logit_bias.items()}
         meta = {
             "format": SESSION_FORMAT,
-            "model": {"name": Path(getattr(self.model, "path", "") or "").name, "config": self._model_config()},
+            "model": {"name": Path(self.model.path or "").name, "config": self._model_config()},
             "system": self.system,
             "system_ids": self.system_ids,
             "stateless": self.stateless,
@@ -224,7 +268,7 @@ class ChatSession:
 
     def load(self, path: str | os.PathLike) -> None:
         """Replace this session by the one saved in `path` (same model required)."""
-        from ..state import State
+        from .state import State
 
         path = Path(path)
         if not path.is_file():

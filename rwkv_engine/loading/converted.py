@@ -175,9 +175,8 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     from safetensors import safe_open
 
     from ..memory import release_pages, to_huge_pages
-    from ..models import RWKV
     from ..models.layers import lora_dtype
-    from ..quant import DenseLinear, Int4Linear, Int8Linear, get_scheme
+    from ..quant import get_scheme
 
     meta = hf_config.get("rwkv_engine")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -196,20 +195,7 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
             f"{path} is already converted (quantization {q and q.get('name')}); "
             "load it without --quantization, or convert the original checkpoint"
         )
-    with torch.device("meta"):
-        model = RWKV(cfg, dt, meta.get("rescale_every", 0))
-        for name, (kind, arg) in linears.items():
-            old = model.get_submodule(name)
-            K, N = old.in_features, old.out_features
-            if kind == "int4":
-                new = Int4Linear(K, N, arg)
-            elif kind == "int8":
-                new = Int8Linear(K, N, arg)
-            elif kind == "dense":
-                new = DenseLinear(K, N, dtype=dtype_of(arg))
-            else:  # kept as the model builds it; DenseLinear for the same CPU paths as the rest
-                new = DenseLinear(K, N, dtype=old.weight.dtype)
-            replace_module(model, name, new)
+    model = _empty_model(cfg, dt, meta.get("rescale_every", 0), linears)
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError(f"{path}: model.safetensors is missing")
@@ -222,7 +208,46 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     # The LoRA matrices are in the source checkpoint's 16-bit type, or fp32 (every directory
     # written before they kept it): the type they have in the file.
     model.set_lora_dtype(lora_dtype({tensors[k].dtype for k in model.lora_names() if k in tensors}))
-    expected = model.state_dict()
+    _check_tensors(weights, tensors, model.state_dict())
+    for k, t in tensors.items():  # the weights a decode step streams, to huge pages (memory.py)
+        if k != "emb.weight" and (moved := to_huge_pages(t, mapped=True)) is not t:
+            release_pages(t)  # the file's pages of it, now copied
+            tensors[k] = moved
+    model.load_state_dict(tensors, strict=True, assign=True)
+    _read_embedding_rows(model, weights)
+    model.initial_state = initial
+    model.quantization = get_scheme(q["name"], q.get("group_size")) if q else None
+    model.quantization_report = {
+        name: " ".join(str(a) for a in kind if a is not None) for name, kind in linears.items()
+    }
+    return model
+
+
+def _empty_model(cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, linears: dict) -> torch.nn.Module:
+    """The model on the meta device, each linear of the kind the directory records."""
+    from ..models import RWKV
+    from ..quant import DenseLinear, Int4Linear, Int8Linear
+
+    with torch.device("meta"):
+        model = RWKV(cfg, dtype, rescale_every)
+        for name, (kind, arg) in linears.items():
+            old = model.get_submodule(name)
+            K, N = old.in_features, old.out_features
+            if kind == "int4":
+                new = Int4Linear(K, N, arg)
+            elif kind == "int8":
+                new = Int8Linear(K, N, arg)
+            elif kind == "dense":
+                new = DenseLinear(K, N, dtype=dtype_of(arg))
+            else:  # kept as the model builds it; DenseLinear for the same CPU paths as the rest
+                new = DenseLinear(K, N, dtype=old.weight.dtype)
+            replace_module(model, name, new)
+    return model
+
+
+def _check_tensors(weights: Path, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every tensor the model expects, of its shape and dtype (old directories' fp32 int8 scales
+    are converted in `tensors`)."""
     missing = sorted(set(expected) - set(tensors))
     unknown = sorted(set(tensors) - set(expected))
     if missing or unknown:
@@ -238,15 +263,3 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
                 f"{weights}: tensor {k} is {tuple(t.shape)} {t.dtype}, "
                 f"expected {tuple(expected[k].shape)} {expected[k].dtype}"
             )
-    for k, t in tensors.items():  # the weights a decode step streams, to huge pages (memory.py)
-        if k != "emb.weight" and (moved := to_huge_pages(t, mapped=True)) is not t:
-            release_pages(t)  # the file's pages of it, now copied
-            tensors[k] = moved
-    model.load_state_dict(tensors, strict=True, assign=True)
-    _read_embedding_rows(model, weights)
-    model.initial_state = initial
-    model.quantization = get_scheme(q["name"], q.get("group_size")) if q else None
-    model.quantization_report = {
-        name: " ".join(str(a) for a in kind if a is not None) for name, kind in linears.items()
-    }
-    return model

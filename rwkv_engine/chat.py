@@ -1,6 +1,6 @@
 """A chat with an RWKV World model: the conversation, its recurrent states, settings and session files.
 
-The conversation is the World chat format (FORMATS.md D), fed to the model as one growing text:
+The conversation is the World chat format (docs/formats.md D), fed to the model as one growing text:
 
     {system}User: {message 1}\n\nAssistant:{reply 1}\n\nUser: {message 2}\n\nAssistant:{reply 2}\n\n...
 

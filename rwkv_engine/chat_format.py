@@ -2,7 +2,7 @@
 
     System: {system}\n\nUser: {message}\n\nAssistant: {reply}\n\nUser: {message}\n\nAssistant:
 
-(FORMATS.md section D.) Every message becomes "{Role}: {text}\n\n" with the roles System
+(docs/formats.md D.) Every message becomes "{Role}: {text}\n\n" with the roles System
 (also for OpenAI's "developer"), User and Assistant; the prompt ends with "Assistant:" and no
 space: the model answers with a leading space, which `ReplyText` removes from what the client
 sees. "\n\n" separates turns, so message text is normalised never to contain it: CRLF -> LF,

@@ -285,7 +285,7 @@ SPILL_MIN_BYTES = 64 << 20  # smaller tables stay in memory
 def spill(t, directory: str | None = None):
     """(the tensor t backed by an unlinked temporary file, FileRows over it), or (t, None).
 
-    A checkpoint's embedding is computed at load (ln0 folded in, FORMATS A.7), so unlike a model
+    A checkpoint's embedding is computed at load (ln0 folded in, docs/formats.md A.7), so unlike a model
     directory's it has no file to be read from: held in memory it is 0.5 GB of the 7B shape's
     5.5 GB budget for q4, while a prompt needs a few of its rows. Spilled, its pages live in the
     page cache (clean, reclaimable, not charged to the process) and rows are read with pread, as

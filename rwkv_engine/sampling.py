@@ -5,7 +5,7 @@ sequence, per-row parameters as [B] tensors or plain numbers) plus `Sampler`, wh
 little per-sequence state they need: the decayed occurrence counts of the penalties, the bias
 vector and the sequence's own `torch.Generator`.
 
-One sampling step, in this order (FORMATS.md section D, the `rwkv` pip `PIPELINE.generate` and
+One sampling step, in this order (docs/formats.md D, the `rwkv` pip `PIPELINE.generate` and
 `sample_logits`, which every RWKV front end copies):
 
 1. bias and bans: `logit[t] += logit_bias[t]`; banned tokens get -inf.

@@ -1,7 +1,7 @@
 """Random-weight RWKV checkpoints in the real file formats, for tests and benchmarks.
 
 Nothing here downloads anything: `random_state_dict` builds a BlinkDL-style flat state dict with
-the key names and shapes of the official releases (../shared/FORMATS.md, section A), and the
+the key names and shapes of the official releases (docs/formats.md A), and the
 `save_*` functions write it as a `.pth`, a `.safetensors` or a Hugging Face model directory.
 
 Weights are scaled so that a random model behaves like a trained one numerically: activations
@@ -130,7 +130,7 @@ def random_state_dict(
 
 
 def lora_ranks(version: str, n_embd: int) -> dict[str, int]:
-    """The LoRA ranks the official releases use for width n_embd (FORMATS A.4, A.5).
+    """The LoRA ranks the official releases use for width n_embd (docs/formats.md A.4, A.5).
 
     RWKV-6: 32 for the mix and 64 for the decay (64 / 128 at C = 4096). RWKV-7: about 2.5 sqrt(C)
     (decay, learning rate), 1.7 sqrt(C) (value) and 5 sqrt(C) (gate), multiples of 32, at least 32.
@@ -219,7 +219,7 @@ def save_safetensors(sd: dict[str, Tensor], path: str | os.PathLike) -> Path:
     return path
 
 
-# --- Hugging Face layouts (FORMATS.md B.1 - B.4) -------------------------------------------
+# --- Hugging Face layouts (docs/formats.md B.1 - B.4) -------------------------------------------
 
 
 def to_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -275,7 +275,7 @@ def hf_config(sd: dict[str, Tensor], version: str) -> dict:
 
 
 def to_fla(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A BlinkDL RWKV-7 state dict in flash-linear-attention's RWKV7ForCausalLM naming (FORMATS B.4).
+    """A BlinkDL RWKV-7 state dict in flash-linear-attention's RWKV7ForCausalLM naming (docs/formats.md B.4).
 
     LoRA matrices become nn.Linear weights (transposed), w0/a0/v0 their biases; layer 0 has no
     v_lora; k_k, k_a and ffn.x_k are (C,).
@@ -297,7 +297,7 @@ def to_fla(sd: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def fla_config(sd: dict[str, Tensor]) -> dict:
-    """config.json of an fla-hub RWKV-7 model for `sd` (FORMATS B.4)."""
+    """config.json of an fla-hub RWKV-7 model for `sd` (docs/formats.md B.4)."""
     V, C = sd["emb.weight"].shape
     L = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
     H, N = sd["blocks.0.att.r_k"].shape

@@ -35,7 +35,7 @@ Tensor = torch.Tensor
 JUMP_FACTOR = 4.0
 JUMP_FLOOR = 1e-4
 
-# The rwkv package's per-layer state list, in our field names (FORMATS A.9); RWKV-7's att_kv is
+# The rwkv package's per-layer state list, in our field names (docs/formats.md A.9); RWKV-7's att_kv is
 # stored [value][key] there, the transpose of ours.
 PIP_LAYOUT = {
     4: ["att_x_prev", "att_num", "att_den", "att_max", "ffn_x_prev"],

@@ -197,7 +197,7 @@ def test_hf_dir_problems(tmp_path, make_pth):
     assert rwkv_engine.load(one).config.version == "4"
 
 
-# Names as the files of each layout spell them (FORMATS B.1-B.4), written out by hand.
+# Names as the files of each layout spell them (docs/formats.md B.1-B.4), written out by hand.
 KNOWN_NAMES = {
     "hf": [
         ("rwkv.embeddings.weight", "emb.weight"),

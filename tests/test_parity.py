@@ -13,7 +13,7 @@ from .conftest import rel_rms
 
 PROMPT = [3, 17, 255, 1, 0, 42, 99, 7, 7, 7, 123, 200, 5, 64, 31, 9, 250, 11, 2, 180] * 3  # 60 tokens
 
-# Our state fields in the reference's per-layer list order (FORMATS A.9).
+# Our state fields in the reference's per-layer list order (docs/formats.md A.9).
 PIP_LAYOUT = {
     4: ["att_x_prev", "att_num", "att_den", "att_max", "ffn_x_prev"],
     5: ["att_x_prev", "att_kv", "ffn_x_prev"],

@@ -307,7 +307,7 @@ def test_chat_world_format_and_stop(ref, client):
         {"role": "assistant", "content": "Hi."},
         {"role": "user", "content": "Name a colour\r\n\n\nplease  "},
     ]
-    # Rendered by hand from FORMATS.md D: roles, "\n\n" between turns, user text without "\n\n".
+    # Rendered by hand from docs/formats.md D: roles, "\n\n" between turns, user text without "\n\n".
     prompt = (
         "System: You are terse.\n\nUser: Hello there\n\nAssistant: Hi.\n\nUser: Name a colour\nplease\n\nAssistant:"
     )

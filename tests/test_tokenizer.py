@@ -101,7 +101,7 @@ def test_vocab_matches_reference(ref):
     assert table[0] is None and all(t is None for t in table[65530:])
 
 
-# FORMATS.md C.1 test vectors; checked against both the documented ids and the reference.
+# docs/formats.md C.1 test vectors; checked against both the documented ids and the reference.
 @pytest.mark.parametrize(
     "text, documented",
     [
@@ -276,7 +276,7 @@ def write_vocab(path: Path, lines: list[str], newline: str = "\n") -> Path:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_small_vocab_longest_match(tmp_path, backend):
     # "ab" is not a token but "abc" is: the match must not stop at the first miss
-    # (the tokenizers-cpp bug of FORMATS.md C.1).
+    # (the tokenizers-cpp bug of docs/formats.md C.1).
     lines = [
         "1 'a' 1",
         "2 'b' 1",

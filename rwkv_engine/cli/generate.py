@@ -3,7 +3,7 @@
 The prompt comes from --prompt, --prompt-file or stdin, and is used exactly as given (no
 trailing newline is stripped or added). Generation ends at end-of-text (token 0), at a --stop
 string (not printed) or after --max-tokens. Sampling defaults are the `rwkv` pip package's
-PIPELINE_ARGS (FORMATS.md D): temperature 1.0, top-p 0.85, presence and frequency penalty 0.2,
+PIPELINE_ARGS (docs/formats.md D): temperature 1.0, top-p 0.85, presence and frequency penalty 0.2,
 decay 0.996.
 
 --json-schema FILE makes the output JSON that validates against the schema in FILE, --json any

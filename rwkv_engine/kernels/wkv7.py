@@ -7,7 +7,7 @@ For each head, with the state S laid out [key][value] (N_k x N_v) and token t:
 
 w_t = exp(log_w_t) is a per-key-channel decay in (0, 1]. RWKV-7 calls it with a = -kk and
 b = kk * iclr (kk the L2-normalized key, iclr the in-context learning rate in (0, 1)): the state
-forgets a fraction of what it stored along kk before it writes k v^T (FORMATS A.8). The kernels
+forgets a fraction of what it stored along kk before it writes k v^T (docs/formats.md A.8). The kernels
 take any a, b; only the argument order follows RWKV-7's CUDA op (a is the vector read from
 the state, b the one the read is written back along).
 
@@ -26,7 +26,7 @@ decays at 0 and at 1 and for any length; the triangular solve is forward substit
 same recurrence restricted to the chunk.
 
 Shapes: r, k, log_w, a, b [B, T, H, K]; v [B, T, H, V]; state [B, H, K, V] fp32 laid out
-[key][value] (the transpose of the `rwkv` pip package's RWKV-7 state, FORMATS A.9).
+[key][value] (the transpose of the `rwkv` pip package's RWKV-7 state, docs/formats.md A.9).
 All return (y [B, T, H, V], new state) and never modify their inputs.
 """
 

@@ -6,7 +6,7 @@ The steps, each done once, each in its module:
 2. formats: the file type is sniffed from its bytes, never its name; tensors stay memory-mapped and
    are read one at a time, so no second full copy of the weights is made;
 3. names: Hugging Face and flash-linear-attention names are mapped back to BlinkDL's
-   (FORMATS B.1-B.4), with fla's transposed LoRA matrices turned back;
+   (docs/formats.md B.1-B.4), with fla's transposed LoRA matrices turned back;
 4. infer: version and sizes from the keys and tensor shapes (and config.json when there is one);
 5. transforms: each tensor into the form our modules hold (ln0 folded, log decays, one mix
    convention, fp16 rescale, dtype cast), checked against the shape the model expects; a

@@ -106,7 +106,7 @@ def infer_config(ck: Checkpoint) -> ModelConfig:
         checks = [("num_hidden_layers", n_layer), ("hidden_size", C), ("vocab_size", V)]
         if family == 6:
             checks += [("head_size", head_size), ("attention_hidden_size", A)]
-        if family == 7:  # flash-linear-attention's config (FORMATS B.4)
+        if family == 7:  # flash-linear-attention's config (docs/formats.md B.4)
             checks += [
                 ("head_dim", head_size),
                 ("num_heads", n_head),

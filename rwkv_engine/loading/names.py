@@ -1,5 +1,5 @@
 """Tensor names: BlinkDL's (the canonical ones) and the Hugging Face transformers RWKV-4/5/6 and
-flash-linear-attention RWKV-7 names (FORMATS B.1-B.4), both ways: `canonical_name` reads a
+flash-linear-attention RWKV-7 names (docs/formats.md B.1-B.4), both ways: `canonical_name` reads a
 checkpoint, `hf_name` / `fla_name` write one (rwkv_engine.testing)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ HF_MIXES = {
     "time_mix_g": "time_mix_gate",
 }
 
-# flash-linear-attention RWKV-7 (fla-hub/rwkv7-*, FORMATS B.4): model.layers.{i}.{part}.{rest}
+# flash-linear-attention RWKV-7 (fla-hub/rwkv7-*, docs/formats.md B.4): model.layers.{i}.{part}.{rest}
 FLA_TOP = {
     "emb.weight": "model.embeddings.weight",
     "ln_out.weight": "model.norm.weight",

@@ -27,7 +27,7 @@ from .transforms import embedding, initial_state, target_name, transform
 
 Tensor = torch.Tensor
 
-# With fp16 weights, halve the residual every this many blocks (FORMATS A.7, RESCALE_LAYER).
+# With fp16 weights, halve the residual every this many blocks (docs/formats.md A.7, RESCALE_LAYER).
 FP16_RESCALE_EVERY = 6
 
 

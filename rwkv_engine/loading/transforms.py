@@ -85,7 +85,7 @@ _CHUNK_ELEMS = 1 << 22  # elements per step of the chunked embedding transform
 
 
 def embedding(src: Tensor, ln0_w: Tensor, ln0_b: Tensor, dtype: torch.dtype) -> Tensor:
-    """The embedding with ln0 folded in (FORMATS A.7), computed in row chunks: no fp32 copy of the
+    """The embedding with ln0 folded in (docs/formats.md A.7), computed in row chunks: no fp32 copy of the
     whole table (1 GB at the 7B shape)."""
     V, C = src.shape
     out = torch.empty(V, C, dtype=dtype)
@@ -100,7 +100,7 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
     """A state-tuned RWKV-6/7 file's learned initial wkv state: {"att_kv": [L, H, N, N]}, or {}.
 
     Each block's time_state [H, N, N] is stored [value][key] in both versions, and att_kv is
-    [key][value] in both (state.py), so one transpose (1, 2) serves both (FORMATS A.4, A.9): for
+    [key][value] in both (state.py), so one transpose (1, 2) serves both (docs/formats.md A.4, A.9): for
     RWKV-6 the `rwkv` pip package does this (tested against it); for RWKV-7, which it cannot run
     from a state, the trainer that writes these files (RWKV-PEFT) and the engines that read them
     (fla, web-rwkv) use the same orientation. State-only files must first be merged into the

@@ -36,7 +36,7 @@ def mix(xx: Tensor, sx: Tensor, m: Tensor) -> Tensor:
 
 
 def head_group_norm(y: Tensor, n_head: int, weight: Tensor, bias: Tensor) -> Tensor:
-    """GroupNorm over each head's channels (eps 64e-5, see FORMATS A.8): y [B, T, A] fp32."""
+    """GroupNorm over each head's channels (eps 64e-5, see docs/formats.md A.8): y [B, T, A] fp32."""
     B, T, A = y.shape
     if torch.compiler.is_exporting():
         return mean_norm(y, n_head, weight, bias, 64e-5)

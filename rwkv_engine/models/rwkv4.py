@@ -1,4 +1,4 @@
-"""RWKV-4 time mix (FORMATS A.2, A.8)."""
+"""RWKV-4 time mix (docs/formats.md A.2, A.8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RWKV-5.x time mix (FORMATS A.3, A.8): 5.0 (no gate), 5.1 (gate, per-head decay), 5.2 (per-channel decay)."""
+"""RWKV-5.x time mix (docs/formats.md A.3, A.8): 5.0 (no gate), 5.1 (gate, per-head decay), 5.2 (per-channel decay)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RWKV-6.0 "Finch" time mix (FORMATS A.4, A.8): data-dependent token shift and decay."""
+"""RWKV-6.0 "Finch" time mix (docs/formats.md A.4, A.8): data-dependent token shift and decay."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RWKV-7 "Goose" (x070) time mix (FORMATS A.5, A.8): the generalized delta rule with a value residual."""
+"""RWKV-7 "Goose" (x070) time mix (docs/formats.md A.5, A.8): the generalized delta rule with a value residual."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ request in the engine, which frees the batch slot at its next step.
 
 Sampling fields a request leaves out take RWKV's usual values, not OpenAI's (whose top_p = 1
 and no penalties make RWKV models ramble): chat as ChatRWKV's chat demo, completions as the
-`rwkv` package's PIPELINE_ARGS (FORMATS.md section D). Chat replies stop at "\\n\\n"; both
+`rwkv` package's PIPELINE_ARGS (docs/formats.md D). Chat replies stop at "\\n\\n"; both
 stop at token 0 (end of text). A completion's max_tokens defaults to 16 (as OpenAI's), a
 chat's to the server's cap.
 """

@@ -1,7 +1,7 @@
 """A Hugging Face `tokenizer.json` behind the WorldTokenizer interface (RWKV-4 Pile / Raven models).
 
 RWKV-4 Pile models use the GPT-NeoX-20B tokenizer (`20B_tokenizer.json`): byte-level BPE, NFC
-normalization, 50,277 ids, "\\n" = 187, "\\n\\n" = 535, <|endoftext|> = 0 (../shared/FORMATS.md,
+normalization, 50,277 ids, "\\n" = 187, "\\n\\n" = 535, <|endoftext|> = 0 (docs/formats.md,
 section C.2). Encoding and `decode` are done by the `tokenizers` package itself; this wrapper adds
 id range checks, byte-exact `decode_bytes` for byte-level tokenizers (what streaming needs) and
 the trailing-"\\n\\n" fix of ChatRWKV.

@@ -2,7 +2,7 @@
 
 Encoding is a greedy longest-prefix match over the UTF-8 bytes of the text: at each position take
 the longest vocab entry that is a prefix of the remaining bytes, emit its id, advance by its
-length (../shared/FORMATS.md, section C.1). Every single byte is a token, so any byte string
+length (docs/formats.md C.1). Every single byte is a token, so any byte string
 encodes. There is no normalization, no pre-splitting and no BOS/EOS insertion.
 
 Two interchangeable matchers do the work, with identical results:

@@ -1,5 +1,5 @@
 // One decode step of a whole RWKV model: see step.h. The per-token formulas are those of
-// rwkv_engine/models (FORMATS A.2-A.8); the comments name the PyTorch line each loop repeats.
+// rwkv_engine/models (docs/formats.md A.2-A.8); the comments name the PyTorch line each loop repeats.
 //
 // The GEMVs split their weight rows over all threads themselves. The rest is a few thousand
 // floats per row and layer, but at batch 8 it was a sixth of the step on one thread: it runs

@@ -27,14 +27,20 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "model",
         help="model: a .pth / .safetensors file, a Hugging Face model directory, or a Hugging Face Hub id (org/name)",
     )
-    parser.add_argument("--device", default="cpu", help="torch device to run on (default: %(default)s)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        type=device_arg,
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="device to run on: auto (default) picks CUDA when torch sees a GPU, else the CPU",
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "fp32", "bf16", "fp16"],
         help="model dtype: weights (unless quantized) and the activations entering the matrices; "
         "the recurrent state is always fp32. auto (default): a bf16/fp16 checkpoint keeps its "
-        "16-bit type, an fp32 one fp32; each matmul runs in that 16-bit type where the device "
+        "16-bit type, an fp32 one fp32 (on CUDA: bf16, fp16 on GPUs without it); each matmul runs in that 16-bit type where the device "
         "has fast units for it (CUDA; AVX512-BF16/AMX CPUs), else in fp32, and a quantized "
         "model's activations follow the same rule"
         + _auto_here()
@@ -62,6 +68,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="tokenizer to use instead of the one the model implies (a World vocab .txt or a tokenizer.json)",
     )
+
+
+def device_arg(text: str) -> str:
+    """--device: auto, cpu, cuda or cuda:N; a CUDA device is checked here (torch is imported only
+    then), so asking for one on a machine without it is a usage error, before the model loads."""
+    name = text.strip().lower()
+    kind, _, index = name.partition(":")
+    if kind not in ("auto", "cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: one of auto, cpu, cuda, cuda:N")
+    if kind == "cuda":
+        from ..device import resolve_device
+
+        try:
+            resolve_device(name)
+        except InputError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def _auto_here() -> str:

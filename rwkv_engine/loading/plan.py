@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..device import cuda_dtype, resolve_device
 from ..errors import CheckpointError, InputError
 from ..memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
 from ..models import RWKV
@@ -190,11 +191,13 @@ def load(
 ) -> RWKV:
     """Load an RWKV model from a checkpoint file, a model directory or a Hugging Face Hub id.
 
+    device: "cpu" (default), "cuda", "cuda:N" or "auto" (CUDA when torch sees a GPU); a CUDA
+    device that is not there is an InputError.
     dtype: "auto" (default; None means the same), "fp32", "bf16" or "fp16": the model dtype, in
     which the matrices are stored (unless quantized) and the activations enter them; the state,
     the recurrence and the norms are fp32. "auto" keeps a 16-bit checkpoint's type (fp32 stays
-    fp32); quantized, the activations take the checkpoint's 16-bit type where the device computes
-    in it fast and fp32 elsewhere (`auto_dtype`); a quantization name that implies a dtype
+    fp32; on CUDA always bf16, or fp16 on GPUs without bf16); quantized, the activations take the
+    checkpoint's 16-bit type where the device computes in it fast and fp32 elsewhere (`auto_dtype`); a quantization name that implies a dtype
     (e.g. "q4f16_1" -> fp16) gives that one. `model.dtype_reason` says which rule chose it.
     quantization: a scheme of rwkv_engine.quant ("q8", "q4", "q0bf16", MLC names like
     "q4f16_1"); the weights are quantized while they are read, one tensor at a time. group_size
@@ -255,12 +258,11 @@ def prepare(
         raise InputError("group_size is only meaningful with a quantization scheme")
     auto = dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto")
     explicit = None if auto else parse_dtype(dtype)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise InputError(f"device: {e}") from None
+    auto_device = device is None or (isinstance(device, str) and device.strip().lower() == "auto")
+    device = resolve_device(device)
     path = resolve(path_or_id)
     if _is_exported_program(path):  # an ExecuTorch .pte: its own runtime, nothing to convert
+        device = torch.device("cpu") if auto_device else device
         return Plan.of_built(_load_program(path, device, dtype, quantization, group_size, policy))
     hf_config = _peek_config(path)
     if converted.is_converted(hf_config):  # already transformed and quantized: map it in
@@ -299,6 +301,9 @@ def auto_dtype(weights: torch.dtype, device: torch.device, quantized: bool) -> t
     from ..quant.linear import compute_dtype
 
     name = DTYPE_NAMES.get(weights, "fp32")
+    if device.type == "cuda":  # tensor cores: 16-bit whatever the file holds (fp32 on CUDA is for parity)
+        dt = cuda_dtype(device)
+        return dt, f"auto: {name} checkpoint, {DTYPE_NAMES[dt]} on cuda"
     if weights not in (torch.bfloat16, torch.float16):
         return torch.float32, f"auto: {name} checkpoint"
     if not quantized:
@@ -332,7 +337,12 @@ def _finish(model: RWKV, path: Path, device: torch.device) -> RWKV:
     model.requires_grad_(False)
     model.eval()
     model.path = path
-    return model.to(device)
+    model = model.to(device)
+    if device.type == "cuda":  # the quantized linears' layout, read as it is by the GPU kernels
+        from ..quant.cuda import convert_for_cuda
+
+        convert_for_cuda(model)
+    return model
 
 
 def _peek_config(path: Path) -> dict | None:

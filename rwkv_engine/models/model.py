@@ -184,6 +184,8 @@ class RWKV(nn.Module):
             for name, (shape, init) in self._state_shapes.items()
         }
         for name, init in self.initial_state.items():
+            if init.device != self.device:  # kept apart from the parameters: .to() does not move it
+                init = self.initial_state[name] = init.to(self.device)
             tensors[name].copy_(init.expand_as(tensors[name]))
         return State(tensors, self.config.state_signature())
 

@@ -37,3 +37,117 @@ def test_load_cuda_without_cuda_is_an_input_error(make_pth):
 def test_device_flag_rejects_unknown_device():
     r = _cli("generate", "m.pth", "-p", "hi", "--device", "tpu")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# --- the meta device: every version's forward creates nothing on the host --------------------
+
+VERSIONS = ["4", "5.2", "6.0", "7"]
+
+
+def _tiny(make_pth, version, **kw):
+    return rwkv_engine.load(make_pth(version, **kw), dtype="fp32", progress=False)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_forward_on_meta_device(make_pth, version):
+    """A tensor made without device= (torch.eye(n)) or a host sync would fail here, as on CUDA."""
+    model = _tiny(make_pth, version).to("meta")
+    V = model.config.vocab_size
+    for T in (1, 5, 40):  # the recurrent step, the short recurrence, the chunked prefill
+        logits, state = model.forward(torch.arange(2 * T).reshape(2, T) % V)
+        assert logits.device.type == "meta" and logits.shape == (2, V)
+        assert state.device.type == "meta"
+    model.graph_decode = True  # the graph runner's bookkeeping, eagerly on meta
+    logits, state = model.forward(torch.tensor([[1], [2], [3]]), state=model.new_state(3))
+    assert logits.shape == (3, V) and logits.device.type == "meta"
+
+
+# --- the CUDA-graph runner: buckets, padding, row independence (eager stand-in on the CPU) ----
+
+
+def test_bucket_for():
+    from rwkv_engine.models.cuda_graph import BUCKETS, bucket_for
+
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 9, 33, 64, 65, 256)] == [1, 2, 4, 8, 16, 64, 64, 128, 256]
+    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    with pytest.raises(ValueError):
+        bucket_for(257)
+
+
+@pytest.mark.parametrize("version", ["5.2", "7"])
+def test_graph_runner_matches_the_modules(make_pth, version):
+    """Decode through DecodeGraphs (capture off) = the PyTorch block loop, row for row, and a row's
+    bits do not depend on the other rows of its bucket, nor on what the padding rows hold."""
+    from rwkv_engine.models.cuda_graph import DecodeGraphs
+
+    model = _tiny(make_pth, version)
+    V = model.config.vocab_size
+    prompts = torch.randint(0, V, (5, 7), generator=torch.Generator().manual_seed(1))
+    _, state = model.forward(prompts)
+    ids = torch.tensor([3, 17, 42, 99, 5])
+    model.native_decode = False
+    ref_logits, ref_state = model.forward(ids[:, None], state=state)
+    graphs = DecodeGraphs(model, capture=False)
+    logits, new = graphs(ids, state)  # 5 rows -> bucket 8
+    assert graphs.captured() == [8]
+    assert torch.allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert new.allclose(ref_state)
+    # the padding rows of bucket 8 hold junk (even NaN): the real rows are bit for bit unchanged
+    b = graphs.bucket(5)
+    for t in b.state_in.values():
+        t[5:].fill_(float("nan"))
+    b.ids[5:].fill_(V - 1)
+    again, new2 = graphs(ids, state)
+    assert torch.equal(again, logits) and all(torch.equal(getattr(new2, k), getattr(new, k)) for k in new.fields)
+    # the first 3 rows in a batch of 6 (same bucket) are the same bits as in the batch of 5
+    six, _ = graphs(torch.cat([ids, ids[:1]]), state[[0, 1, 2, 3, 4, 0]])
+    assert torch.equal(six[:5], logits) and graphs.captured() == [8]
+    # more rows than the largest bucket: split across replays
+    small = DecodeGraphs(model, capture=False, buckets=(1, 2))
+    split_logits, split_state = small(ids, state)
+    assert small.captured() == [1, 2]
+    assert torch.allclose(split_logits, ref_logits, rtol=1e-5, atol=1e-5) and split_state.allclose(ref_state)
+
+
+def test_forward_uses_the_graph_runner_when_asked(make_pth):
+    model = _tiny(make_pth, "7")
+    model.graph_decode = True
+    logits, state = model.forward([5])
+    assert model._graphs is not None and model._graphs[1].captured() == [1]
+    model.graph_decode = False
+    ref, ref_state = model.forward([5])
+    assert torch.allclose(logits, ref, rtol=1e-5, atol=1e-5) and state.allclose(ref_state)
+
+
+# --- torch.compile of the one-token step (what CUDA graphs / reduce-overhead need) ------------
+
+
+@pytest.mark.slow
+def test_decode_step_compiles_fullgraph_and_matches_eager(make_pth, monkeypatch):
+    """The one-token step traced whole (no graph break: no host sync, no Python-side branching on
+    values). The smallest model; about a minute cold on 2 cores. The CPU's native kernels are
+    switched off: what runs on CUDA is the PyTorch modules (and the GPU WKV kernels)."""
+    import importlib
+
+    from rwkv_engine.models import cuda_graph
+
+    wkv7_module = importlib.import_module("rwkv_engine.kernels.wkv7")  # the package re-exports the function
+    linear_module = importlib.import_module("rwkv_engine.quant.linear")
+
+    monkeypatch.setattr(linear_module, "native_ops", lambda: None)
+    monkeypatch.setattr(wkv7_module, "_native_ops", lambda *args: None)
+
+    model = _tiny(make_pth, "7", n_layer=2)
+    model.emb.file_rows = None  # the CPU's file-backed embedding rows are a host-side read
+    V = model.config.vocab_size
+    _, state = model.forward(torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(2)))
+    fields = dict(state.items())
+    ids = torch.tensor([7, 11])
+    out_eager = {k: torch.empty_like(v) for k, v in fields.items()}
+    out_comp = {k: torch.empty_like(v) for k, v in fields.items()}
+    eager = cuda_graph.step(model, ids, fields, out_eager)
+    compiled = torch.compile(cuda_graph.step, fullgraph=True, dynamic=False)
+    got = compiled(model, ids, fields, out_comp)
+    assert torch.allclose(got, eager, rtol=1e-4, atol=1e-5)
+    for k in fields:
+        assert torch.allclose(out_comp[k], out_eager[k], rtol=1e-4, atol=1e-5), k

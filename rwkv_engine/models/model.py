@@ -20,6 +20,7 @@ from ..errors import InputError, StateError
 from ..kernels.native import GEMV_MAX_ROWS
 from ..state import State
 from . import native_step
+from .cuda_graph import DecodeGraphs
 from .layers import LORA_DTYPES, ChannelMix, Embedding
 from .native_step import DecodeStep
 from .rwkv4 import TimeMix4
@@ -135,6 +136,10 @@ class RWKV(nn.Module):
         # step (models/native_step.py) where it can run; False: always the PyTorch modules.
         self.native_decode = True
         self._native_step: tuple[int, DecodeStep | None] | None = None  # (generation, step)
+        # One-token steps as CUDA graph replays (models/cuda_graph.py): None = on CUDA only,
+        # False = never, True = also elsewhere (the same bookkeeping run eagerly: for tests).
+        self.graph_decode: bool | None = None
+        self._graphs: tuple[int, DecodeGraphs] | None = None  # (generation, graphs)
         self.layer_observer: Callable[[int, Tensor, dict[str, Tensor]], None] | None = None  # see run_blocks
 
     @property
@@ -225,6 +230,10 @@ class RWKV(nn.Module):
             self._check_state(state, B)
         state = state.to(self.device) if state.device != self.device else state
         native = self.native_decode and self.layer_observer is None  # the fused step shows no layers
+        if T == 1 and self.layer_observer is None and self._graph_decode():
+            logits, new_state = self._decode_graphs()(ids[:, 0], state)
+            logits = logits[:, None] if all_logits else logits
+            return (logits[0] if one_d else logits), new_state
         if T == 1 and B <= GEMV_MAX_ROWS and native and self.device.type == "cpu":
             step = self._decode_step()
             if step is not None:
@@ -282,8 +291,20 @@ class RWKV(nn.Module):
         return self._native_step[1]
 
     def reset_decode_step(self) -> None:
-        """Forget the fused decode step; the next one-token forward builds it from the current tensors."""
+        """Forget the fused decode step and the decode graphs; the next one-token forward builds
+        them from the current tensors."""
         self._native_step = None
+        self._graphs = None
+
+    def _graph_decode(self) -> bool:
+        return self.graph_decode is True or (self.graph_decode is None and self.device.type == "cuda")
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """The decode graphs for the model's current tensors (recaptured when one is replaced)."""
+        gen = native_step.generation()
+        if self._graphs is None or self._graphs[0] != gen:
+            self._graphs = (gen, DecodeGraphs(self))
+        return self._graphs[1]
 
     def _apply(self, *args, **kwargs):  # .to(), .float(), ...: tensors may be converted in place
         self.reset_decode_step()

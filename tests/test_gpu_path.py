@@ -151,3 +151,69 @@ def test_decode_step_compiles_fullgraph_and_matches_eager(make_pth, monkeypatch)
     assert torch.allclose(got, eager, rtol=1e-4, atol=1e-5)
     for k in fields:
         assert torch.allclose(out_comp[k], out_eager[k], rtol=1e-4, atol=1e-5), k
+
+
+# --- quantized linears for CUDA: our layout read by Triton kernels (interpreted on the CPU) ----
+
+_QUANT_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"  # before triton.jit decorates the kernels
+import torch
+import rwkv_engine
+from rwkv_engine.quant import cuda as QC
+from rwkv_engine.quant.linear import Int4Linear, Int8Linear
+from rwkv_engine.testing import rel_rms
+
+g = torch.Generator().manual_seed(0)
+w = torch.randn(80, 256, generator=g)
+w[3, 17] = 9.0  # an outlier column
+cases = [(Int8Linear, 32), (Int8Linear, None), (Int4Linear, 32), (Int4Linear, 128)]
+for cls, gs in cases:
+    m = cls.from_weight(w, group_size=gs) if gs is not None else cls.from_weight(w)
+    c = QC.CudaInt8Linear(m) if cls is Int8Linear else QC.CudaInt4Linear(m)
+    assert torch.equal(c.dequantize(), m.dequantize()), cls  # the same weights, bit for bit
+    assert c.qweight.data_ptr() == m.qweight.data_ptr()  # converted without a copy
+    for dt, tol in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        for M in (1, 17):  # decode rows, and more than one BLOCK_M
+            x = torch.randn(2, M, 256, generator=g).to(dt)
+            ref = torch.nn.functional.linear(x.float(), m.dequantize(torch.float32))
+            y = c(x)
+            assert y.dtype == dt and y.shape == (2, M, 80)
+            err = rel_rms(y.float(), ref)
+            assert err < tol, (cls.__name__, gs, dt, M, err)
+# a whole model: q8 / q4 swapped for the CUDA modules = the CPU modules' plain path
+path = sys.argv[1]
+for q in ("q8", "q4"):
+    ref = rwkv_engine.load(path, dtype="fp32", quantization=q, progress=False)
+    ref.native_decode = False
+    import rwkv_engine.quant.linear as L
+    L._native_ops, L._native_loaded = None, True  # the reference path: dequantized matrices
+    L.Int4Linear._reference = L._QuantLinearBase._reference  # not the CPU GEMV's int8 activations
+    conv = rwkv_engine.load(path, dtype="fp32", quantization=q, progress=False)
+    n = QC.convert_for_cuda(conv)
+    left = [k for k, v in conv.named_modules() if isinstance(v, (Int8Linear, Int4Linear))]
+    kinds = {type(v).__name__ for v in conv.modules()}
+    assert n >= 6 and not left and ("CudaInt4Linear" in kinds) == (q == "q4"), (n, left, kinds)
+    ids = [5, 9, 200, 7, 31]
+    a, sa = ref.forward(ids)
+    b, sb = conv.forward(ids)
+    assert rel_rms(b, a) < 1e-5, (q, rel_rms(b, a))
+    a, _ = ref.forward([3], sa)
+    b, _ = conv.forward([3], sb)
+    assert rel_rms(b, a) < 1e-5, (q, rel_rms(b, a))
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_cuda_quant_linears_under_the_triton_interpreter(make_pth, tmp_path):
+    """CudaInt8Linear / CudaInt4Linear: the CPU modules' weights bit for bit (no conversion of the
+    bytes), the Triton kernels' products within rounding of the dequantized matmul (fp32, fp16;
+    decode and prefill rows), and a converted q8 / q4 model = the unconverted one."""
+    pytest.importorskip("triton")
+    script = tmp_path / "quant_cuda.py"
+    script.write_text(_QUANT_SCRIPT)
+    # matrices big enough to be quantized, and blocks past those the default policy keeps wider
+    path = make_pth("7", n_layer=3, n_embd=256, head_size=64)
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]

@@ -190,6 +190,12 @@ class Check:
                 if not (fla.importable() and (self.cuda or self.dry)):
                     self.say("   fla: not importable, skipped")
                     continue
+                if self.dry and os.environ.get("TRITON_INTERPRET") == "1":
+                    fla._ops()  # fla's kernels under the interpreter need the tests' three patches
+                    sys.path.insert(0, str(ROOT / "tests"))
+                    import gpu_interpreter
+
+                    gpu_interpreter.install()
                 runs = {
                     f"wkv7_fla T={T}": (lambda: fla.wkv7_fla(r, k, v, log_w, a, b, s0), y0, st0),
                     f"wkv6_fla T={T}": (lambda: fla.wkv6_fla(r, k, v, log_w, u, s0), y5, st5),

@@ -546,12 +546,12 @@ class Sampler:
             apply_masks(adjusted, constrained)
         params = [s.params for s in samplers]
         out = [None] * len(samplers)
-        idx = []
-        for b, p in enumerate(params):
-            if p.greedy:
-                out[b] = int(adjusted[b].argmax())
-            else:
-                idx.append(b)
+        greedy = [b for b, p in enumerate(params) if p.greedy]
+        idx = [b for b, p in enumerate(params) if not p.greedy]
+        if greedy:  # one argmax and one transfer for all of them (on a GPU, not one sync per row)
+            rows = adjusted if len(greedy) == len(samplers) else adjusted[greedy]
+            for b, t in zip(greedy, rows.argmax(dim=-1).tolist()):
+                out[b] = t
         if idx:
             drawn = sample_rows(
                 adjusted if len(idx) == len(samplers) else adjusted[idx],

@@ -48,6 +48,20 @@ def _int_at_least(minimum: int):
 
 
 _positive = _int_at_least(1)
+
+CPU_MAX_BATCH = 8
+CUDA_MAX_BATCH = 64
+
+
+def _max_batch(text: str) -> int:
+    """--max-batch N, or "auto" (the default): CUDA_MAX_BATCH where torch sees a GPU, else CPU_MAX_BATCH."""
+    if text != "auto":
+        return _positive(text)
+    import torch
+
+    return CUDA_MAX_BATCH if torch.cuda.is_available() else CPU_MAX_BATCH
+
+
 _non_negative = _int_at_least(0)
 
 
@@ -195,10 +209,11 @@ def add_engine_arguments(parser) -> None:
     e = parser.add_argument_group("engine and limits")
     e.add_argument(
         "--max-batch",
-        type=_positive,
+        type=_max_batch,
         metavar="N",
-        default=8,
-        help="most requests decoded together in one batched forward (default: %(default)s)",
+        default="auto",
+        help=f"most requests decoded together in one batched forward (default: {CUDA_MAX_BATCH} where "
+        f"CUDA is available: one CUDA graph replay; else {CPU_MAX_BATCH})",
     )
     e.add_argument(
         "--max-queue",

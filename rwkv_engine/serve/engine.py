@@ -167,6 +167,17 @@ def decode_rows(model, tokens: torch.Tensor, batch: State) -> tuple[torch.Tensor
     return torch.cat([p[0] for p in parts]), State.cat([p[1] for p in parts])
 
 
+def _host(state: State) -> State:
+    """A GPU state copied to pinned host memory (the cache lives in host RAM; `model.forward`
+    moves a state from there to its device, a DMA from pinned pages); other states as they are."""
+    if state.device.type != "cuda":
+        return state
+    pinned = {}
+    for k, v in state.items():
+        pinned[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
+    return State(pinned, state.signature)
+
+
 class PromptCache:
     """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes."""
 
@@ -193,7 +204,7 @@ class PromptCache:
         while self._entries and self.nbytes + size > self.capacity:
             old_key, old = self._entries.popitem(last=False)
             self.nbytes -= self._size(old_key, old)
-        self._entries[key] = state
+        self._entries[key] = _host(state)
         self.nbytes += size
 
     def lookup(self, start_key: str, ids: Sequence[int], chunk: int) -> tuple[int, State | None]:

@@ -282,7 +282,7 @@ class Check:
                 self.reset_peak()
                 _, state = model.forward(torch.randint(0, V, (B, 4), generator=torch.Generator().manual_seed(B)))
                 ids = torch.randint(0, V, (B, 1), generator=torch.Generator().manual_seed(B + 1))
-                for _ in range(2):  # capture + warm
+                for _ in range(1 if self.dry else 2):  # capture + warm
                     _, state = model.forward(ids, state)
                 self.sync()
                 n = 1 if self.dry else max(8, min(64, 2048 // B))
@@ -313,23 +313,73 @@ class Check:
                 self.failed.append(f"{label} B={B}")
                 self.say(f"   {label} B={B}: FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
-    def speed(self, name: str, quantizations, batches, prefill_T: int = 512) -> None:
+    def dense(self, name: str):
+        """The model of checkpoint `name` on the device, bf16 (fp32 in a dry run: the CPU's bf16 is slow)."""
+        return self.load(name, self.device, "bf16" if self.cuda else "fp32")
+
+    def random_model(self, name: str):
+        """A random model of shape `name` built on the device without a file (the 7.2B shape: a
+        29 GB fp32 checkpoint written on the CPU would take minutes). Speed only: no parity."""
+        from rwkv_engine.config import ModelConfig
+        from rwkv_engine.models import RWKV
+
+        shape = self.shapes[name]
+        C = shape["n_embd"]
+        ranks = testing.lora_ranks("7", C)
+        cfg = ModelConfig(
+            version="7", n_layer=shape["n_layer"], n_embd=C, vocab_size=shape["vocab_size"], ffn_dim=4 * C,
+            dim_att=C, n_head=C // shape["head_size"], head_size=shape["head_size"],
+            lora_decay=ranks["decay"], lora_iclr=ranks["iclr"], lora_value=ranks["value"],
+            lora_gate=ranks["gate"],
+        )  # fmt: skip
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        with torch.device(self.device):
+            model = RWKV(cfg, dtype)
+        g = torch.Generator(device=self.device).manual_seed(0)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if pname.endswith(("ln1.weight", "ln2.weight", "ln_out.weight", "ln_x.weight")):
+                    p.fill_(1.0)
+                elif p.dim() == 2:
+                    p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+                else:
+                    p.normal_(0.0, 0.1, generator=g)
+        model.requires_grad_(False)
+        return model.eval()
+
+    def speed(self, name: str, quantizations, batches, prefill_T: int = 512, build=None) -> None:
+        """Prefill and decode tok/s of the dense model, then of q8 / q4 quantized from it on the
+        device (the check's time is short: the loader's CPU quantizer takes minutes at 1.5B; the
+        modules and kernels are the same ones `load(..., quantization=)` gives on CUDA)."""
+        from rwkv_engine.quant import quantize_model
+        from rwkv_engine.quant.cuda import convert_for_cuda
+
+        prompt = torch.randint(0, 512, (8 if self.dry else 64,), generator=torch.Generator().manual_seed(5)).tolist()
+        ref = None
         for q in quantizations:
             if not self.dry and self.left() < 40:
-                self.say(f"   {name} {q or 'bf16'}: skipped, budget spent")
+                self.say(f"   {name} {q or 'dense'}: skipped, budget spent")
                 continue
             self.reset_peak()
             t = time.perf_counter()
-            model = self.load(name, self.device, "bf16" if self.cuda else "fp32", quantization=q)
+            model = build() if build is not None else self.dense(name)
             label = f"{name} {q or ('bf16' if self.cuda else 'fp32')}"
+            if q is not None:
+                quantize_model(model, q)
+                swapped = convert_for_cuda(model) if (self.cuda or self.dry) else 0
+                label += f" ({swapped} CUDA linears)"
+            self.sync()
+            self.say(f"   {label}: ready in {time.perf_counter() - t:.1f} s, weights {self.peak()}")
             if self.dry:
                 model.graph_decode = True  # the graph runner's bookkeeping, run eagerly
-                if q is not None:  # the CUDA quantized linears, their Triton kernels interpreted
-                    from rwkv_engine.quant.cuda import convert_for_cuda
-
-                    self.say(f"   {label}: {convert_for_cuda(model)} linears swapped for the CUDA modules")
-            self.say(f"   {label}: loaded in {time.perf_counter() - t:.1f} s, weights {self.peak()}")
             try:
+                logits = model.forward(prompt)[0].float().cpu()
+                if ref is None:
+                    ref = logits
+                else:
+                    self.say(
+                        f"   {label}: last-token logits rel RMS vs the dense model {testing.rel_rms(logits, ref):.3f}"
+                    )
                 if q is None:
                     self.prefill(model, label, 16 if self.dry else prefill_T)
                 self.decode(model, label, batches[:1] if self.dry and q else batches)  # interpreted: slow
@@ -372,30 +422,33 @@ class Check:
         with self.phase("WKV kernels vs the naive recurrences (fp32)") as go:
             if go:
                 self.kernels()
-        with self.phase("random checkpoints (RWKV-7 and RWKV-5.2, 1.5B shape)", needs=60) as go:
+        with self.phase("random checkpoint: RWKV-7, 1.5B shape", needs=30) as go:
             if go:
                 self.checkpoint("7", "7")
-                self.checkpoint("5.2", "5.2")
-        with self.phase("parity RWKV-7: cuda fp32 / bf16 vs the cpu fp32 engine", needs=90) as go:
+        with self.phase("parity RWKV-7: cuda fp32 / bf16 vs the cpu fp32 engine", needs=60) as go:
             if go:
                 self.parity("7")
-        with self.phase("speed RWKV-7 1.5B: prefill, decode by batch (bf16, q8, q4)", needs=120) as go:
+        with self.phase("speed RWKV-7 1.5B: prefill 512, decode by batch (bf16, q8, q4)", needs=90) as go:
             if go:
                 self.speed("7", quants, batches)
         with self.phase("peer: the rwkv package, RWKV-7 1.5B, batch 1", needs=60) as go:
             if go:
                 self.peer("7")
-        with self.phase("parity RWKV-5.2: cuda fp32 / bf16 vs the cpu fp32 engine", needs=90) as go:
+        if not a.skip_7b:
+            with self.phase(
+                "RWKV-7 7.2B shape (32 x 4096), random on the device: batch 1 and 64 (bf16)", needs=60
+            ) as go:
+                if go:
+                    self.speed("7.2B", (None,), (1, 2) if dry else (1, 64), build=lambda: self.random_model("7.2B"))
+        with self.phase("random checkpoint: RWKV-5.2, 1.5B shape", needs=30) as go:
+            if go:
+                self.checkpoint("5.2", "5.2")
+        with self.phase("parity RWKV-5.2: cuda fp32 / bf16 vs the cpu fp32 engine", needs=60) as go:
             if go:
                 self.parity("5.2")
-        with self.phase("speed RWKV-5.2 1.5B: prefill, decode by batch (bf16)", needs=60) as go:
+        with self.phase("speed RWKV-5.2 1.5B: prefill 512, decode by batch (bf16)", needs=40) as go:
             if go:
                 self.speed("5.2", (None,), batches)
-        if not a.skip_7b:
-            with self.phase("RWKV-7 7.2B shape (32 x 4096): batch 1 and 64 (bf16)", needs=150) as go:
-                if go:
-                    self.checkpoint("7.2B", "7")
-                    self.speed("7.2B", (None,), (1, 2) if dry else (1, 64))
         self.say(f"== done in {time.monotonic() - self.t0:.0f} s; failed phases: {', '.join(self.failed) or 'none'}")
         return 1 if self.failed else 0
 

@@ -297,7 +297,7 @@ class Check:
                     gbs = weights / dt / 1e9
                     line += f"; streams {gbs:,.0f} GB/s of weights = {100 * gbs / self.hbm_gbs:.0f}% of the copy's"
                 graphs = model._graphs[1] if getattr(model, "_graphs", None) else None
-                if graphs is not None and self.cuda:
+                if graphs is not None:
                     bucket = graphs.bucket(B)
                     bucket.run()
                     self.sync()

@@ -29,6 +29,7 @@ if [ "$DRY" = 1 ]; then
     export TRITON_INTERPRET=1 RWKV_ENGINE_ISA="${RWKV_ENGINE_ISA:-none}"
     BUDGET=280
 else
+    unset TRITON_INTERPRET  # compiled kernels on the GPU, whatever the calling shell had
     # Guarded: a failed install is reported and the check runs from the tree (PYTHONPATH).
     say "== install: the working tree (no index, no build isolation)"
     if ! "$PY" -m pip install --quiet --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3; then
@@ -47,5 +48,5 @@ fi
 
 # The check's own phases are guarded inside; this line's status is the number of failed phases > 0.
 status=0
-"$PY" benchmarks/gpu_check.py --budget "$BUDGET" "${ARGS[@]}" || status=$?
+"$PY" benchmarks/gpu_check.py --budget "$BUDGET" ${ARGS[@]+"${ARGS[@]}"} || status=$?
 exit "$status"

@@ -102,6 +102,11 @@ def test_graph_runner_matches_the_modules(make_pth, version):
     # the first 3 rows in a batch of 6 (same bucket) are the same bits as in the batch of 5
     six, _ = graphs(torch.cat([ids, ids[:1]]), state[[0, 1, 2, 3, 4, 0]])
     assert torch.equal(six[:5], logits) and graphs.captured() == [8]
+    # a larger bucket grows the shared buffers (the smaller graphs are dropped, rebuilt on use)
+    nine, _ = graphs(torch.cat([ids, ids[:4]]), state[[0, 1, 2, 3, 4, 0, 1, 2, 3]])
+    assert graphs.captured() == [16] and torch.allclose(nine[:5], logits, rtol=1e-5, atol=1e-5)
+    again, _ = graphs(ids, state)
+    assert graphs.captured() == [8, 16] and torch.equal(again, logits)
     # more rows than the largest bucket: split across replays
     small = DecodeGraphs(model, capture=False, buckets=(1, 2))
     split_logits, split_state = small(ids, state)

@@ -3,10 +3,10 @@
 At batch 1 a decode step of the 1.5B shape is a few hundred small kernels; launched one by one
 from Python they cost more than the weights take to stream. A CUDA graph launches them all at
 once. A graph has fixed shapes and addresses, so each bucket (BUCKETS) has static buffers: token
-ids [b], every state field [b, L, ...] in and out, and the logits [b, V]; a batch of B rows is
-padded to the smallest bucket that holds it (the padding rows compute garbage nobody reads:
-every row of the step is independent of the others), copied in, replayed, and its B rows copied
-out. So a row gets the same bits as the same sequence in any other batch of its bucket.
+ids [b], every state field [b, L, ...] in and out (the first b rows of buffers the buckets share),
+and the logits [b, V]; a batch of B rows is padded to the smallest bucket that holds it (the
+padding rows compute garbage nobody reads: every row of the step is independent of the others),
+copied in, replayed, and its B rows copied out. So a row gets the same bits as the same sequence in any other batch of its bucket.
 
     graphs = DecodeGraphs(model)              # capture=False: the same bookkeeping, run eagerly
     logits, state = graphs(ids, state)        # ids LongTensor [B] on the model's device
@@ -51,14 +51,14 @@ def step(model, ids: Tensor, fields: dict[str, Tensor], out: dict[str, Tensor]) 
 
 
 class _Bucket:
-    """The static buffers of one bucket and, on CUDA, its captured graph."""
+    """The static buffers of one bucket (the first `rows` rows of the shared ones) and, on CUDA,
+    its captured graph."""
 
-    def __init__(self, model, rows: int, capture: bool, pool):
+    def __init__(self, model, rows: int, capture: bool, pool, shared: tuple[dict, dict]):
         self.rows = rows
-        template = model.new_state(rows)
         self.ids = torch.zeros(rows, dtype=torch.long, device=model.device)
-        self.state_in = dict(template.items())
-        self.state_out = {k: torch.empty_like(v) for k, v in self.state_in.items()}
+        self.state_in = {k: v[:rows] for k, v in shared[0].items()}
+        self.state_out = {k: v[:rows] for k, v in shared[1].items()}
         self.graph = None
         self.model = model
         if capture:
@@ -94,6 +94,9 @@ class DecodeGraphs:
         self.buckets = tuple(sorted(buckets))
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None  # buckets share memory
+        # State buffers in / out, shared by the buckets: rows of the largest one used so far (a
+        # state row of a 7B model is 33 MB; per-bucket buffers would hold every size at once).
+        self._shared: tuple[dict, dict] | None = None
 
     def captured(self) -> list[int]:
         """The buckets built so far."""
@@ -101,8 +104,14 @@ class DecodeGraphs:
 
     def bucket(self, rows: int) -> _Bucket:
         b = bucket_for(rows, self.buckets)
+        if self._shared is None or next(iter(self._shared[0].values())).shape[0] < b:
+            # Larger buffers: the graphs captured on the old ones are dropped (recaptured on use).
+            self._buckets.clear()
+            self._shared = None
+            state_in = dict(self.model.new_state(b).items())
+            self._shared = (state_in, {k: torch.empty_like(v) for k, v in state_in.items()})
         if b not in self._buckets:
-            self._buckets[b] = _Bucket(self.model, b, self.capture, self._pool)
+            self._buckets[b] = _Bucket(self.model, b, self.capture, self._pool, self._shared)
         return self._buckets[b]
 
     @torch.no_grad()

@@ -136,11 +136,8 @@ def test_decode_step_compiles_fullgraph_and_matches_eager(make_pth, monkeypatch)
 
     from rwkv_engine.models import cuda_graph
 
-    wkv7_module = importlib.import_module("rwkv_engine.kernels.wkv7")  # the package re-exports the function
-    linear_module = importlib.import_module("rwkv_engine.quant.linear")
-
-    monkeypatch.setattr(linear_module, "native_ops", lambda: None)
-    monkeypatch.setattr(wkv7_module, "_native_ops", lambda *args: None)
+    native = importlib.import_module("rwkv_engine.kernels.native")
+    monkeypatch.setattr(native, "load", lambda verbose=False: None)  # every CPU-native path asks it
 
     model = _tiny(make_pth, "7", n_layer=2)
     model.emb.file_rows = None  # the CPU's file-backed embedding rows are a host-side read
@@ -191,8 +188,9 @@ path = sys.argv[1]
 for q in ("q4",):  # blocks 0-1 of a q4 model are q8 (the default policy), block 2 q4: both kernels
     ref = rwkv_engine.load(path, dtype="fp32", quantization=q, progress=False)
     ref.native_decode = False
+    import rwkv_engine.kernels.native as N
     import rwkv_engine.quant.linear as L
-    L._native_ops, L._native_loaded = None, True  # the reference path: dequantized matrices
+    N.load = lambda verbose=False: None  # the reference path: dequantized matrices
     L.Int4Linear._reference = L._QuantLinearBase._reference  # not the CPU GEMV's int8 activations
     conv = rwkv_engine.load(path, dtype="fp32", quantization=q, progress=False)
     n = QC.convert_for_cuda(conv)

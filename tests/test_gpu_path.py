@@ -231,3 +231,20 @@ def test_max_batch_default_follows_the_device():
     args = parser.parse_args(["m.pth"])
     assert args.max_batch == (serve.CUDA_MAX_BATCH if torch.cuda.is_available() else serve.CPU_MAX_BATCH)
     assert parser.parse_args(["m.pth", "--max-batch", "3"]).max_batch == 3
+
+
+def test_auto_device_and_dtype(monkeypatch):
+    from rwkv_engine.device import resolve_device
+    from rwkv_engine.loading.plan import auto_dtype
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu").type == "cpu"
+    with pytest.raises(InputError, match="device"):
+        resolve_device("tpu")
+    cuda = torch.device("cuda")
+    for bf16, want in ((True, torch.bfloat16), (False, torch.float16)):  # fp16 (with the rescale) before Ampere
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda bf16=bf16: bf16)
+        for weights in (torch.float32, torch.bfloat16, torch.float16):
+            for quantized in (False, True):
+                assert auto_dtype(weights, cuda, quantized)[0] == want
+    assert auto_dtype(torch.float32, torch.device("cpu"), False)[0] == torch.float32  # the CPU keeps its rule

@@ -270,6 +270,77 @@ def decide(sampler: Sampler, logits: Tensor, draft: int | None, q: Tensor | None
 # --- one sequence ---------------------------------------------------------------------------
 
 
+class SpeculativeRow:
+    """One sequence's speculation, without the model: what the next pass feeds, and the tokens
+    its logits decide. `SpeculativeDecoder` drives it for `generate`; the serving engine drives
+    many at once (their passes batched by length).
+
+        feed = row.plan()                      # pending tokens + drafts, fed from the committed state
+        logits, after = model.forward(feed, committed, all_logits=True)
+        for token in row.decide(logits):       # stop iterating when the sequence ends
+            ...
+        if row.committed_all: committed = after    # every draft accepted (row.pending is the bonus)
+
+    `pending` are the tokens decided since the committed state and not yet covered by it (the
+    last decided token at least).
+    """
+
+    def __init__(self, drafter: Drafter, sampler: Sampler, context: Sequence[int], max_draft: int = 8, stats=None):
+        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 1 <= max_draft < MAX_PASS_TOKENS:
+            raise InputError(f"the draft length must be an integer in [1, {MAX_PASS_TOKENS - 1}], got {max_draft!r}")
+        self.drafter, self.sampler = drafter, sampler
+        self.context = list(context)
+        self.pending: list[int] = []
+        self.max_draft = max_draft
+        self.k = min(4, max_draft)
+        self.stats = stats if stats is not None else SpeculativeStats()
+        self.limit: int | None = None  # most tokens still wanted (None: unbounded); caps the drafts
+        self.committed_all = False
+        self._drafts: list[int] = []
+        self._qs: list[Tensor] | None = None
+
+    def take(self, t: int) -> None:
+        """Record a decided token (fed by the next pass)."""
+        self.context.append(t)
+        self.pending.append(t)
+        if self.limit is not None:
+            self.limit -= 1
+
+    def plan(self, k: int | None = None) -> list[int]:
+        """The tokens of the next pass: the pending ones, then up to k (default: the adaptive
+        length) drafts."""
+        k = min(self.k if k is None else k, MAX_PASS_TOKENS - 1 - len(self.pending))
+        if self.limit is not None:
+            k = min(k, self.limit - 1)
+        drafts, qs = self.drafter.propose(self.context, k) if k > 0 else ([], None)
+        self._drafts, self._qs = drafts[: max(k, 0)], qs
+        return self.pending + self._drafts
+
+    def decide(self, logits: Tensor):
+        """Tokens decided from the pass's logits [len(plan), V], in order, each taken as it is
+        yielded; sets `committed_all` when every draft was accepted (the caller then takes the
+        pass's state as committed; `pending` is the bonus token alone)."""
+        drafts, qs, st = self._drafts, self._qs, self.stats
+        self.committed_all = False
+        st.passes += 1
+        st.drafted += len(drafts)
+        base = len(self.pending) - 1
+        for i in range(len(drafts) + 1):
+            d = drafts[i] if i < len(drafts) else None
+            t, ok = decide(self.sampler, logits[base + i], d, None if qs is None or d is None else qs[i])
+            st.emitted += 1
+            st.accepted += ok
+            if i == len(drafts):  # every draft accepted: the pass's state covers them all
+                self.pending = []
+                self.committed_all = True
+            self.take(t)
+            yield t
+            if not ok:
+                break
+        if drafts:  # adapt: longer after a fully accepted round, shorter after a rejection
+            self.k = min(self.max_draft, self.k + 2) if self.committed_all else max(1, self.k - 1)
+
+
 class SpeculativeDecoder:
     """One sequence's speculative decode loop over a target model (see the module docstring).
 
@@ -290,64 +361,48 @@ class SpeculativeDecoder:
         max_draft: int = 8,
         stats: SpeculativeStats | None = None,
     ):
-        if not 1 <= max_draft < MAX_PASS_TOKENS:
-            raise InputError(f"the draft length must be in [1, {MAX_PASS_TOKENS - 1}], got {max_draft}")
-        self.model, self.drafter, self.sampler = model, drafter, sampler
-        self.context = list(context)
-        self._state, self._pending, self._logits = state, [], logits
-        self.max_draft = max_draft
-        self.k = min(4, max_draft)
-        self.stats = stats if stats is not None else SpeculativeStats()
-        self.limit: int | None = None  # most tokens still wanted (None: unbounded); caps the drafts
+        self.model = model
+        self.row = SpeculativeRow(drafter, sampler, context, max_draft, stats)
+        self.stats = self.row.stats
+        self._state, self._logits = state, logits
+
+    @property
+    def limit(self) -> int | None:
+        return self.row.limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self.row.limit = value
 
     @property
     def state(self):
         """The state after the context and every token handed out (feeds the pending ones)."""
-        if self._pending:
-            _, self._state = self.model.forward(self._pending, state=self._state)
-            self._pending = []
+        row = self.row
+        if row.pending:
+            _, self._state = self.model.forward(row.pending, state=self._state)
+            row.pending = []
         return self._state
-
-    def _take(self, t: int) -> None:
-        self.context.append(t)
-        self._pending.append(t)
-        if self.limit is not None:
-            self.limit -= 1
 
     def tokens(self, stop_ids: frozenset[int] = frozenset()):
         """Decided tokens, one at a time; each is taken (counted in `state`) as it is yielded,
         except a token of `stop_ids`, which ends the iteration unfed, as in plain decoding."""
-        t, _ = decide(self.sampler, self._logits, None)
+        row = self.row
+        t, _ = decide(row.sampler, self._logits, None)
         self._logits = None
         if t in stop_ids:
             yield t
             return
-        self._take(t)
+        row.take(t)
         yield t
         while True:
-            k = min(self.k, MAX_PASS_TOKENS - 1 - len(self._pending))
-            if self.limit is not None:
-                k = min(k, self.limit - 1)
-            drafts, qs = self.drafter.propose(self.context, k) if k > 0 else ([], None)
-            drafts = drafts[: max(k, 0)]
-            logits, new_state = self.model.forward(self._pending + drafts, state=self._state, all_logits=True)
-            st = self.stats
-            st.passes += 1
-            st.drafted += len(drafts)
-            base = len(self._pending) - 1
-            for i in range(len(drafts) + 1):
-                d = drafts[i] if i < len(drafts) else None
-                t, ok = decide(self.sampler, logits[base + i], d, None if qs is None or d is None else qs[i])
-                st.emitted += 1
-                st.accepted += ok
-                if t in stop_ids:
+            feed = row.plan()
+            logits, after = self.model.forward(feed, state=self._state, all_logits=True)
+            for t in row.decide(logits):
+                if row.committed_all:
+                    self._state = after
+                if t in stop_ids:  # not fed: drop it from what the state must cover
+                    row.pending.pop()
+                    row.context.pop()
                     yield t
                     return
-                if i == len(drafts):  # every draft accepted: the pass's state covers them all
-                    self._state, self._pending = new_state, []
-                self._take(t)
                 yield t
-                if not ok:
-                    break
-            if drafts:  # adapt: longer after a fully accepted round, shorter after a rejection
-                self.k = min(self.max_draft, self.k + 2) if i == len(drafts) else max(1, self.k - 1)

@@ -293,3 +293,71 @@ def test_cli_generate_speculative_matches_plain(make_pth, capsys):
     assert capsys.readouterr().out == plain
     assert main(args + ["--max-draft", "40"]) != 0
     assert "--max-draft" in capsys.readouterr().err
+
+
+# --- the serving engine: speculating and plain rows in one batch ------------------------------
+
+
+def run_engine(model, tok, requests, config):
+    """Every (prompt, params, speculative) through one Engine at once; (text, Finished) per request."""
+    import threading
+
+    from rwkv_engine.serve.engine import Delta, Engine, Request
+
+    engine = Engine(model, tok, config)
+    engine.start()
+    results = [None] * len(requests)
+    done = threading.Semaphore(0)
+    try:
+        for i, (prompt, params, spec) in enumerate(requests):
+            parts = []
+
+            def sink(event, i=i, parts=parts):
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                else:
+                    results[i] = ("".join(parts), event)
+                    done.release()
+
+            engine.submit(Request(tok.encode(prompt), params, speculative=spec), sink)
+        for _ in requests:
+            assert done.acquire(timeout=300)
+    finally:
+        engine.stop()
+    return results, engine
+
+
+def test_engine_mixes_speculating_and_plain_rows(model, tok, version, make_pth):
+    from rwkv_engine.serve.engine import EngineConfig
+
+    small = str(make_pth(version, **{**WORLD, "n_layer": 1, "seed": 5}))  # a draft that is often wrong
+    greedy = SamplingParams(temperature=0.0, max_tokens=14, stop_token_ids=[])
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_tokens=10, stop_token_ids=[])
+    requests = [
+        (PROMPT, greedy, None),  # the engine's default: lookup
+        (PROMPT + " a", greedy, "off"),
+        ("x = [1, 2, 3, 1, 2, 3, 1, 2", greedy, "draft"),
+        (PROMPT, seeded, "off"),
+        (PROMPT, greedy.replace(stop=["b"], max_tokens=24), "draft"),
+    ]
+    config = EngineConfig(max_batch=5, speculative="lookup", draft=small, max_draft=4)
+    results, engine = run_engine(model, tok, requests, config)
+    for (prompt, params, spec), (text, fin) in zip(requests, results):
+        want = generate(model, tok, prompt, params)
+        assert text == want.read() and fin.reason == want.finish_reason, (prompt, spec)
+    sp = engine.speculative
+    assert sp.accepted < sp.drafted  # drafts were verified in the batch and rejected (accepted: below)
+    gauges = engine.gauges()
+    assert gauges["speculative_tokens_per_pass"] >= 1 and 0 <= gauges["speculative_acceptance_rate"] < 1
+
+
+def test_engine_draft_rows(model, tok, version, make_pth):
+    from rwkv_engine.serve.engine import EngineConfig
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[])
+    path = str(make_pth(version, **WORLD))  # the target itself as the draft: every draft accepted
+    requests = [(PROMPT, greedy, "draft"), ("Hello", greedy, "draft"), ("Hello", greedy, None)]
+    results, engine = run_engine(model, tok, requests, EngineConfig(max_batch=3, draft=path))
+    for (prompt, params, _), (text, _) in zip(requests, results):
+        assert text == generate(model, tok, prompt, params).read()
+    assert engine.speculative.acceptance_rate == 1.0

@@ -361,3 +361,15 @@ def test_engine_draft_rows(model, tok, version, make_pth):
     for (prompt, params, _), (text, _) in zip(requests, results):
         assert text == generate(model, tok, prompt, params).read()
     assert engine.speculative.acceptance_rate == 1.0
+
+
+def test_chat_session_speculative_replies_match_plain(model, tok):
+    from rwkv_engine.chat import ChatSession
+
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    plain = ChatSession(model, tok, params, system="")
+    spec = ChatSession(model, tok, params, system="", speculative=DraftModel(model), max_draft=4)
+    for message in ("Hello there", "Say it again"):
+        assert "".join(spec.ask(message)) == "".join(plain.ask(message))
+        states_equal(spec.state, plain.state)
+    assert spec.last_stats.speculative.accepted > 0 and "tokens per pass" in spec.stats()

@@ -180,7 +180,7 @@ def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
 
 
 def test_decide_rejection_sampling_has_the_target_law():
-    V, n = 8, 20000
+    V, n = 8, 8000
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(V, generator=g) * 2
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
@@ -193,9 +193,10 @@ def test_decide_rejection_sampling_has_the_target_law():
             d = int(torch.multinomial(q, 1, generator=g)) if draft_q is not None else i % 3
             t, _ = decide(sampler, logits, d, draft_q)
             counts[t] += 1
-        # sampling error of 20000 draws over 8 outcomes: TV ~ 0.01; a wrong law (e.g. accepting
-        # every draft, or not renormalising the residual) is off by 0.1 and more
-        assert tv(counts, p) < 0.02
+        # sampling error of 8000 draws over 8 outcomes: TV ~ 0.012, under 0.025 at the 99.9th
+        # percentile; a wrong law (e.g. accepting every draft, or not renormalising the residual)
+        # is off by 0.1 and more
+        assert tv(counts, p) < 0.03
 
 
 def exact_two_token_law(model, prompt, params):
@@ -233,6 +234,20 @@ class FixedDraft(Drafter):
         return tokens, [self.q] * k
 
 
+class Memo:
+    """The target's forward memoized by the tokens fed (every pass here starts from one state):
+    the same logits, without running the model a thousand times."""
+
+    def __init__(self, model):
+        self.model, self.config, self.seen = model, model.config, {}
+
+    def forward(self, tokens, state=None, all_logits=False):
+        key = (tuple(tokens), all_logits)
+        if key not in self.seen:
+            self.seen[key] = self.model.forward(tokens, state=state, all_logits=all_logits)
+        return self.seen[key]
+
+
 def test_speculative_sampling_has_the_target_law(make_pth):
     V = 4
     target = rwkv_engine.load(make_pth("7", n_layer=1, n_embd=32, vocab_size=V, head_size=16, seed=2))
@@ -240,13 +255,14 @@ def test_speculative_sampling_has_the_target_law(make_pth):
     params = SamplingParams(temperature=1.3, presence_penalty=0.5, logit_bias={3: 0.7}, stop_token_ids=[])
     law = exact_two_token_law(target, prompt, params).reshape(-1)
     logits, st = target.forward(prompt)
+    memo = Memo(target)
     n = 1000
     for make in (lambda p: PromptLookup(), lambda p: FixedDraft(p.seed)):
         counts = torch.zeros(V * V)
         drafted = 0
         for seed in range(n):
             p = params.replace(seed=seed)
-            dec = SpeculativeDecoder(target, make(p), Sampler(p, V), prompt, st, logits, max_draft=2)
+            dec = SpeculativeDecoder(memo, make(p), Sampler(p, V), prompt, st, logits, max_draft=2)
             got = [t for _, t in zip(range(2), dec.tokens())]
             counts[got[0] * V + got[1]] += 1
             drafted += dec.stats.drafted

@@ -389,3 +389,16 @@ def test_chat_session_speculative_replies_match_plain(model, tok):
         assert "".join(spec.ask(message)) == "".join(plain.ask(message))
         states_equal(spec.state, plain.state)
     assert spec.last_stats.speculative.accepted > 0 and "tokens per pass" in spec.stats()
+
+
+def test_request_field_is_validated():
+    from pydantic import ValidationError
+
+    from rwkv_engine.serve import protocol
+
+    ok = protocol.CompletionRequest.model_validate({"model": "m", "prompt": "x", "speculative": "lookup"})
+    assert ok.speculative == "lookup"
+    with pytest.raises(ValidationError):
+        protocol.ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "speculative": "fast"}
+        )

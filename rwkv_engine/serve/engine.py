@@ -416,6 +416,9 @@ class Engine:
         native kernels are built (or loaded from their cache) on first use, which can take
         many seconds, and the first call of each path allocates its buffers."""
         t0 = time.perf_counter()
+        cfg = self.config
+        if cfg.speculative == "draft" or cfg.draft is not None:  # loaded now, not in a request's turn
+            self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
         _, state = self.model.forward([0] * (GEMV_MAX_ROWS + 1))  # the GEMM / chunked-WKV path
         decode_rows(self.model, torch.zeros(1, 1, dtype=torch.long), state)  # the per-row step
         print(f"rwkv-engine serve: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)

@@ -28,7 +28,8 @@ no second pass over the weights). `SpeculativeDecoder.state` feeds P when asked.
 
 Drafts (`Drafter`): `PromptLookup` (n-gram match over the prompt and the text so far) and
 `DraftModel` (a smaller RWKV sharing the vocabulary, or the target's own quantized twin:
-`quantized_twin`). The draft length adapts: +2 after a fully accepted round, -1 after a rejection.
+`quantized_twin`). The draft length adapts: +2 after a fully accepted round, -1 after a rejection;
+a rejected one-token draft pauses drafting for 1, 2, 4 ... 32 passes.
 """
 
 from __future__ import annotations
@@ -296,6 +297,10 @@ class SpeculativeRow:
         self.stats = stats if stats is not None else SpeculativeStats()
         self.limit: int | None = None  # most tokens still wanted (None: unbounded); caps the drafts
         self.committed_all = False
+        # After a one-token draft is rejected, this many passes draft nothing (doubling while the
+        # drafts keep failing): a draft that is rarely right costs more than it saves.
+        self._backoff = 0
+        self._skip = 0
         self._drafts: list[int] = []
         self._qs: list[Tensor] | None = None
 
@@ -310,6 +315,9 @@ class SpeculativeRow:
         """The tokens of the next pass: the pending ones, then up to k (default: the adaptive
         length) drafts."""
         k = min(self.k if k is None else k, MAX_PASS_TOKENS - 1 - len(self.pending))
+        if self._skip > 0:
+            self._skip -= 1
+            k = 0
         if self.limit is not None:
             k = min(k, self.limit - 1)
         drafts, qs = self.drafter.propose(self.context, k) if k > 0 else ([], None)
@@ -338,7 +346,15 @@ class SpeculativeRow:
             if not ok:
                 break
         if drafts:  # adapt: longer after a fully accepted round, shorter after a rejection
-            self.k = min(self.max_draft, self.k + 2) if self.committed_all else max(1, self.k - 1)
+            if self.committed_all:
+                self.k = min(self.max_draft, self.k + 2)
+            elif i == 0 and self.k == 1:
+                self._backoff = min(32, 2 * self._backoff or 1)
+                self._skip = self._backoff
+            else:
+                self.k = max(1, self.k - 1)
+            if i > 0:
+                self._backoff = 0
 
 
 class SpeculativeDecoder:

@@ -402,3 +402,17 @@ def test_request_field_is_validated():
         protocol.ChatCompletionRequest.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "x"}], "speculative": "fast"}
         )
+
+
+class Wrong(Drafter):
+    """Always proposes a token the model does not pick (token 0 is banned below)."""
+
+    def propose(self, context, k):
+        return [0] * k, None
+
+
+def test_a_draft_that_is_always_wrong_is_paused(model, tok):
+    a, b = plain_and_spec(model, tok, PROMPT, Wrong(), max_tokens=40, banned_token_ids=[0], stop_token_ids=[])
+    same(a, b)
+    st = b.stats.speculative
+    assert st.accepted == 0 and 0 < st.drafted < 20

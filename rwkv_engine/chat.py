@@ -115,9 +115,18 @@ class ChatSession:
     """
 
     def __init__(
-        self, model, tokenizer, params: SamplingParams | None = None, system: str | None = None, stateless: bool = False
+        self,
+        model,
+        tokenizer,
+        params: SamplingParams | None = None,
+        system: str | None = None,
+        stateless: bool = False,
+        speculative=None,
+        max_draft: int = 8,
     ):
         self.model = model
+        # generate()'s speculative decoding for every reply ("lookup", "draft", a Drafter; None: off)
+        self.speculative, self.max_draft = speculative, max_draft
         self.tokenizer = tokenizer
         self.params = chat_params(params if params is not None else SamplingParams(**DEFAULTS))
         self.stateless = stateless
@@ -157,7 +166,16 @@ class ChatSession:
 
     def _reply(self, message: str, before, replace: bool = False) -> Iterator[str]:
         prompt_ids = self.tokenizer.encode(turn_prompt(message))
-        gen = generate(self.model, self.tokenizer, prompt_ids, self.params, state=before, generator=self.generator)
+        gen = generate(
+            self.model,
+            self.tokenizer,
+            prompt_ids,
+            self.params,
+            state=before,
+            generator=self.generator,
+            speculative=self.speculative,
+            max_draft=self.max_draft,
+        )
         reply_text = ReplyText()
         try:
             for chunk in gen:
@@ -230,6 +248,12 @@ class ChatSession:
                 f"last reply: prefill {s.prompt_tokens} tokens at {s.prefill_tokens_per_second:.1f} tok/s, "
                 f"decode {s.generated_tokens} tokens at {s.decode_tokens_per_second:.1f} tok/s ({s.finish_reason or 'interrupted'})"
             )
+            sp = s.speculative
+            if sp is not None:
+                lines.append(
+                    f"speculative: {sp.tokens_per_pass:.2f} tokens per pass, "
+                    f"{100 * sp.acceptance_rate:.0f}% of {sp.drafted} drafted accepted"
+                )
         lines.append(
             f"conversation: {len(self.conversation_ids())} tokens (system {len(self.system_ids)}), "
             f"{plural(len(self.turns), 'turn')}{' (stateless)' if self.stateless else ''}; state: {self.state.nbytes} bytes"

@@ -42,6 +42,7 @@ import torch
 
 from .errors import InputError
 from .sampling import Sampler, SamplingParams
+from .speculative import Drafter, DraftModel, SpeculativeDecoder, SpeculativeStats, make_drafter
 from .structured import constraint_for
 
 __all__ = ["generate", "Generation", "GenerationStats", "TextStream", "encode_prompt"]
@@ -56,6 +57,8 @@ class GenerationStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str | None = None  # "stop" | "length" | None (not finished)
+    # Passes, drafted and accepted tokens of a speculative generation (None: plain decoding).
+    speculative: SpeculativeStats | None = None
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -161,7 +164,15 @@ class Generation:
     """Iterator of the text chunks of one completion; see the module docstring."""
 
     def __init__(
-        self, model, tokenizer, prompt, params: SamplingParams, state=None, generator: torch.Generator | None = None
+        self,
+        model,
+        tokenizer,
+        prompt,
+        params: SamplingParams,
+        state=None,
+        generator: torch.Generator | None = None,
+        speculative: str | Drafter | None = None,
+        max_draft: int = 8,
     ):
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -171,10 +182,25 @@ class Generation:
         self.prompt_tokens = encode_prompt(tokenizer, prompt, vocab_size)
         self.sampler = Sampler(params, vocab_size, generator, constraint_for(params, tokenizer, vocab_size))
         self.stream = TextStream(tokenizer, params)
-        self.state = state
+        self._state = state
+        self._decoder: SpeculativeDecoder | None = None
+        self._drafter = _drafter(speculative, model, params)
+        self._max_draft = max_draft
         self.prompt_state = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_tokens))
+        if self._drafter is not None:
+            self.stats.speculative = SpeculativeStats()
         self._steps = self._run()
+
+    @property
+    def state(self):
+        """The state after the prompt and every token in `tokens` (speculative decoding feeds the
+        decided tokens that its last pass did not cover when this is read)."""
+        return self._decoder.state if self._decoder is not None else self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -214,6 +240,9 @@ class Generation:
             stream.finish("length")
             stats.finish_reason = stream.finish_reason
             return
+        if self._drafter is not None:
+            yield from self._run_speculative(logits, t1)
+            return
         while True:
             token = self.sampler(logits)
             if not stream.is_stop_token(token):
@@ -228,13 +257,72 @@ class Generation:
             if stream.done:
                 return
 
+    def _run_speculative(self, logits, t1: float) -> Iterator[str]:
+        stats, stream = self.stats, self.stream
+        dec = SpeculativeDecoder(
+            self.model,
+            self._drafter,
+            self.sampler,
+            self.prompt_tokens,
+            self._state,
+            logits,
+            max_draft=self._max_draft,
+            stats=stats.speculative,
+        )
+        dec.limit = self.params.max_tokens
+        self._decoder = dec
+        for token in dec.tokens(frozenset(self.params.stop_token_ids)):
+            text = stream.push(token)
+            stats.generated_tokens = len(stream.tokens)
+            stats.decode_seconds = time.perf_counter() - t1
+            stats.finish_reason = stream.finish_reason
+            if text:
+                yield text
+            if stream.done:
+                return
+
+
+def _drafter(speculative, model, params: SamplingParams) -> Drafter | None:
+    """The generation's own drafter: a name is built, a DraftModel gets this sequence's params."""
+    if speculative is None:
+        return None
+    if isinstance(speculative, str):
+        speculative = make_drafter(speculative, model)
+    if not isinstance(speculative, Drafter):
+        raise InputError(f"speculative must be 'lookup', 'draft' or a Drafter, got {speculative!r}")
+    if isinstance(speculative, DraftModel):
+        if speculative.model.config.vocab_size != model.config.vocab_size:
+            raise InputError("the draft model's vocabulary is not the target's")
+        speculative = speculative.for_params(params)
+    return speculative
+
 
 def generate(
-    model, tokenizer, prompt, params: SamplingParams | None = None, state=None, generator: torch.Generator | None = None
+    model,
+    tokenizer,
+    prompt,
+    params: SamplingParams | None = None,
+    state=None,
+    generator: torch.Generator | None = None,
+    speculative: str | Drafter | None = None,
+    max_draft: int = 8,
 ) -> Generation:
     """Generate a continuation of `prompt` (text or token ids), starting from `state` (None = fresh).
 
     Returns a `Generation`: iterate it for text chunks; afterwards read `.state`, `.stats`,
     `.tokens`, `.text`. `generator` replaces the one seeded from `params.seed`.
+    speculative: None (plain decoding), "lookup" (prompt lookup), "draft" (the model's q4 twin) or
+    a `speculative.Drafter` (e.g. `DraftModel(small_model)`): speculative decoding, the same
+    output as plain decoding (greedy: token for token; sampling: the same distribution) in
+    fewer passes over the weights; at most `max_draft` tokens drafted per pass.
     """
-    return Generation(model, tokenizer, prompt, params or SamplingParams(), state=state, generator=generator)
+    return Generation(
+        model,
+        tokenizer,
+        prompt,
+        params or SamplingParams(),
+        state=state,
+        generator=generator,
+        speculative=speculative,
+        max_draft=max_draft,
+    )

@@ -50,6 +50,7 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--load", metavar="FILE", help="resume a session saved with /save")
     common.add_sampling_args(parser, DEFAULTS)
+    common.add_speculative_args(parser)
 
 
 class _Terminal:
@@ -142,6 +143,7 @@ class _Terminal:
 
 def run(args) -> int:
     params = common.sampling_params(args, DEFAULTS)
+    common.check_speculative_args(args)
     if args.load is not None and not Path(args.load).is_file():
         raise InputError(f"{args.load}: no such file")
     if sys.stdin.isatty():
@@ -151,7 +153,16 @@ def run(args) -> int:
             pass
     model, tokenizer = common.load_model(args, progress=True)
     t0 = time.perf_counter()
-    session = ChatSession(model, tokenizer, params, system=args.system, stateless=args.stateless)
+    drafter = common.load_drafter(args, model)
+    session = ChatSession(
+        model,
+        tokenizer,
+        params,
+        system=args.system,
+        stateless=args.stateless,
+        speculative=drafter,
+        max_draft=args.max_draft,
+    )
     if args.load is not None:
         session.load(args.load)
     c = model.config

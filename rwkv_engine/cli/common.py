@@ -244,3 +244,55 @@ def load_model(args: argparse.Namespace, progress: bool = True):
     )
     tokenizer = rwkv_engine.load_tokenizer(model, args.tokenizer)
     return model, tokenizer
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculative decoding (the same output, fewer passes over the weights)")
+    g.add_argument(
+        "--speculative",
+        choices=("lookup", "draft"),
+        default=None,
+        help="draft tokens by prompt lookup (n-gram match over the prompt and the text so far) or with a "
+        "draft model, and verify them in one pass of the model",
+    )
+    g.add_argument(
+        "--draft",
+        metavar="MODEL",
+        default=None,
+        help="the draft model for --speculative draft: a smaller RWKV sharing the vocabulary "
+        "(default: the model's own quantized twin, see --draft-quantization)",
+    )
+    g.add_argument(
+        "--draft-quantization",
+        default="q4",
+        metavar="SCHEME",
+        help="quantization of the twin draft when no --draft is given (default: q4)",
+    )
+    g.add_argument(
+        "--max-draft", type=int, default=8, metavar="N", help="most tokens drafted per pass, 1-15 (default: 8)"
+    )
+
+
+def check_speculative_args(args: argparse.Namespace) -> None:
+    """InputError on bad speculative flags (before the model load)."""
+    if not 1 <= args.max_draft <= 15:
+        raise InputError(f"--max-draft must be in [1, 15], got {args.max_draft}")
+    if args.speculative != "draft" and args.draft is not None:
+        raise InputError("--draft needs --speculative draft")
+
+
+def load_drafter(args: argparse.Namespace, model):
+    """The drafter the speculative flags ask for, or None."""
+    from ..speculative import make_drafter
+
+    if args.speculative is None:
+        return None
+    return make_drafter(args.speculative, model, args.draft, args.draft_quantization)
+
+
+def speculative_line(s) -> str:
+    """The --stats line of a speculative generation."""
+    return (
+        f"speculative: {s.passes} passes, {s.tokens_per_pass:.2f} tokens per pass; "
+        f"drafted {s.drafted}, accepted {s.accepted} ({100 * s.acceptance_rate:.0f}%)"
+    )

@@ -42,6 +42,7 @@ def add_arguments(parser) -> None:
         help="constrain the output to JSON that validates against the JSON schema in FILE",
     )
     shape.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
+    common.add_speculative_args(parser)
     parser.add_argument(
         "--stats", action="store_true", help="print token counts, speeds and the finish reason to stderr at the end"
     )
@@ -83,13 +84,15 @@ def run(args) -> int:
 
     # Check everything the user typed before the (slow) model load.
     params = common.sampling_params(args, DEFAULTS)
+    common.check_speculative_args(args)
     if args.json_schema is not None or args.json:
         params = params.replace(json_schema=read_schema(args.json_schema), json_object=args.json)
     prompt = read_prompt(args)
     if not prompt:
         raise InputError("the prompt is empty: there is nothing to continue")
     model, tokenizer = common.load_model(args)
-    gen = generate(model, tokenizer, prompt, params)
+    drafter = common.load_drafter(args, model)
+    gen = generate(model, tokenizer, prompt, params, speculative=drafter, max_draft=args.max_draft)
     out = sys.stdout
     for chunk in gen:
         out.write(chunk)
@@ -105,4 +108,6 @@ def run(args) -> int:
             f"finish: {s.finish_reason}",
             file=sys.stderr,
         )
+        if s.speculative is not None:
+            print(common.speculative_line(s.speculative), file=sys.stderr)
     return 0

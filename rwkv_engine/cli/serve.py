@@ -258,6 +258,7 @@ def add_engine_arguments(parser) -> None:
         default=4096,
         help="largest request body, in KiB (default: %(default)s)",
     )
+    common.add_speculative_args(parser)
 
 
 def model_spec(args, huge_pages: str | None = None):
@@ -284,6 +285,10 @@ def engine_config(args):
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
         state_cache_bytes=args.state_cache_mb << 20,
+        speculative=args.speculative,
+        draft=args.draft,
+        draft_quantization=args.draft_quantization,
+        max_draft=args.max_draft,
     )
 
 

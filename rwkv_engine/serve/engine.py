@@ -80,6 +80,7 @@ from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
 from ..models.model import prefill_end
 from ..sampling import Sampler, SamplingParams
+from ..speculative import KINDS, PromptLookup, SpeculativeRow, SpeculativeStats, make_drafter
 from ..state import State
 from ..structured import Constraint, grammar_for
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
@@ -92,6 +93,10 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a slot; beyond: QueueFull
     prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
     state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
+    speculative: str | None = None  # the requests' default: "lookup", "draft" or None (plain decoding)
+    draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
+    draft_quantization: str = "q4"  # of the twin draft
+    max_draft: int = 8  # most tokens drafted per pass
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "prefill_chunk"):
@@ -100,6 +105,10 @@ class EngineConfig:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.state_cache_bytes, int) or self.state_cache_bytes < 0:
             raise InputError(f"state_cache_bytes must be >= 0, got {self.state_cache_bytes!r}")
+        if self.speculative not in (None, *KINDS):
+            raise InputError(f"speculative must be one of {', '.join(KINDS)} or None, got {self.speculative!r}")
+        if not isinstance(self.max_draft, int) or not 1 <= self.max_draft <= 15:
+            raise InputError(f"max_draft must be an integer in [1, 15], got {self.max_draft!r}")
 
 
 @dataclass
@@ -115,6 +124,9 @@ class Request:
     echo: bool = False  # send a Prompt event (with logprobs: the prompt's log-probabilities)
     # A fresh grammar Constraint for each choice (default: from params.json_schema / json_object).
     constraint: Callable[[], Constraint] | None = None
+    # Speculative decoding: "lookup", "draft", "off", or None for the engine's default. The output
+    # is the same either way; a request with logprobs decodes plainly.
+    speculative: str | None = None
 
 
 @dataclass(frozen=True)
@@ -270,6 +282,9 @@ class _Sequence:
         self.state: State | None = None  # during prefill
         self.next_token: int | None = None  # sampled, not yet fed to the model
         self.prompt_logprobs: list[TokenLogprob] = []  # during an echo's prefill
+        # Speculating rows: the row's pending tokens replace next_token; the batch row is the
+        # committed state (speculative.SpeculativeRow).
+        self.spec: SpeculativeRow | None = None
 
 
 class Engine:
@@ -293,6 +308,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._holding = 0  # batch rows (choices) admitted and not finished (written by the engine thread only)
         self._ready = False  # warmed up (see _warm_up)
+        self.speculative = SpeculativeStats()  # of every speculating row (engine thread)
+        self._draft = None  # the draft model's DraftModel, loaded at the first request that needs it
 
     # --- control (any thread) -------------------------------------------------------------------
 
@@ -326,6 +343,8 @@ class Engine:
         if request.start_state is not None and request.start_state.batch_size != 1:
             raise InputError(f"a start state must hold one sequence, got {request.start_state.batch_size}")
         self._check_choices(request)
+        if request.speculative not in (None, "off", *KINDS):
+            raise InputError(f"speculative must be one of {', '.join(KINDS)} or off, got {request.speculative!r}")
         params = [choice_params(request.params, i) for i in range(request.n)]
         constraint = request.constraint
         if constraint is None:
@@ -386,6 +405,8 @@ class Engine:
             "prompt_cache_bytes": self.cache.nbytes,
             "prompt_cache_capacity_bytes": self.cache.capacity,
             "max_batch": self.config.max_batch,
+            "speculative_acceptance_rate": self.speculative.acceptance_rate,
+            "speculative_tokens_per_pass": self.speculative.tokens_per_pass,
         }
 
     # --- the engine thread --------------------------------------------------------------------
@@ -395,6 +416,9 @@ class Engine:
         native kernels are built (or loaded from their cache) on first use, which can take
         many seconds, and the first call of each path allocates its buffers."""
         t0 = time.perf_counter()
+        cfg = self.config
+        if cfg.speculative == "draft" or cfg.draft is not None:  # loaded now, not in a request's turn
+            self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
         _, state = self.model.forward([0] * (GEMV_MAX_ROWS + 1))  # the GEMM / chunked-WKV path
         decode_rows(self.model, torch.zeros(1, 1, dtype=torch.long), state)  # the per-row step
         print(f"rwkv-engine serve: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
@@ -548,7 +572,26 @@ class Engine:
         for seq, token, entry in zip(group, tokens, entries):
             if self._push(seq, token, entry):
                 seq.next_token = token
+                self._speculate(seq, token)
                 self._joining.append((seq, state))
+
+    def _speculate(self, seq: _Sequence, token: int) -> None:
+        """Make a row that asked for speculative decoding (and no log-probabilities) speculate."""
+        req = seq.request
+        kind = self.config.speculative if req.speculative is None else req.speculative
+        if kind in (None, "off") or req.logprobs is not None:
+            return
+        if kind == "lookup":
+            drafter = PromptLookup()
+        else:
+            if self._draft is None:
+                cfg = self.config
+                self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
+            drafter = self._draft.for_params(seq.sampler.params)
+        row = SpeculativeRow(drafter, seq.sampler, req.prompt_ids, self.config.max_draft, self.speculative)
+        row.limit = seq.sampler.params.max_tokens
+        row.take(token)
+        seq.spec = row
 
     @staticmethod
     def _logprobs(rows: list[_Sequence], logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
@@ -563,6 +606,83 @@ class Engine:
         return out
 
     def _decode_step(self) -> None:
+        if any(s.spec is not None for s in self._decoding):
+            self._mixed_step()
+        else:
+            self._plain_step()
+
+    def _mixed_step(self) -> None:
+        """A decode step with speculating rows: the plain rows as in `_plain_step`, the speculating
+        ones in one verify pass per pass length (their pending tokens + drafts); a row's batch
+        state moves on when the pass covered every token it decided (see speculative.py)."""
+        rows, batch, metrics = self._decoding, self._batch, self.metrics
+        t0 = time.perf_counter()
+        sp = self.speculative
+        counts = (sp.passes, sp.drafted, sp.accepted, sp.emitted)
+        alive = [True] * len(rows)
+        moved: dict[int, State] = {}  # row -> its new state [1, ...]
+        plain = [i for i, s in enumerate(rows) if s.spec is None]
+        passes: dict[int, list[tuple[int, list[int]]]] = {}
+        try:
+            for i, s in enumerate(rows):
+                if s.spec is not None:
+                    feed = s.spec.plan()
+                    passes.setdefault(len(feed), []).append((i, feed))
+            if plain:
+                tokens = torch.tensor([[rows[i].next_token] for i in plain], dtype=torch.long)
+                plain_logits, plain_after = decode_rows(self.model, tokens, batch[plain])
+            verified = []
+            for members in passes.values():
+                idx = [i for i, _ in members]
+                feed = torch.tensor([f for _, f in members], dtype=torch.long)
+                logits, after = self.model.forward(feed, state=batch[idx], all_logits=True)
+                verified.append((idx, logits, after))
+        except Exception as e:
+            self._decoding, self._batch = [], None
+            self._fail(rows, e)
+            return
+        t1 = time.perf_counter()
+        if plain:
+            prow = [rows[i] for i in plain]
+            sampled = self._sample(prow, plain_logits)
+            entries = self._logprobs(prow, plain_logits, sampled)
+            for j, (i, token, entry) in enumerate(zip(plain, sampled, entries)):
+                moved[i] = plain_after[j]
+                alive[i] = token is not None and self._push(rows[i], token, entry)
+                if alive[i]:
+                    rows[i].next_token = token
+        for idx, logits, after in verified:
+            for j, i in enumerate(idx):
+                seq = rows[i]
+                try:
+                    for token in seq.spec.decide(logits[j]):
+                        if seq.spec.committed_all:
+                            moved[i] = after[j]
+                        if not self._push(seq, token):
+                            alive[i] = False
+                            break
+                except Exception as e:
+                    self._fail([seq], e)
+                    alive[i] = False
+        metrics.inc("decode_steps_total")
+        metrics.inc("decode_rows_total", len(rows))
+        sp = self.speculative
+        for name, now, before in zip(
+            ("passes", "drafted_tokens", "accepted_tokens", "emitted_tokens"),
+            (sp.passes, sp.drafted, sp.accepted, sp.emitted),
+            counts,
+        ):
+            metrics.inc(f"speculative_{name}_total", now - before)
+        keep = [i for i in range(len(rows)) if alive[i]]
+        for i in (i for i in keep if i in moved):
+            for name, t in batch.items():  # the batch is the engine's own (cat / index copies)
+                t[i].copy_(getattr(moved[i], name)[0])
+        self._keep_rows(keep)
+        t2 = time.perf_counter()
+        metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
+        metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
+
+    def _plain_step(self) -> None:
         rows, metrics = self._decoding, self.metrics
         try:
             t0 = time.perf_counter()

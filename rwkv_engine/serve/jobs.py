@@ -70,13 +70,24 @@ def submit(
     logprobs: int | None = None,
     echo: bool = False,
     constraint=None,
+    speculative: str | None = None,
 ) -> Job:
     """One engine request per prompt (n choices each); all or none are queued. `constraint`:
     a fresh grammar Constraint per call (structured.py), for each choice."""
     job = Job(asyncio.get_running_loop())
     try:
         for i, ids in enumerate(prompts):
-            request = Request(ids, params, state, state_key, n=n, logprobs=logprobs, echo=echo, constraint=constraint)
+            request = Request(
+                ids,
+                params,
+                state,
+                state_key,
+                n=n,
+                logprobs=logprobs,
+                echo=echo,
+                constraint=constraint,
+                speculative=speculative,
+            )
             job.handles.append(engine.submit(request, job.sink(i * n)))
     except QueueFull as e:
         job.cancel()

@@ -46,6 +46,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "prompt_cache_bytes": ("gauge", "Bytes held by the prompt-state cache."),
     "prompt_cache_capacity_bytes": ("gauge", "Capacity of the prompt-state cache (--state-cache-mb)."),
     "max_batch": ("gauge", "Most sequences decoded together (--max-batch)."),
+    "speculative_passes_total": ("counter", "Verify passes of speculating sequences (one per row and step)."),
+    "speculative_drafted_tokens_total": ("counter", "Draft tokens proposed to verify passes."),
+    "speculative_accepted_tokens_total": ("counter", "Draft tokens the verify passes accepted."),
+    "speculative_emitted_tokens_total": ("counter", "Tokens decided by verify passes (accepted + one per pass)."),
+    "speculative_acceptance_rate": ("gauge", "Accepted / drafted tokens since the start."),
+    "speculative_tokens_per_pass": ("gauge", "Tokens decided per verify pass since the start."),
 }
 
 

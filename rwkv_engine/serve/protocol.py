@@ -152,6 +152,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     state: str | None = Field(default=None, min_length=1)
+    # rwkv-engine's own: speculative decoding for this request (None: the server's --speculative).
+    speculative: Literal["lookup", "draft", "off"] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -50,7 +50,15 @@ async def create_chat_completion(ctx: ServingContext, request: HTTPRequest):
     state, state_key = await ctx.states.get(req.state)
     n = req.n or 1
     job = submit(
-        ctx.engine, [ids], params, state, state_key, n=n, logprobs=req.top_logprob_count, constraint=constraint
+        ctx.engine,
+        [ids],
+        params,
+        state,
+        state_key,
+        n=n,
+        logprobs=req.top_logprob_count,
+        constraint=constraint,
+        speculative=req.speculative,
     )
     out = ChatOutput(ctx, req, n)
     if not req.stream:

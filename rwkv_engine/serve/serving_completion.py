@@ -30,7 +30,17 @@ async def create_completion(ctx: ServingContext, request: HTTPRequest):
     prompts = [await prompt_ids(ctx, prompt) for prompt in req.prompt]
     state, state_key = await ctx.states.get(req.state)
     n = req.n or 1
-    job = submit(ctx.engine, prompts, params, state, state_key, n=n, logprobs=req.logprobs, echo=req.echo)
+    job = submit(
+        ctx.engine,
+        prompts,
+        params,
+        state,
+        state_key,
+        n=n,
+        logprobs=req.logprobs,
+        echo=req.echo,
+        speculative=req.speculative,
+    )
     out = CompletionOutput(ctx, req, prompts, n, job.choices)
     if not req.stream:
         got = await collect(request, job)

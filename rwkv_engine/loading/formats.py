@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .. import ggml
 from ..errors import CheckpointError, InputError
 from . import progress
 
@@ -66,6 +67,7 @@ class Checkpoint:
         self._dtypes: dict[str, torch.dtype] = {}
         self.mapped: set[str] = set()  # tensors that live in a read-only file mapping
         self.hf_config: dict | None = None
+        self.ggml = None  # the GgmlTensors of a GGUF / rwkv.cpp file
 
     def add(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, getter: Callable[[], Tensor], mapped: bool = False
@@ -121,6 +123,9 @@ def _sniff(path: Path) -> str:
         head = f.read(9)
     if head[:4] == b"PK\x03\x04":
         return "torch-zip"
+    ggml_kind = ggml.sniff(head)
+    if ggml_kind is not None:
+        return ggml_kind
     if head[:1] == b"\x80" and len(head) > 1 and head[1] <= 5:
         return "torch-legacy"
     if len(head) >= 9:
@@ -186,10 +191,23 @@ def _add_file(ck: Checkpoint, path: Path) -> None:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     kind = _sniff(path)
-    if kind == "safetensors":
+    if kind in ("gguf", "rwkv.cpp"):
+        _add_ggml_file(ck, path, kind)
+    elif kind == "safetensors":
         _add_safetensors_file(ck, path)
     else:
         _add_torch_file(ck, path, kind)
+
+
+def _add_ggml_file(ck: Checkpoint, path: Path, kind: str) -> None:
+    """A GGUF or rwkv.cpp file: its tensors under BlinkDL's names, dequantized when read; the
+    Q8_0 matrices also as our int8 layout (`Plan.tensors` takes them as they are for q8)."""
+    from ..ggml import gguf_file, rwkvcpp
+
+    found = (gguf_file if kind == "gguf" else rwkvcpp).read(path)
+    for name, (shape, dtype, getter) in found.tensors.items():
+        ck.add(name, shape, dtype, getter)
+    ck.ggml = found
 
 
 _HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -131,10 +132,17 @@ class Plan:
         for name, target in self.mapping.items():
             if target is None:
                 continue
-            src = ck.get(name)
-            nbytes = src.numel() * src.element_size()
             module, _, leaf = target.rpartition(".")
             linear = self.targets.get(module) if leaf == "weight" else None
+            q8 = ck.ggml.q8.get(name) if ck.ggml is not None and linear is not None else None
+            if q8 is not None and linear.weights == "int8" and linear.group_size == 32:
+                out = self._q8_as_is(name, module, q8)  # ggml's Q8_0 is our int8 at group 32
+                yield out
+                if progress is not None:
+                    progress.update(sum(v.numel() * v.element_size() for v in out.values()))
+                continue
+            src = ck.get(name)
+            nbytes = src.numel() * src.element_size()
             dt = dtype
             if linear is not None and linear.weights != "dense" and src.dtype.itemsize < dtype.itemsize:
                 dt = src.dtype  # quantized from the narrower type: the same values, no wide copy
@@ -165,6 +173,25 @@ class Plan:
             yield out
             if progress is not None:
                 progress.update(nbytes)
+
+    def _q8_as_is(self, name: str, module: str, q8) -> dict[str, Tensor]:
+        """A Q8_0 matrix's codes and scales as the module's buffers, no re-quantization (the fp16
+        rescale, a power of two, divides the scales exactly)."""
+        qweight, scales = q8()
+        want = self.expected[f"{module}.weight"][0]
+        if tuple(qweight.shape) != want:
+            raise CheckpointError(
+                f"{self.ck.where}: tensor {name} has shape {tuple(qweight.shape)}, expected {want} for this model"
+            )
+        layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
+        if self.rescale_every and name.endswith((".att.output.weight", ".ffn.value.weight")):
+            scales = scales / 2 ** (layer // self.rescale_every)
+        ones = torch.ones(qweight.shape[1], dtype=torch.float16)
+        return {
+            f"{module}.qweight": qweight,
+            f"{module}.scales": scales.to(torch.float16),
+            f"{module}.col_scales": ones,
+        }
 
 
 def _dense_scheme(dtype: torch.dtype):
@@ -272,6 +299,8 @@ def prepare(
     ck = open_checkpoint(path)
     ck.rename(canonical_name, transposed=stored_transposed)
     cfg = infer_config(ck)
+    if ck.ggml is not None:
+        quantization, scheme = _ggml_scheme(ck, quantization, scheme, group_size)
     implied = scheme.dtype if scheme is not None else None
     if explicit is not None:
         if implied is not None and implied != explicit:
@@ -288,6 +317,31 @@ def prepare(
     if rescale_every is None:
         rescale_every = FP16_RESCALE_EVERY if dt == torch.float16 else 0
     return Plan(ck, cfg, dt, rescale_every, scheme, policy, reason, device, path)
+
+
+def _ggml_scheme(ck: Checkpoint, quantization, scheme, group_size):
+    """(quantization, scheme) for a GGUF / rwkv.cpp file, and a note on stderr saying what
+    becomes of its quantized tensors: a file of Q8_0 matrices loads as q8 by default (the same
+    codes and scales); other ggml types are dequantized once, then kept 16-bit or re-quantized."""
+    kinds = ck.ggml.quantized_types()
+    if not kinds:
+        return quantization, scheme
+    if scheme is None and kinds == ["Q8_0"]:
+        quantization, scheme = "q8", get_scheme("q8", group_size)
+    if scheme is None or scheme.weights == "dense":
+        what = f"{', '.join(kinds)} tensors dequantized once and kept 16-bit (-q q8 or -q q4 re-quantizes them)"
+    else:
+        others = [k for k in kinds if k != "Q8_0"]
+        parts = []
+        if "Q8_0" in kinds and scheme.weights == "int8" and scheme.group_size == 32:
+            parts.append("Q8_0 matrices taken as they are where they become q8 (the same codes and scales)")
+        else:
+            others = kinds
+        if others:
+            parts.append(f"{', '.join(others)} tensors dequantized once, then re-quantized to {scheme.name}")
+        what = "; ".join(parts)
+    print(f"note: {ck.where}: {what}", file=sys.stderr, flush=True)
+    return quantization, scheme
 
 
 def auto_dtype(weights: torch.dtype, device: torch.device, quantized: bool) -> tuple[torch.dtype, str]:

@@ -1,0 +1,44 @@
+"""Checkpoints of the ggml family: llama.cpp's GGUF files and rwkv.cpp's `.bin` files, read into
+BlinkDL-named tensors (the converters' transforms undone) for the loader."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class GgmlTensors:
+    """What a reader found: BlinkDL-named tensors, each read (and dequantized) only when asked.
+
+    tensors: name -> (shape, the dtype it stands for, getter). A quantized tensor stands for
+             bf16 (its dequantized values come back in fp32, and are kept 16-bit unless -q).
+    q8:      name -> getter of (qweight int8 [N, K], scales fp16 [N, K/32]) for the Q8_0 matrices:
+             our int8 layout at group 32, taken as it is when the matrix is to be q8.
+    types:   name -> the ggml type it is stored in ("F16", "Q4_K", ...).
+    """
+
+    path: Path
+    kind: str  # "GGUF" or "rwkv.cpp"
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[], Tensor]]] = field(default_factory=dict)
+    q8: dict[str, Callable[[], tuple[Tensor, Tensor]]] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)
+
+    def quantized_types(self) -> list[str]:
+        from .quants import QUANTIZED
+
+        return sorted({t for t in self.types.values() if t in QUANTIZED})
+
+
+def sniff(head: bytes) -> str | None:
+    """ "gguf", "rwkv.cpp" or None from a file's first 4 bytes."""
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if head[:4] == (0x67676D66).to_bytes(4, "little"):  # rwkv.cpp's 'ggmf' magic, an int32
+        return "rwkv.cpp"
+    return None

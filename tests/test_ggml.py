@@ -1,0 +1,199 @@
+"""GGUF (llama.cpp) and rwkv.cpp checkpoints: our dequantizers against the `gguf` package's, files
+written the way their converters write them loaded against the source checkpoint, bad files."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import rwkv_engine
+from rwkv_engine import testing
+from rwkv_engine.errors import CheckpointError, UnsupportedModelError
+from rwkv_engine.ggml import gguf_file, rwkvcpp
+from rwkv_engine.ggml.quants import BY_NAME, QK_K, dequantize
+from rwkv_engine.ggml.writers import quantize, write_gguf, write_rwkvcpp
+from rwkv_engine.quant.linear import Int8Linear
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as GT  # noqa: E402
+from gguf import quants as gq  # noqa: E402
+
+IDS = [1, 5, 9, 200, 3, 77, 31]
+TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "rwkv_engine", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", [*TYPES, "F16", "BF16"])
+def test_dequantize_equals_gguf_package_bit_for_bit(name):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((16, 2 * QK_K)) * rng.uniform(0.01, 3, (16, 1))).astype(np.float32)
+    if name in ("Q4_K", "Q5_K", "Q6_K"):
+        raw = quantize(x, name)  # gguf.quants cannot quantize K types: ours, checked by its dequantizer
+        raw2 = rng.integers(0, 256, raw.shape, dtype=np.uint8)  # any bytes, with finite fp16 fields
+        fp16_at = [208] if name == "Q6_K" else [0, 2]
+        bs = raw.shape[1] // (2 * QK_K // QK_K)
+        blocks = raw2.reshape(-1, bs)
+        for o in fp16_at:
+            blocks[:, o : o + 2] = np.float16(rng.uniform(-0.01, 0.01, (blocks.shape[0], 1))).view(np.uint8)
+        cases = [raw, raw2]
+    elif name == "BF16":
+        cases = [torch.from_numpy(x).to(torch.bfloat16).view(torch.uint8).numpy()]
+    elif name == "F16":
+        cases = [x.astype(np.float16).view(np.uint8)]
+    else:
+        cases = [gq.quantize(x, GT[name])]
+    for raw in cases:
+        ref = gq.dequantize(raw, GT[name])
+        ours = dequantize(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)), BY_NAME[name], x.shape).numpy()
+        assert np.array_equal(ref.view(np.uint32), ours.view(np.uint32)), name
+    if name in ("Q4_K", "Q5_K", "Q6_K"):  # our test quantizer makes blocks of that type's error
+        err = np.sqrt(((gq.dequantize(cases[0], GT[name]) - x) ** 2).mean() / (x**2).mean())
+        assert err < {"Q4_K": 0.12, "Q5_K": 0.06, "Q6_K": 0.03}[name], err
+
+
+def _model(version, n_embd=64):
+    return testing.random_state_dict(version, n_layer=2, n_embd=n_embd, vocab_size=256, head_size=16, seed=3)
+
+
+def _logits(path, **kw):
+    return testing.logits_along(rwkv_engine.load(path, dtype="fp32", progress=False, **kw), IDS[:5], IDS[5:])
+
+
+@pytest.mark.parametrize("version", ["6.0", "7"])
+@pytest.mark.parametrize("ftype", ["F32", "F16", "BF16"])
+def test_gguf_float_types_match_source(tmp_path, version, ftype):
+    sd = _model(version)
+    ref = _logits(testing.save_pth(sd, tmp_path / "m.pth"))
+    path = write_gguf(sd, tmp_path / "m.gguf", ftype, rescale_every=1 if version == "6.0" else 0)
+    err = testing.rel_rms(_logits(path), ref)
+    assert err < {"F32": 1e-6, "F16": 2e-3, "BF16": 1e-2}[ftype], err
+
+
+@pytest.mark.parametrize("version,ftype", [("7", t) for t in TYPES] + [("6.0", "Q8_0"), ("6.0", "Q5_1")])
+def test_gguf_quantized_types(tmp_path, version, ftype):
+    """Every tensor as gguf.quants dequantizes it, and logits within that type's error of the source."""
+    sd = _model(version, n_embd=256 if ftype.endswith("_K") else 64)
+    ref = _logits(testing.save_pth(sd, tmp_path / "m.pth"))
+    path = write_gguf(sd, tmp_path / "m.gguf", ftype)
+    ours = gguf_file.read(path)
+    reader = gguf.GGUFReader(str(path))
+    checked = 0
+    for t in reader.tensors:  # the tensors kept in their layout: compare values one to one
+        name = gguf_file._TOP.get(t.name)
+        parts = t.name.split(".")
+        if name is None and parts[2] in gguf_file._BLOCK:
+            name = f"blocks.{parts[1]}.{gguf_file._BLOCK[parts[2]]}.{parts[3]}"
+        if name is None or t.tensor_type.name != ftype:
+            continue
+        want = gq.dequantize(t.data, t.tensor_type).reshape(ours.tensors[name][0])
+        assert np.array_equal(ours.tensors[name][2]().numpy(), want), name
+        checked += 1
+    assert checked >= 5
+    if ftype == "Q8_0":  # taken as it is: the module's codes are the file's bytes
+        model = rwkv_engine.load(path, progress=False, policy={"*": "q8"})  # (tiny matrices stay dense by default)
+        assert model.quantization.name == "q8"
+        lin = model.get_submodule("blocks.1.att.key")
+        assert isinstance(lin, Int8Linear)
+        raw = next(t for t in reader.tensors if t.name == "blk.1.time_mix_key.weight").data
+        codes = np.ascontiguousarray(raw.reshape(-1, 34)[:, 2:]).view(np.int8).reshape(lin.qweight.shape)
+        assert torch.equal(lin.qweight, torch.from_numpy(codes))
+    bound = {"Q8_0": 0.05, "Q6_K": 0.1, "Q5_0": 0.2, "Q5_1": 0.2, "Q5_K": 0.2}.get(ftype, 0.5)
+    err = testing.rel_rms(_logits(path), ref)
+    assert err < bound, err
+
+
+def test_gguf_requantized_with_q(tmp_path, capsys):
+    sd = _model("7")
+    path = write_gguf(sd, tmp_path / "m.gguf", "Q4_0")
+    model = rwkv_engine.load(path, quantization="q8", progress=False)
+    assert model.quantization.name == "q8"
+    assert "re-quantized to q8" in capsys.readouterr().err
+
+
+def test_convert_gguf_q4_streams_to_a_directory(tmp_path):
+    sd = testing.random_state_dict("7", n_layer=2, n_embd=64, vocab_size=256, head_size=16, seed=4)
+    path = write_gguf(sd, tmp_path / "m.gguf", "Q8_0")
+    r = _cli("convert", str(path), str(tmp_path / "out"), "-q", "q4")
+    assert r.returncode == 0, r.stderr
+    assert "re-quantized to q4" in r.stderr
+    live = rwkv_engine.load(path, quantization="q4", progress=False)
+    conv = rwkv_engine.load(tmp_path / "out", progress=False)
+    a = testing.logits_along(live, IDS[:4], IDS[4:])
+    assert torch.equal(a, testing.logits_along(conv, IDS[:4], IDS[4:]))
+
+
+def test_gguf_vocabulary_must_be_world(tmp_path):
+    sd = _model("7")
+    tokens = gguf_file.world_token_texts()[:256]
+    tokens[42] = "not-world"
+    with pytest.raises(UnsupportedModelError, match="id 42"):
+        rwkv_engine.load(write_gguf(sd, tmp_path / "a.gguf", tokens=tokens), progress=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba"])
+def test_gguf_of_another_architecture(tmp_path, arch):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = _cli("generate", str(tmp_path / "x.gguf"), "--prompt", "hi")
+    assert r.returncode == 1  # (2 is argparse's usage error)
+    assert f"'{arch}'" in r.stderr and "x.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gguf_truncated_and_unknown_type(tmp_path):
+    path = write_gguf(_model("7"), tmp_path / "m.gguf", "Q4_0")
+    data = path.read_bytes()
+    for cut in (len(data) - 100, 2000, 10):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(CheckpointError, match="cut.gguf.*(truncated|corrupt)"):
+            rwkv_engine.load(tmp_path / "cut.gguf", progress=False)
+    w = gguf.GGUFWriter(str(tmp_path / "q2.gguf"), "rwkv7")
+    w.add_tensor("token_embd.weight", np.zeros((8, 84), dtype=np.uint8), raw_dtype=GT.Q2_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(CheckpointError, match="q2.gguf.*Q2_K"):
+        rwkv_engine.load(tmp_path / "q2.gguf", progress=False)
+
+
+@pytest.mark.parametrize("version", ["4", "5.0", "5.1", "5.2", "6.0", "7"])
+def test_rwkvcpp_files(tmp_path, version):
+    sd = _model(version)
+    ref = _logits(testing.save_pth(sd, tmp_path / "m.pth"))
+    for dtype, bound in (("FP32", 1e-5), ("FP16", 3e-3), ("Q8_0", 0.05), ("Q5_1", 0.35), ("Q4_0", 0.5)):
+        path = write_rwkvcpp(sd, tmp_path / f"m-{dtype}.bin", dtype)
+        err = testing.rel_rms(_logits(path), ref)
+        assert err < bound, (dtype, err)
+
+
+@pytest.mark.parametrize("dtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_rwkvcpp_quantized_values_are_gguf_dequantized(tmp_path, dtype):
+    sd = _model("5.2")
+    path = write_rwkvcpp(sd, tmp_path / "m.bin", dtype)
+    got = rwkvcpp.read(path)
+    w = sd["blocks.1.ffn.key.weight"].float().numpy()
+    want = gq.dequantize(gq.quantize(w, GT[dtype]), GT[dtype])
+    assert got.types["blocks.1.ffn.key.weight"] == dtype
+    assert np.array_equal(got.tensors["blocks.1.ffn.key.weight"][2]().numpy(), want)
+
+
+def test_rwkvcpp_bad_files(tmp_path):
+    path = write_rwkvcpp(_model("4"), tmp_path / "m.bin", "Q4_0")
+    data = bytearray(path.read_bytes())
+    (tmp_path / "cut.bin").write_bytes(data[: len(data) - 7])
+    with pytest.raises(CheckpointError, match="cut.bin.*truncated"):
+        rwkv_engine.load(tmp_path / "cut.bin", progress=False)
+    data[32:36] = (5).to_bytes(4, "little")  # the first tensor's data type: rwkv.cpp's unused 5
+    (tmp_path / "bad.bin").write_bytes(data)
+    r = _cli("generate", str(tmp_path / "bad.bin"), "--prompt", "hi")
+    assert r.returncode == 1 and "bad.bin" in r.stderr and "data type 5" in r.stderr and "Traceback" not in r.stderr

@@ -22,6 +22,7 @@ _EXPORTS = {
     "StateError": "rwkv_engine.errors",
     "ModelConfig": "rwkv_engine.config",
     "State": "rwkv_engine.state",
+    "load_state": "rwkv_engine.state",
     "load": "rwkv_engine.loading",
     "RWKV": "rwkv_engine.models",
     "WorldTokenizer": "rwkv_engine.tokenizer",

@@ -145,3 +145,99 @@ class State:
         order = [k for k in meta.get("fields", "").split(",") if k in tensors]  # safetensors sorts keys
         order += sorted(k for k in tensors if k not in order)
         return State({k: tensors[k] for k in order}, meta["signature"])
+
+
+def load_state(model, path: str | os.PathLike) -> State:
+    """The state of one sequence from a file, checked against `model`: a `State.save` file, or a
+    state-tuning file (RWKV-PEFT's `blocks.{i}.att.time_state` tensors alone, .pth or
+    .safetensors; RWKV-6/7), whose wkv state starts from time_state^T per block (the layout of
+    loading.initial_state) and whose token-shift states are zero. Raises StateError for a file of
+    another model's shape, of several sequences, or with NaN / infinite values."""
+    path = Path(path)
+    if not path.is_file():
+        raise StateError(f"{path}: no such state file")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError as e:
+        raise StateError(f"{path}: cannot read the state file ({e.strerror})") from None
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        state = _time_state_file(model, path, _read_torch(path))
+    else:
+        try:
+            state = State.load(path, model.device)
+        except StateError:
+            tensors = _read_safetensors(path)
+            state = _time_state_file(model, path, tensors)
+    if state.signature != model.config.state_signature():
+        raise StateError(
+            f"{path}: the state belongs to another model ({state.signature}); this model is "
+            f"{model.config.state_signature()}"
+        )
+    if state.batch_size != 1:
+        raise StateError(f"{path}: the state holds {state.batch_size} sequences, not one")
+    fresh = model.new_state(1)
+    layout = lambda s: {k: (tuple(t.shape), t.dtype) for k, t in s.items()}  # noqa: E731
+    if layout(state) != layout(fresh):
+        raise StateError(f"{path}: the state does not have the shapes of this model's state")
+    if not all(bool(t.isfinite().all()) for _, t in state.items()):
+        raise StateError(f"{path}: the state holds NaN or infinite values")
+    return state.to(model.device)
+
+
+def _read_torch(path: Path) -> dict:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle / zip errors of all kinds
+        raise StateError(f"{path}: not a state file ({type(e).__name__}: {str(e)[:160]})") from None
+    if not isinstance(obj, dict) or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise StateError(f"{path}: not a state file (expected a dict of time_state tensors)")
+    return obj
+
+
+def _read_safetensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:
+        raise StateError(f"{path}: not a state file ({str(e)[:160]})") from None
+
+
+def _time_state_file(model, path: Path, tensors: dict) -> State:
+    """A state-tuning file's state (see load_state)."""
+    import re
+
+    cfg = model.config
+    names = {k: re.fullmatch(r"(?:rwkv\.)?blocks\.(\d+)\.att(?:ention)?\.time_state", k) for k in tensors}
+    other = [k for k, m in names.items() if m is None]
+    if not tensors or other:
+        raise StateError(
+            f"{path}: not a state file (neither written by State.save nor only blocks.N.att.time_state "
+            f"tensors{'; it has ' + other[0] if other else ''})"
+        )
+    if cfg.family < 6:
+        raise StateError(f"{path}: a time_state file; RWKV-{cfg.version} models have no such state")
+    layers = {int(m.group(1)): k for k, m in names.items()}
+    if sorted(layers) != list(range(cfg.n_layer)):
+        raise StateError(
+            f"{path}: the state has time_state for {len(layers)} blocks; this model has {cfg.n_layer} "
+            f"(the state belongs to another model)"
+        )
+    H, N = cfg.n_head, cfg.head_size
+    per_layer = []
+    for i in range(cfg.n_layer):
+        t = tensors[layers[i]]
+        shape = tuple(t.shape)
+        while len(shape) > 3 and shape[0] == 1:
+            shape = shape[1:]
+        if shape != (H, N, N):
+            raise StateError(
+                f"{path}: time_state of block {i} has shape {tuple(t.shape)}; this model's is {(H, N, N)} "
+                f"(the state belongs to another model)"
+            )
+        per_layer.append(t.float().reshape(H, N, N).transpose(1, 2))
+    state = model.new_state(1)
+    tensors = dict(state.items())
+    tensors["att_kv"] = torch.stack(per_layer)[None].contiguous().to(state.device)
+    return State(tensors, state.signature)

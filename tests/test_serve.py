@@ -495,6 +495,8 @@ def test_saved_state_extension(ref, server, client, files):
     _, persona = model.forward(tok.encode("User: who are you?\n\nAssistant: I am a lighthouse keeper.\n\n"))
     persona.save(files["states"] / "keeper.safetensors")
     State(dict(persona.items()), "some-other-model").save(files["states"] / "alien.safetensors")
+    # a state-tuning file (RWKV-PEFT's time_state) is read too; RWKV-5.2 has none: refused
+    torch.save({"blocks.0.att.time_state": torch.zeros(4, 16, 16)}, files["states"] / "tuned.pth")
 
     prompt = "User: what do you do?\n\nAssistant:"
     want = reference(ref, prompt, 20, GREEDY, state=persona)
@@ -512,6 +514,7 @@ def test_saved_state_extension(ref, server, client, files):
         str(files["dir"] / "secret.safetensors"),
         "missing.safetensors",
         "alien.safetensors",
+        "tuned.pth",
     ):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, extra_body={"state": name})

@@ -104,10 +104,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(prog: str, run, args) -> int:
-    from ..errors import RWKVEngineError
+    from ..errors import RWKVEngineError, StateError
 
     try:
         return int(run(args) or 0)
+    except StateError as e:  # a state file that does not fit the model: a usage error
+        return _fail(prog, e, 2)
     except RWKVEngineError as e:
         return _fail(prog, e)
     except KeyboardInterrupt:

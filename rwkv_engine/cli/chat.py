@@ -36,6 +36,7 @@ Start a message with // to send a text that begins with /."""
 
 def add_arguments(parser) -> None:
     common.add_model_args(parser)
+    common.add_state_arg(parser)
     parser.add_argument(
         "--system",
         metavar="TEXT",

@@ -242,6 +242,9 @@ def load_model(args: argparse.Namespace, progress: bool = True):
         quantization=args.quantization,
         group_size=args.group_size,
     )
+    if getattr(args, "state", None) is not None:  # every sequence starts from it
+        state = rwkv_engine.load_state(model, args.state)
+        model.initial_state = {k: v[0] for k, v in state.items()}
     tokenizer = rwkv_engine.load_tokenizer(model, args.tokenizer)
     return model, tokenizer
 
@@ -295,4 +298,13 @@ def speculative_line(s) -> str:
     return (
         f"speculative: {s.passes} passes, {s.tokens_per_pass:.2f} tokens per pass; "
         f"drafted {s.drafted}, accepted {s.accepted} ({100 * s.acceptance_rate:.0f}%)"
+    )
+
+
+def add_state_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state",
+        metavar="FILE",
+        help="start from this state: a State.save file, or a state-tuning file (RWKV-PEFT's "
+        "blocks.N.att.time_state tensors, .pth or .safetensors) of this model",
     )

@@ -31,6 +31,7 @@ DEFAULTS = dataclasses.asdict(COMPLETION.replace(max_tokens=200))
 
 def add_arguments(parser) -> None:
     common.add_model_args(parser)
+    common.add_state_arg(parser)
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", "-p", metavar="TEXT", help="the prompt (default: read stdin)")
     source.add_argument("--prompt-file", "-f", metavar="FILE", help="read the prompt from a UTF-8 file")

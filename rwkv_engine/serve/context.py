@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import StateError
 from ..sampling import SamplingParams
-from ..state import State
+from ..state import State, load_state
 from . import protocol as p
 from .engine import Engine
 from .errors import APIError
@@ -96,10 +96,11 @@ class SavedStates:
 
     async def _load(self, name: str, path: Path) -> State:
         model = self.model
-        try:
-            state = await asyncio.to_thread(State.load, path, model.device)
-        except StateError:  # (its message names the server's path: not for clients)
-            raise APIError(400, f"state {name!r} is not a file written by State.save", param="state") from None
+        try:  # a State.save file or a state-tuning (time_state) file, checked against the model
+            state = await asyncio.to_thread(load_state, model, path)
+        except StateError as e:  # (its message names the server's path: not for clients)
+            why = str(e).split(": ", 1)[-1]
+            raise APIError(400, f"state {name!r}: {why}", param="state") from None
         if state.signature != model.config.state_signature():
             raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
         if state.batch_size != 1:

@@ -164,7 +164,7 @@ def test_dispatcher_errors_in_process(capsys, monkeypatch):
     import rwkv_engine.cli.generate as gen_cmd
 
     for exc, status in [
-        (StateError("bad state file"), 1),
+        (StateError("bad state file"), 2),  # a state that does not fit: a usage error
         (FileNotFoundError(2, "No such file", "x.bin"), 1),
         (KeyboardInterrupt(), 130),
     ]:

@@ -28,6 +28,8 @@ class ModelConfig:
     lora_iclr:  RWKV-7 in-context learning rate (a1 / a2)
     lora_value: RWKV-7 value residual (v1 / v2; none in layer 0, so 0 for a one-layer model)
     lora_gate:  RWKV-7 output gate (g1 / g2)
+    deep_embed: RWKV-7a (DeepEmbed): each block's channel mix scales its key activations by a
+                per-token factor read from a vocab x 1024 table (models/rwkv7.py ChannelMix7a)
     """
 
     version: str
@@ -43,6 +45,7 @@ class ModelConfig:
     lora_iclr: int = 0
     lora_value: int = 0
     lora_gate: int = 0
+    deep_embed: bool = False
 
     def __post_init__(self):
         if self.version not in VERSIONS:
@@ -61,6 +64,8 @@ class ModelConfig:
         for name in ranks:
             if getattr(self, name) <= 0:
                 raise CheckpointError(f"model config: RWKV-{self.version} needs {name} > 0, got {getattr(self, name)}")
+        if self.deep_embed and self.family != 7:
+            raise CheckpointError(f"model config: DeepEmbed is an RWKV-7 feature, not RWKV-{self.version}")
         if self.family == 7 and self.dim_att != self.n_embd:
             raise CheckpointError(f"model config: RWKV-7 needs dim_att == n_embd, got {self.dim_att} and {self.n_embd}")
 
@@ -71,4 +76,5 @@ class ModelConfig:
 
     def state_signature(self) -> str:
         """A string that two models share exactly when their recurrent states are interchangeable."""
-        return f"rwkv-{self.version}:L{self.n_layer}:C{self.n_embd}:A{self.dim_att}:H{self.n_head}:N{self.head_size}"
+        version = self.version + ("a" if self.deep_embed else "")  # 7a's states differ in meaning
+        return f"rwkv-{version}:L{self.n_layer}:C{self.n_embd}:A{self.dim_att}:H{self.n_head}:N{self.head_size}"

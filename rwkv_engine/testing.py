@@ -60,6 +60,7 @@ def random_state_dict(
     outliers: bool = False,
     lora: dict[str, int] | None = None,
     time_state: bool = False,
+    deep_embed: bool = False,
 ) -> dict[str, Tensor]:
     """A BlinkDL-format state dict (fp32) of an RWKV model with random weights.
 
@@ -68,9 +69,13 @@ def random_state_dict(
     lora: LoRA ranks overriding the defaults of `lora_ranks` (RWKV-6/7).
     time_state: add a state-tuned initial state per block (RWKV-6/7): blocks.{i}.att.time_state
     [H, N, N], stored [value][key] like the files state tuning writes.
+    deep_embed: RWKV-7a (DeepEmbed): per block ffn.s_emb.weight [V, 1024], ffn.s_emb_x.weight
+    [1024, C], ffn.s0 [1, 1, F], ffn.s1 [C, 32], ffn.s2 [32, F], the shapes of BlinkDL's rwkv7a files.
     """
     if version not in SUPPORTED_RANDOM_VERSIONS:
         raise ValueError(f"random_state_dict: unknown version {version!r}; use one of {SUPPORTED_RANDOM_VERSIONS}")
+    if deep_embed and version != "7":
+        raise ValueError(f"random_state_dict: DeepEmbed is an RWKV-7 feature, not {version!r}")
     if time_state and version not in ("6.0", "7"):
         raise ValueError(f"random_state_dict: time_state exists for RWKV-6 and RWKV-7 only, not {version!r}")
     gen = torch.Generator().manual_seed(seed)
@@ -86,6 +91,13 @@ def random_state_dict(
         block = _random_block_v6 if version == "6.0" else _random_block_v7
         for i in range(n_layer):
             block(gen, sd, f"blocks.{i}.", C, H, head_size, ffn_dim, ranks, outliers)
+            if deep_embed:
+                f = f"blocks.{i}.ffn."
+                sd[f + "s_emb.weight"] = 0.1 * torch.randn(vocab_size, 1024, generator=gen)
+                sd[f + "s_emb_x.weight"] = 0.02 * torch.randn(1024, C, generator=gen)
+                sd[f + "s0"] = 1.0 + 0.2 * torch.randn(1, 1, ffn_dim, generator=gen)
+                sd[f + "s1"] = 0.3 * torch.randn(C, 32, generator=gen)
+                sd[f + "s2"] = 0.3 * torch.randn(32, ffn_dim, generator=gen)
             if time_state:
                 sd[f"blocks.{i}.att.time_state"] = 0.5 * torch.randn(H, head_size, head_size, generator=gen)
         _ln(gen, C, "ln_out", sd)

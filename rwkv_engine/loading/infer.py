@@ -24,9 +24,10 @@ def _version(ck: Checkpoint) -> str:
             f"{ck.where}: an RWKV-7 preview checkpoint (time_misc_* names); rwkv-engine runs the released x070 format"
         )
     if any(k.endswith((".att.r_k", ".att.x_r", ".att.w0")) for k in keys):
-        if any(".ffn.s_emb" in k for k in keys):
+        if any(re.search(r"\.qkv\.(k_emb|v_emb|qq)\b", k) for k in keys):
             raise UnsupportedModelError(
-                f"{ck.where}: an RWKV-7 DeepEmbed checkpoint (ffn.s_emb); rwkv-engine runs standard RWKV-7 only"
+                f"{ck.where}: an RWKV-7b checkpoint (DeepEmbedAttention, DEA: blocks.N.qkv.*, with a per-token "
+                "KV cache); rwkv-engine runs RWKV-7 and RWKV-7a (DeepEmbed), not 7b"
             )
         return "7"
     if any("time_maa" in k for k in keys):
@@ -85,6 +86,7 @@ def infer_config(ck: Checkpoint) -> ModelConfig:
     else:  # 7; layer 0's value-residual LoRA is unused (and absent in fla files): read layer 1's
         n_head = _size(ck, "blocks.0.att.r_k", 0)
         lora = dict(
+            deep_embed="blocks.0.ffn.s_emb.weight" in ck,  # RWKV-7a
             lora_decay=_size(ck, "blocks.0.att.w1", 1),
             lora_iclr=_size(ck, "blocks.0.att.a1", 1),
             lora_gate=_size(ck, "blocks.0.att.g1", 1),

@@ -25,7 +25,7 @@ from .infer import infer_config
 from .names import canonical_name, stored_transposed
 from .progress import Progress
 from .resolve import resolve
-from .transforms import embedding, initial_state, target_name, transform
+from .transforms import deep_embed_table, embedding, initial_state, target_name, transform
 
 Tensor = torch.Tensor
 
@@ -148,6 +148,8 @@ class Plan:
                 dt = src.dtype  # quantized from the narrower type: the same values, no wide copy
             if name == "emb.weight":
                 t = embedding(src, ck.get("blocks.0.ln0.weight"), ck.get("blocks.0.ln0.bias"), dtype)
+            elif name.endswith(".ffn.s_emb.weight"):
+                t = deep_embed_table(src, ck, name.replace(".s_emb.", ".s_emb_x."), dtype)
             elif target in self.lora:
                 t = src.to(self.lora_dtype)
             else:
@@ -251,17 +253,22 @@ def load(
     bar = Progress("loading", plan_.source_bytes(), len(plan_.mapping), progress)
     sd: dict[str, Tensor] = {}
     rows = None
+    table_rows: dict[str, object] = {}
     ok = False
     try:
         for tensors in plan_.tensors(bar):
             if "emb.weight" in tensors and device.type == "cpu":  # its rows read from a file, as a directory's
                 tensors["emb.weight"], rows = spill(tensors["emb.weight"])
+            for k in [k for k in tensors if k.endswith(".ffn.s_emb.weight") and device.type == "cpu"]:
+                tensors[k], table_rows[k[: -len(".weight")]] = spill(tensors[k])  # RWKV-7a: the same
             sd.update(tensors)
         ok = True
     finally:
         bar.close(ok)
     model.load_state_dict(sd, strict=True, assign=True)
     model.emb.file_rows = rows
+    for module, r in table_rows.items():
+        model.get_submodule(module).file_rows = r
     model.initial_state = plan_.initial_state()
     del sd, plan_
     return _finish(model, model.path, device)

@@ -35,6 +35,8 @@ def target_name(name: str, family: int) -> str | None:
     if family == 7:
         if re.fullmatch(r"blocks\.0\.att\.v[012]", name):
             return None  # layer 0 has no value residual (its values are v_first)
+        if name.endswith(".ffn.s_emb_x.weight"):
+            return None  # RWKV-7a: folded into ffn.s_emb (Plan.tensors)
         return re.sub(r"\.x_([rwkvag])$", r".mix_\1", name)
     name = re.sub(r"\.time_mix_([kvrg])$", r".mix_\1", name)
     name = re.sub(r"\.att\.time_decay$", ".att.log_decay", name)
@@ -54,7 +56,7 @@ def transform(
             return t.float().reshape(-1)
         if name.endswith(".att.r_k"):
             return t.float().reshape(cfg.n_head, cfg.head_size)
-        if re.search(r"\.att\.(w0|a0|v0|k_k|k_a)$", name):
+        if re.search(r"\.att\.(w0|a0|v0|k_k|k_a)$|\.ffn\.s0$", name):
             return t.float().reshape(-1)
     if name.endswith(".time_decay"):
         t = -torch.exp(t.float())
@@ -93,6 +95,27 @@ def embedding(src: Tensor, ln0_w: Tensor, ln0_b: Tensor, dtype: torch.dtype) -> 
     rows = max(1, _CHUNK_ELEMS // C)
     for r0 in range(0, V, rows):
         out[r0 : r0 + rows] = F.layer_norm(src[r0 : r0 + rows].float(), (C,), w, b).to(dtype)
+    return out
+
+
+def deep_embed_table(src: Tensor, ck: Checkpoint, x_name: str, dtype: torch.dtype) -> Tensor:
+    """RWKV-7a: a block's s_emb with the embedding's contribution folded in, as the `rwkv` package
+    does: s_emb + LN(emb; ln0) @ s_emb_x^T, in row chunks (no fp32 copy of a whole table)."""
+    if x_name not in ck:
+        raise CheckpointError(f"{ck.where}: tensor {x_name} is missing")
+    emb, w, b = ck.get("emb.weight"), ck.get("blocks.0.ln0.weight").float(), ck.get("blocks.0.ln0.bias").float()
+    proj = ck.get(x_name).float().t()  # [C, 1024]
+    V, C = emb.shape
+    if tuple(src.shape) != (V, proj.shape[1]) or proj.shape[0] != C:
+        raise CheckpointError(
+            f"{ck.where}: RWKV-7a tables of shapes {tuple(src.shape)} and {tuple(ck.shape(x_name))} do not fit "
+            f"an embedding of {(V, C)}"
+        )
+    out = torch.empty(src.shape, dtype=dtype)
+    rows = max(1, _CHUNK_ELEMS // src.shape[1])
+    for r0 in range(0, V, rows):
+        e = F.layer_norm(emb[r0 : r0 + rows].float(), (C,), w, b)
+        out[r0 : r0 + rows] = (src[r0 : r0 + rows].float() + e @ proj).to(dtype)
     return out
 
 

@@ -26,7 +26,7 @@ from .native_step import DecodeStep
 from .rwkv4 import TimeMix4
 from .rwkv5 import TimeMix5
 from .rwkv6 import TimeMix6
-from .rwkv7 import TimeMix7
+from .rwkv7 import ChannelMix7a, TimeMix7
 
 Tensor = torch.Tensor
 
@@ -91,7 +91,11 @@ class Block(nn.Module):
         time_mix = TIME_MIX[cfg.family]
         self.shares_context = getattr(time_mix, "shares_context", False)
         self.att = time_mix(cfg, dtype, layer_id) if self.shares_context else time_mix(cfg, dtype)
-        self.ffn = ChannelMix(cfg.n_embd, cfg.ffn_dim, dtype, receptance=cfg.family != 7)
+        if cfg.deep_embed:
+            self.ffn = ChannelMix7a(cfg, dtype)
+        else:
+            self.ffn = ChannelMix(cfg.n_embd, cfg.ffn_dim, dtype, receptance=cfg.family != 7)
+        self.ffn_context = getattr(self.ffn, "shares_context", False)
 
     def forward(self, x: Tensor, st: dict[str, Tensor], ctx: dict | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         """x [B, T, C] fp32; st: this layer's state fields [B, ...] -> (x, new fields).
@@ -102,7 +106,7 @@ class Block(nn.Module):
         extra = (ctx,) if self.shares_context else ()
         dx, att_x_prev, att_state = self.att(self.ln1(x), st["att_x_prev"], att_state, *extra)
         x = x + dx
-        dx, ffn_x_prev = self.ffn(self.ln2(x), st["ffn_x_prev"])
+        dx, ffn_x_prev = self.ffn(self.ln2(x), st["ffn_x_prev"], *((ctx,) if self.ffn_context else ()))
         return x + dx, {"att_x_prev": att_x_prev, **att_state, "ffn_x_prev": ffn_x_prev}
 
 
@@ -254,7 +258,7 @@ class RWKV(nn.Module):
         start = 0
         while start < T:
             end = prefill_end(start, T, chunk, B)
-            x = self.run_blocks(self.emb(ids[:, start:end]).float(), layers, keep)
+            x = self.run_blocks(self.emb(ids[:, start:end]).float(), layers, keep, ids[:, start:end])
             start = end
             if all_logits:
                 outs.append(self._logits(x))
@@ -262,7 +266,11 @@ class RWKV(nn.Module):
         return (logits[0] if one_d else logits), State(new, state.signature)
 
     def run_blocks(
-        self, x: Tensor, layers: list[dict[str, Tensor]], emit: Callable[[int, dict[str, Tensor]], None]
+        self,
+        x: Tensor,
+        layers: list[dict[str, Tensor]],
+        emit: Callable[[int, dict[str, Tensor]], None],
+        ids: Tensor | None = None,
     ) -> Tensor:
         """The embedded tokens x [B, T, C] fp32 through every block -> the last block's output.
 
@@ -271,7 +279,9 @@ class RWKV(nn.Module):
         `layer_observer`, when set, is called as observer(i, x, fields) after each block with its
         output in the units of an unscaled model (the fp16 rescale undone; `rwkv-engine verify`).
         """
-        ctx: dict[str, Tensor] = {}
+        ctx: dict[str, Tensor] = {} if ids is None else {"ids": ids}  # the token ids: RWKV-7a's tables
+        if ids is None and self.config.deep_embed:
+            raise InputError("an RWKV-7a (DeepEmbed) model needs the token ids of its input (run_blocks ids=)")
         for i, block in enumerate(self.blocks):
             x, fields = block(x, layers[i], ctx)
             if self.layer_observer is not None:

@@ -18,6 +18,8 @@ and the model builds a new step. (Rebinding `param.data` directly is not seen: c
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -149,6 +151,22 @@ def _block_dict(block: nn.Module, family: int) -> dict | None:
     return d
 
 
+_noticed = False
+
+
+def _notice_deep_embed() -> None:
+    """Once per process: RWKV-7a decodes through the PyTorch modules."""
+    global _noticed
+    if not _noticed:
+        _noticed = True
+        print(
+            "note: RWKV-7a (DeepEmbed) has no fused native decode step yet; one-token steps run the "
+            "PyTorch modules (the same results, slower)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class DecodeStep:
     """A model's block stack as one native call (see the module docstring)."""
 
@@ -161,6 +179,9 @@ class DecodeStep:
         if ops is None or not hasattr(ops, "DecodePlan") or model.device.type != "cpu":
             return None
         cfg = model.config
+        if cfg.deep_embed:
+            _notice_deep_embed()
+            return None
         blocks = [_block_dict(b, cfg.family) for b in model.blocks]
         head = _linear_parts(model.head)
         if any(b is None for b in blocks) or head is None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import wkv7
-from .layers import head_group_norm, mix, token_shift
+from .layers import ChannelMix, Embedding, head_group_norm, mix, token_shift
 
 Tensor = torch.Tensor
 
@@ -93,3 +93,40 @@ class TimeMix7(nn.Module):
         bonus = (r * k * self.r_k).sum(-1, keepdim=True) * v  # the current token's own r.k, per head
         out = self.output(((y + bonus.reshape(B, T, C)) * g).to(dt)).float()
         return out, xx[:, -1], {"att_kv": kv}
+
+
+# RWKV-7a's per-token table: 1024 = a 32 x 32 matrix per token and block.
+DEEP_EMBED_DIM, DEEP_EMBED_RANK = 1024, 32
+
+
+class ChannelMix7a(ChannelMix):
+    """RWKV-7a (DeepEmbed) channel mix: RWKV-7's, with the key activations scaled per token:
+
+        k = relu(kx @ Wk)^2 * ((xx @ s1) @ s_emb[token].view(32, 32) @ s2 + s0)
+
+    xx is the block's post-LN input (not the token-shifted kx). s_emb [V, 1024] holds the
+    checkpoint's table plus emb @ s_emb_x^T (folded at load, as the `rwkv` package does); it is an
+    `Embedding` whose rows can be read from a file (memory.FileRows), never whole in memory, and
+    stays in the model dtype under quantization. s0 [F], s1 [C, 32], s2 [32, F] are fp32.
+    """
+
+    shares_context = True  # forward reads the token ids from the per-forward ctx
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__(cfg.n_embd, cfg.ffn_dim, dtype, receptance=False)
+        C, F_, R = cfg.n_embd, cfg.ffn_dim, DEEP_EMBED_RANK
+        V = cfg.vocab_size
+        self.s_emb = Embedding(V, DEEP_EMBED_DIM, _weight=torch.empty(V, DEEP_EMBED_DIM, dtype=dtype))
+        self.s0 = nn.Parameter(torch.empty(F_), requires_grad=False)
+        self.s1 = nn.Parameter(torch.empty(C, R), requires_grad=False)
+        self.s2 = nn.Parameter(torch.empty(R, F_), requires_grad=False)
+
+    def forward(self, xx: Tensor, x_prev: Tensor, ctx: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        B, T, _ = xx.shape
+        R = DEEP_EMBED_RANK
+        sx = token_shift(xx, x_prev)
+        k = torch.relu(self.key(mix(xx, sx, self.mix_k).to(self.dtype))).square()
+        table = self.s_emb(ctx["ids"]).float().view(B, T, R, R)
+        ss = ((xx @ self.s1).unsqueeze(-2) @ table).squeeze(-2)  # [B, T, 32]
+        k = (k.float() * (ss @ self.s2 + self.s0)).to(self.dtype)
+        return self.value(k).float(), xx[:, -1]

@@ -81,3 +81,49 @@ def test_cli_generate_state(tuned, tmp_path):
     bad = _cli("generate", str(tuned["base"]), "--state", str(tmp_path / "nan.pth"), *args)
     assert bad.returncode == 2 and "NaN" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_server_state_per_request(tuned):
+    """The server's `state` names a time_state file or a State.save file under --state-dir, per
+    request; a NaN state is a 400."""
+    openai = pytest.importorskip("openai")
+    from .test_serve import GREEDY, Server, client_kwargs
+
+    states = tuned["dir"] / "server-states"
+    states.mkdir(exist_ok=True)
+    testing.save_pth(tuned["states"], states / "persona.pth")
+    base = rwkv_engine.load(tuned["base"])
+    tok = rwkv_engine.load_tokenizer(base)
+    merged = rwkv_engine.load(tuned["merged"])
+    prompt = "User: who are you?\n\nAssistant:"
+    _, after = base.forward(tok.encode("User: hi\n\nAssistant: hello.\n\n"))
+    after.save(states / "ours.safetensors")
+    nan = {k: torch.full_like(v, float("nan")) for k, v in tuned["states"].items()}
+    testing.save_pth(nan, states / "nan.pth")
+
+    def want(model, state=None):
+        params = rwkv_engine.SamplingParams(max_tokens=12, **GREEDY)
+        gen = rwkv_engine.generate(model, tok, prompt, params, state=state)
+        gen.read()
+        return gen.text
+
+    server = Server(tuned["base"], tuned["dir"] / "server.log", "--state-dir", str(states))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def ask(state):
+            kw = client_kwargs(GREEDY)
+            kw["extra_body"] = {**kw["extra_body"], **({"state": state} if state else {})}
+            return client.completions.create(model="base", prompt=prompt, max_tokens=12, **kw).choices[0].text
+
+        assert want(merged) != want(base)  # the state matters
+        # switched per request, in both directions (the prompt cache is keyed on the state)
+        assert ask("persona.pth") == want(merged)
+        assert ask(None) == want(base)
+        assert ask("ours.safetensors") == want(base, after)
+        assert ask("persona.pth") == want(merged)
+        with pytest.raises(openai.BadRequestError) as e:
+            ask("nan.pth")
+        assert e.value.param == "state" and "NaN" in str(e.value)
+    finally:
+        server.stop()

@@ -1,8 +1,11 @@
 """GGUF (llama.cpp) and rwkv.cpp checkpoints: our dequantizers against the `gguf` package's, files
 written the way their converters write them loaded against the source checkpoint, bad files."""
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -197,3 +200,41 @@ def test_rwkvcpp_bad_files(tmp_path):
     (tmp_path / "bad.bin").write_bytes(data)
     r = _cli("generate", str(tmp_path / "bad.bin"), "--prompt", "hi")
     assert r.returncode == 1 and "bad.bin" in r.stderr and "data type 5" in r.stderr and "Traceback" not in r.stderr
+
+
+def _llama_cpp_tree():
+    """llama.cpp's tree from the llama-cpp-python sdist, as benchmarks/bench_peers.py caches it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_peers
+    finally:
+        sys.path.pop(0)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rwkv-engine-bench"
+    tree = cache / f"llama-cpp-python-{bench_peers.LLAMA_CPP_PYTHON}"
+    return tree if (tree / "convert_hf_to_gguf.py").exists() else None
+
+
+@pytest.mark.parametrize("version", ["6.0", "7"])
+def test_gguf_from_llama_cpp_converter(tmp_path, version):
+    """GGUFs made by llama.cpp's own convert_hf_to_gguf.py (from a HF / fla directory of the model)
+    give the .pth's logits: exactly in F32, within fp16 / Q8_0 rounding otherwise."""
+    tree = _llama_cpp_tree()
+    if tree is None:
+        pytest.skip("no llama.cpp tree cached (python benchmarks/bench_peers.py fetches it)")
+    sd = testing.random_state_dict(version, n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=2)
+    ref = _logits(testing.save_pth(sd, tmp_path / "m.pth"))
+    hf = testing.save_hf_dir(sd, tmp_path / "hf", version)
+    shutil.copy(Path(rwkv_engine.__file__).parent / "data" / "rwkv_vocab_v20230424.txt", hf)
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}  # the tree's gguf-py
+    for outtype, bound in (("f32", 1e-6), ("q8_0", 0.06)):
+        out = tmp_path / f"m-{outtype}.gguf"
+        r = subprocess.run(
+            [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf), "--outtype", outtype, "--outfile", str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        err = testing.rel_rms(_logits(out), ref)
+        assert err < bound, (outtype, err)

@@ -95,12 +95,13 @@ def _field(reader, key: str):
         return v.tobytes().decode() if v.dtype == np.uint8 else v.item()
 
 
-def world_token_texts() -> list[str]:
-    """The World vocabulary as llama.cpp's converter writes it: id 0 "<s>", then repr(bytes)[2:-1]."""
+def world_token_texts() -> list[str | None]:
+    """The World vocabulary as llama.cpp's converter writes it: id 0 "<s>", then repr(bytes)[2:-1];
+    None for the ids the vocabulary leaves unused (the converter pads them "[PAD<id>]")."""
     from ..tokenizer.world import load_vocab
 
     vocab = load_vocab()
-    return ["<s>"] + [repr(t)[2:-1] if t is not None else "" for t in vocab[1:]]
+    return ["<s>"] + [repr(t)[2:-1] if t is not None else None for t in vocab[1:]]
 
 
 def check_tokenizer(reader, path: Path) -> None:
@@ -115,7 +116,7 @@ def check_tokenizer(reader, path: Path) -> None:
     world = world_token_texts()
     n = min(len(tokens), len(world))
     for i in range(n):
-        if tokens[i] != world[i]:
+        if world[i] is not None and tokens[i] != world[i]:
             raise UnsupportedModelError(
                 f"{path}: the GGUF's vocabulary differs from the RWKV World tokenizer at id {i} "
                 f"({tokens[i][:40]!r}, World has {world[i][:40]!r}); only World-vocabulary files are supported"

@@ -138,7 +138,9 @@ def write_gguf(
         w.add_wkv_head_size(N)
         w.add_rescale_every_n_layers(rescale_every)
     w.add_tokenizer_model("rwkv")
-    w.add_token_list(tokens if tokens is not None else world_token_texts()[:V])
+    if tokens is None:
+        tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(world_token_texts()[:V])]
+    w.add_token_list(tokens)
 
     def put(name: str, t: Tensor, matrix: bool = False) -> None:
         x = t.detach().float().contiguous().numpy()

@@ -80,7 +80,7 @@ def test_gguf_float_types_match_source(tmp_path, version, ftype):
 @pytest.mark.parametrize("version,ftype", [("7", t) for t in TYPES] + [("6.0", "Q8_0"), ("6.0", "Q5_1")])
 def test_gguf_quantized_types(tmp_path, version, ftype):
     """Every tensor as gguf.quants dequantizes it, and logits within that type's error of the source."""
-    sd = _model(version, n_embd=256 if ftype.endswith("_K") else 64)
+    sd = _model(version)  # (K types: the matrices 256 wide, ffn.value, are in that type; the rest F16)
     ref = _logits(testing.save_pth(sd, tmp_path / "m.pth"))
     path = write_gguf(sd, tmp_path / "m.gguf", ftype)
     ours = gguf_file.read(path)
@@ -96,7 +96,7 @@ def test_gguf_quantized_types(tmp_path, version, ftype):
         want = gq.dequantize(t.data, t.tensor_type).reshape(ours.tensors[name][0])
         assert np.array_equal(ours.tensors[name][2]().numpy(), want), name
         checked += 1
-    assert checked >= 5
+    assert checked >= (2 if ftype.endswith("_K") else 5)
     if ftype == "Q8_0":  # taken as it is: the module's codes are the file's bytes
         model = rwkv_engine.load(path, progress=False, policy={"*": "q8"})  # (tiny matrices stay dense by default)
         assert model.quantization.name == "q8"
@@ -147,6 +147,10 @@ def test_gguf_of_another_architecture(tmp_path, arch):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    if arch == "mamba":
+        with pytest.raises(UnsupportedModelError, match="x.gguf.*'mamba'"):
+            rwkv_engine.load(tmp_path / "x.gguf", progress=False)
+        return
     r = _cli("generate", str(tmp_path / "x.gguf"), "--prompt", "hi")
     assert r.returncode == 1  # (2 is argparse's usage error)
     assert f"'{arch}'" in r.stderr and "x.gguf" in r.stderr and "Traceback" not in r.stderr

@@ -14,8 +14,8 @@ def _version(ck: Checkpoint) -> str:
     keys = ck.keys()
     if keys and all(k.endswith(".att.time_state") for k in keys):
         raise CheckpointError(
-            f"{ck.where}: a state-only file (time_state tensors, no weights); merge its tensors "
-            "into the checkpoint of the model it was tuned on and load that"
+            f"{ck.where}: a state-only file (time_state tensors, no weights): load the model it was tuned "
+            "on and give this file as its state (--state FILE, rwkv_engine.load_state(model, path))"
         )
     if "emb.weight" not in ck or not any(k.startswith("blocks.") for k in keys):
         raise CheckpointError(f"{ck.where}: not an RWKV checkpoint (no emb.weight / blocks.* tensors)")

@@ -14,9 +14,10 @@ import torch
 import rwkv_engine
 from rwkv_engine import testing
 from rwkv_engine.errors import CheckpointError, UnsupportedModelError
-from rwkv_engine.ggml import gguf_file, rwkvcpp
-from rwkv_engine.ggml.quants import BY_NAME, QK_K, dequantize
-from rwkv_engine.ggml.writers import quantize, write_gguf, write_rwkvcpp
+from rwkv_engine.loading import gguf as gguf_file
+from rwkv_engine.loading import rwkvcpp
+from rwkv_engine.loading.ggml_quants import BY_NAME, QK_K, dequantize
+from rwkv_engine.loading.ggml_writers import quantize, write_gguf, write_rwkvcpp
 from rwkv_engine.quant.linear import Int8Linear
 
 gguf = pytest.importorskip("gguf")
@@ -113,7 +114,7 @@ def test_gguf_quantized_types(tmp_path, version, ftype):
 def test_gguf_requantized_with_q(tmp_path, capsys):
     sd = _model("7")
     path = write_gguf(sd, tmp_path / "m.gguf", "Q4_0")
-    model = rwkv_engine.load(path, quantization="q8", progress=False)
+    model = rwkv_engine.load(path, quantization="q8", progress=False, policy={"*": "q8"})
     assert model.quantization.name == "q8"
     assert "re-quantized to q8" in capsys.readouterr().err
 

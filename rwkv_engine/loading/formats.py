@@ -14,9 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .. import ggml
 from ..errors import CheckpointError, InputError
-from . import progress
+from . import ggml, progress
 
 Tensor = torch.Tensor
 
@@ -202,9 +201,9 @@ def _add_file(ck: Checkpoint, path: Path) -> None:
 def _add_ggml_file(ck: Checkpoint, path: Path, kind: str) -> None:
     """A GGUF or rwkv.cpp file: its tensors under BlinkDL's names, dequantized when read; the
     Q8_0 matrices also as our int8 layout (`Plan.tensors` takes them as they are for q8)."""
-    from ..ggml import gguf_file, rwkvcpp
+    from . import gguf, rwkvcpp
 
-    found = (gguf_file if kind == "gguf" else rwkvcpp).read(path)
+    found = (gguf if kind == "gguf" else rwkvcpp).read(path)
     for name, (shape, dtype, getter) in found.tensors.items():
         ck.add(name, shape, dtype, getter)
     ck.ggml = found

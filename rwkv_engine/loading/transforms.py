@@ -126,8 +126,8 @@ def initial_state(ck: Checkpoint, cfg: ModelConfig) -> dict[str, Tensor]:
     [key][value] in both (state.py), so one transpose (1, 2) serves both (docs/formats.md A.4, A.9): for
     RWKV-6 the `rwkv` pip package does this (tested against it); for RWKV-7, which it cannot run
     from a state, the trainer that writes these files (RWKV-PEFT) and the engines that read them
-    (fla, web-rwkv) use the same orientation. State-only files must first be merged into the
-    base checkpoint (RWKV-PEFT's merge_state.py).
+    (fla, web-rwkv) use the same orientation. State-only files (the time_state tensors alone)
+    are states: state.load_state reads them with this same transpose.
     """
     names = [f"blocks.{i}.att.time_state" for i in range(cfg.n_layer)]
     present = [n in ck for n in names]

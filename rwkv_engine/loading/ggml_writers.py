@@ -1,7 +1,7 @@
 """GGUF and rwkv.cpp files written the way their own converters write them, from a BlinkDL state
 dict: for tests and benchmarks (the readers are proven against files of the producers' layouts).
 
-GGUF: llama.cpp's convert_hf_to_gguf.py naming and layouts (see gguf_file.py), written by the
+GGUF: llama.cpp's convert_hf_to_gguf.py naming and layouts (see gguf.py), written by the
 `gguf` package's GGUFWriter, matrices quantized by `gguf.quants` (K-quants, which it cannot
 quantize, by the plain per-block quantizers below: valid blocks, not llama.cpp's optimized search).
 rwkv.cpp: python/convert_pytorch_to_ggml.py of RWKV/rwkv.cpp (header, per-tensor dims / name /
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .quants import BY_NAME, QK_K
+from .ggml_quants import BY_NAME, QK_K
 
 Tensor = torch.Tensor
 
@@ -117,7 +117,7 @@ def write_gguf(
     tokens: the vocabulary to store (default: the World one, cut to the model's rows)."""
     import gguf
 
-    from .gguf_file import world_token_texts
+    from .gguf import world_token_texts
 
     version = _version(sd)
     arch = arch or ("rwkv7" if version == "7" else "rwkv6")

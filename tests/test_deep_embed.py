@@ -78,6 +78,17 @@ def test_deep_embed_matches_rwkv_package(checkpoint, capsys):
     assert "no fused native decode step" in capsys.readouterr().err or not model.native_decode
 
 
+def test_deep_embed_decode_paths(checkpoint):
+    """The one-token step through the decode-graph runner (CUDA's, run eagerly here) and through
+    the PyTorch modules give the reference's logits too."""
+    path, want, _ = checkpoint
+    model = rwkv_engine.load(path, dtype="fp32")
+    model.graph_decode = True
+    assert testing.rel_rms(_ours(model), want) < 1e-4
+    model.graph_decode, model.native_decode = False, False
+    assert testing.rel_rms(_ours(model), want) < 1e-4
+
+
 def test_deep_embed_through_convert_and_quantized(checkpoint, tmp_path):
     path, want, _ = checkpoint
     r = subprocess.run(

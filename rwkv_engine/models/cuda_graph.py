@@ -46,7 +46,7 @@ def step(model, ids: Tensor, fields: dict[str, Tensor], out: dict[str, Tensor]) 
         for k, v in new.items():
             out[k][:, i].copy_(v)
 
-    x = model.run_blocks(x, layers, keep)
+    x = model.run_blocks(x, layers, keep, ids[:, None])  # (the ids: RWKV-7a's per-token tables)
     return model._logits(x[:, -1])
 
 

@@ -129,7 +129,7 @@ class SamplingParams:
     def __post_init__(self):
         self.temperature = _number("temperature", self.temperature)
         if not 0.0 <= self.temperature < math.inf:
-            raise InputError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         self.top_p = _number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")

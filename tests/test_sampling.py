@@ -5,6 +5,7 @@ it passes to `np.random.choice` and compare it with ours, step by step, feeding 
 token so that the penalty counts evolve together.
 """
 
+import json
 import math
 
 import numpy as np
@@ -73,6 +74,15 @@ def reference_probs(logits, temperature, top_p, top_k, monkeypatch):
 def test_bad_params_raise_input_error(bad):
     with pytest.raises(InputError):
         SamplingParams(**bad)
+
+
+def test_infinite_temperature_is_named_as_such():
+    """Smaller item: `temperature: 1e400` (JSON's inf) said "must be >= 0, got inf"."""
+    for t in (float("inf"), 1e400, json.loads("1e400")):
+        with pytest.raises(InputError, match=r"temperature must be a finite number >= 0 .*got inf"):
+            SamplingParams(temperature=t)
+    with pytest.raises(InputError, match=r"temperature must be a finite number >= 0 .*got -1"):
+        SamplingParams(temperature=-1)
 
 
 def test_params_normalise_and_replace():

@@ -89,11 +89,23 @@ def with_model(parsed, model_name: str):
     return parsed
 
 
+def _retry_after(value: str | None) -> float:
+    """Seconds a 429's Retry-After asks for (1 when it is missing or odd; at most 30)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return 1.0
+    return min(max(seconds, 0.0), 30.0) if seconds == seconds else 1.0
+
+
 class AppClient:
     """Requests to a FastAPI app in this process (httpx's ASGI transport); its engine must be running."""
 
-    def __init__(self, app, model_name: str):
-        self.app, self.model_name = app, model_name
+    def __init__(self, app, model_name: str, busy_retries: int = 120):
+        # 429 means every slot and queue place is taken, by this run's own lines: retried after
+        # the server's Retry-After, but a line refused `busy_retries` times in a row gets an
+        # error answer, so one line can never hold up the rest for good.
+        self.app, self.model_name, self.busy_retries = app, model_name, busy_retries
 
     async def answer(self, client, line: Line) -> dict:
         parsed = with_model(parse_line(line), self.model_name)
@@ -101,13 +113,21 @@ class AppClient:
             return parsed
         custom_id, url, body = parsed
         r = await client.post(url, json=body)
-        while r.status_code == 429:  # the engine's queue is full: wait for a slot, never drop the line
-            await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+        tries = 1
+        while r.status_code == 429 and tries <= self.busy_retries:
+            await asyncio.sleep(_retry_after(r.headers.get("retry-after")))
             r = await client.post(url, json=body)
+            tries += 1
         try:
             payload = r.json()
         except ValueError:
             payload = {"error": {"message": r.text or f"HTTP {r.status_code}", "type": "server_error"}}
+        if r.status_code == 429:
+            error = dict(payload.get("error") or {}) if isinstance(payload, dict) else {}
+            error["message"] = (
+                f"the server stayed busy: gave up after {tries} tries ({error.get('message', 'HTTP 429')})"
+            )
+            payload = {**(payload if isinstance(payload, dict) else {}), "error": error}
         if r.status_code != 200:
             return _failure(line, custom_id, r.status_code, f"HTTP {r.status_code}", payload)
         return {

@@ -176,3 +176,34 @@ def test_lines_are_split_on_newlines_only(tmp_path):
     f.write_bytes(("\r\n".join(json.dumps(b, ensure_ascii=False) for b in bodies) + "\n").encode())
     lines = read_lines(f)
     assert [json.loads(line.text) for line in lines] == bodies and [line.number for line in lines] == [0, 1]
+
+
+def test_a_line_busy_for_good_gets_an_error_line_not_endless_retries():
+    """R2, batch half: a line the server answers 429 on every try was retried forever and held up
+    every later line; after a bounded number of 429s it gets its error line and the run goes on."""
+    import asyncio
+
+    from rwkv_engine.batch import AppClient, Line
+
+    tries = []
+
+    async def app(scope, receive, send):  # a server always busy for the first prompt, fine for others
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        busy = json.loads(body)["prompt"] == "busy"
+        tries.append(busy)
+        status, payload = (429, {"error": {"message": "busy", "code": "queue_full"}}) if busy else (200, {"ok": 1})
+        headers = [(b"content-type", b"application/json"), (b"retry-after", b"0")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+    lines = [Line(0, json.dumps({"prompt": "busy"})), Line(1, json.dumps({"prompt": "fine"}))]
+    out = []
+    asyncio.run(asyncio.wait_for(AppClient(app, NAME, busy_retries=5).answer_all(lines, out.append, 2), 30))
+    assert [a["line"] for a in out] == [0, 1]
+    assert out[0]["response"]["status_code"] == 429 and "gave up after 6 tries" in out[0]["error"]["message"]
+    assert out[1]["error"] is None and tries.count(True) == 6

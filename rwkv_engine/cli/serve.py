@@ -156,6 +156,13 @@ def add_arguments(parser) -> None:
         "byte (default: %(default)g)",
     )
     s.add_argument(
+        "--write-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection whose client reads none of a queued answer for this long (default: %(default)g)",
+    )
+    s.add_argument(
         "--body-timeout",
         type=_seconds,
         default=30.0,
@@ -319,6 +326,7 @@ def config(args, environ=None):
         allowed_hosts=tuple(args.allowed_host),
         cors_origins=tuple(args.cors_origin),
         header_timeout=args.header_timeout,
+        write_timeout=args.write_timeout,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,

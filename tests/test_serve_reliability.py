@@ -1,0 +1,168 @@
+"""`rwkv-engine serve` as issue 28 probed it: framing and slow clients, requests that can never
+fit, states that break the model step, a request without "model".
+
+Like tests/test_serve_hardening.py, every test drives a real server subprocess (tests/test_serve.py's
+`Server` helper and checkpoint), mostly with raw sockets: the bugs live in the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.test_serve import COMPLETIONS, MODEL, Server, files  # noqa: F401 (files: the fixture)
+
+httpx = pytest.importorskip("httpx")
+
+WRITE_TIMEOUT = 2
+
+
+@pytest.fixture(scope="module")
+def rel_server(files):
+    s = Server(
+        files["model"],
+        files["dir"] / "reliability.log",
+        "--max-batch",
+        "8",
+        "--max-queue",
+        "64",
+        "--state-dir",
+        str(files["states"]),
+        "--write-timeout",
+        str(WRITE_TIMEOUT),
+        "--shutdown-timeout",
+        "2",
+    )
+    yield s
+    s.stop()
+
+
+def address(server) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def read_all(sock: socket.socket) -> bytes:
+    out = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            out += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return out
+
+
+# --- the HTTP layer alone: uvicorn with serve/connections.py's protocol, on a loopback socket -------
+
+
+@contextlib.contextmanager
+def live(app, parser: str, write_timeout: float = 1.0):
+    """A uvicorn server for `app` in a thread, with the server's guarded protocol over the
+    `parser` uvicorn protocol ("httptools" or "h11": an install without httptools gets h11)."""
+    import uvicorn
+
+    from rwkv_engine.cli.serve import _bind
+    from rwkv_engine.serve.connections import guarded_protocol
+
+    if parser == "httptools":
+        pytest.importorskip("httptools")
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    sock = _bind("127.0.0.1", 0)
+    config = uvicorn.Config(app, lifespan="off", log_level="warning")
+    config.load()
+    config.http_protocol_class = guarded_protocol(base, 64, 10.0, write_timeout)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.01)
+        yield sock.getsockname()[:2]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+BIG = 8 << 20  # bytes: more than the socket buffers of both ends hold (about 3 MB on loopback)
+
+
+async def echo_app(scope, receive, send):
+    """GET /big: BIG bytes; anything else: its body back."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/big":
+        body = b"x" * BIG
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_both_content_length_and_transfer_encoding_close_the_connection(parser):
+    """Smaller item (RFC 9112 6.3): a request with both headers kept the connection open (h11
+    takes the chunked body), so a request behind it, one a proxy reading Content-Length would
+    not see, was answered too. Now the connection is closed after the first answer (httptools
+    refuses such a request outright)."""
+    chunk = b'{"text": "hi"}'
+    request = (
+        b"POST /echo HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + f"{len(chunk):x}\r\n".encode()
+        + chunk
+        + b"\r\n0\r\n\r\n"
+    )
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with live(echo_app, parser) as where:
+        t0 = time.monotonic()
+        with socket.create_connection(where, timeout=10) as s:
+            s.sendall(request + smuggled)
+            out = read_all(s)
+        assert out.count(b"HTTP/1.1 ") == 1, out
+        assert time.monotonic() - t0 < 4  # closed after the answer, not by the keep-alive timeout
+        # Chunked alone: the connection is kept, and the next request on it answered.
+        plain = request.replace(b"Content-Length: 4\r\n", b"")
+        with socket.create_connection(where, timeout=3) as s:
+            s.sendall(plain + smuggled.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n"))
+            out = read_all(s)
+        assert out.count(b"HTTP/1.1 200") == 2 and chunk in out, out
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_a_client_that_stops_reading_is_cut_off(parser):
+    """R7: a client asks for a big answer (it was a 2.8 MB echo with logprobs) and never reads:
+    the answer stayed queued in the server (memory 511 -> 617 MB) and the connection open for
+    good. Now the server cuts it off once nothing has gone out for --write-timeout seconds."""
+    with live(echo_app, parser) as where:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: it sets the window)
+        s.settimeout(10)
+        with s:
+            s.connect(where)
+            s.sendall(b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            got = s.recv(4096)
+            assert got.startswith(b"HTTP/1.1 200"), got[:200]
+            time.sleep(2.5)  # the write timeout is 1 s
+            got += read_all(s)
+        assert len(got) < BIG  # cut off, not delivered whole to a client that woke up late
+
+        # A slow but steady reader gets all of it.
+        with socket.create_connection(where, timeout=10) as s:
+            s.sendall(b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            time.sleep(0.5)
+            assert len(read_all(s)) > BIG
+
+
+def test_the_server_takes_its_write_timeout_flag(rel_server):
+    """--write-timeout reaches the server (the fixture passes it), which serves as usual."""
+    assert httpx.get(rel_server.url + "/health", timeout=10).status_code == 200

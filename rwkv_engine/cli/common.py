@@ -22,11 +22,34 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, with a one-line message otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """--threads, which cli.main applies (torch.set_num_threads) before the command runs."""
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads torch computes with (default: torch's choice, one per core, or OMP_NUM_THREADS)",
+    )
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         help="model: a .pth / .safetensors file, a Hugging Face model directory, or a Hugging Face Hub id (org/name)",
     )
+    add_threads_arg(parser)
     parser.add_argument(
         "--device",
         default="auto",

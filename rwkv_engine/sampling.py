@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, ModelOutputError
 from .tokenizer.world import EOS_TOKEN_ID
 
 Tensor = torch.Tensor
@@ -534,6 +534,13 @@ class Sampler:
         """One token for each row of logits [B, V], row b sampled by samplers[b]."""
         if logits.dim() != 2 or logits.shape[0] != len(samplers):
             raise InputError(f"sample_batch: logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
+        # A NaN row has a NaN maximum, an overflowed one +inf: an arg-max or a draw from either
+        # would be a token that means nothing (greedy took NaN rows as token 0, "stop").
+        if not bool(torch.isfinite(logits.amax(-1)).all()):
+            raise ModelOutputError(
+                "the model's logits are NaN or infinite (its weights or state are not finite, or "
+                "so large that the forward overflowed): no token can be chosen"
+            )
         adjusted = logits.to(torch.float32, copy=True)
         for s, row in zip(samplers, adjusted):
             s._adjust_(row)

@@ -435,7 +435,7 @@ async def slow_reader(host: str, port: int, ids: list[int], out: list) -> None:
     """Ask for a big answer with a tiny receive window, then stop reading; note when the server cuts it off."""
     import socket
 
-    body = json.dumps({"model": MODEL, "prompt": [ids], "echo": True, "logprobs": 5, "max_tokens": 0, "n": 4}).encode()
+    body = json.dumps({"model": MODEL, "prompt": [ids], "echo": True, "logprobs": 5, "max_tokens": 0, "n": 2}).encode()
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -459,7 +459,7 @@ async def slow_reader(host: str, port: int, ids: list[int], out: list) -> None:
     except TimeoutError:
         pass
     sock.close()
-    out.append((length, got, closed_at is not None))
+    out.append((first.split(b"\r\n", 1)[0].decode(errors="replace"), length, got, closed_at is not None))
 
 
 async def slow_readers(url: str, pid: int, args) -> None:
@@ -489,9 +489,9 @@ async def slow_readers(url: str, pid: int, args) -> None:
     await asyncio.sleep(2)
     print(f"\nslow readers: {args.slow_readers} clients that never read a big answer, beside {args.streams} streams")
     print(f"(shape {args.shape}, --write-timeout 3, {time.monotonic() - t0:.0f} s)")
-    for i, (length, got, closed) in enumerate(results):
+    for i, (status, length, got, closed) in enumerate(results):
         print(
-            f"  reader {i}: answer {length / 1e6:.1f} MB, received {got / 1e6:.1f} MB, "
+            f"  reader {i}: {status}, answer {length / 1e6:.1f} MB, received {got / 1e6:.1f} MB, "
             + ("cut off by the server" if closed else "STILL OPEN after 25 s")
         )
     print(

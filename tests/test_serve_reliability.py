@@ -65,7 +65,7 @@ def live(app, parser: str, write_timeout: float = 1.0):
     `parser` uvicorn protocol ("httptools" or "h11": an install without httptools gets h11)."""
     import uvicorn
 
-    from rwkv_engine.cli.serve import _bind
+    from rwkv_engine.serve.launch import bind
     from rwkv_engine.serve.connections import guarded_protocol
 
     if parser == "httptools":
@@ -73,7 +73,7 @@ def live(app, parser: str, write_timeout: float = 1.0):
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     else:
         from uvicorn.protocols.http.h11_impl import H11Protocol as base
-    sock = _bind("127.0.0.1", 0)
+    sock = bind("127.0.0.1", 0)
     config = uvicorn.Config(app, lifespan="off", log_level="warning")
     config.load()
     config.http_protocol_class = guarded_protocol(base, 64, 10.0, write_timeout)

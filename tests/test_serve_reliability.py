@@ -65,8 +65,8 @@ def live(app, parser: str, write_timeout: float = 1.0):
     `parser` uvicorn protocol ("httptools" or "h11": an install without httptools gets h11)."""
     import uvicorn
 
-    from rwkv_engine.serve.launch import bind
     from rwkv_engine.serve.connections import guarded_protocol
+    from rwkv_engine.serve.launch import bind
 
     if parser == "httptools":
         pytest.importorskip("httptools")
@@ -166,3 +166,19 @@ def test_a_client_that_stops_reading_is_cut_off(parser):
 def test_the_server_takes_its_write_timeout_flag(rel_server):
     """--write-timeout reaches the server (the fixture passes it), which serves as usual."""
     assert httpx.get(rel_server.url + "/health", timeout=10).status_code == 200
+
+
+# --- through the model server --------------------------------------------------------------------
+
+
+def test_more_prompts_than_can_ever_fit_are_a_400(rel_server):
+    """R2: `"prompt": [[1,2]]*80` on an idle server with --max-queue 64 was a 429 "64 requests are
+    already waiting" (its own prompts), which clients retry forever: a 400 naming the limit."""
+    body = {"model": MODEL, "prompt": [[1, 2]] * 80, "max_tokens": 1}
+    r = httpx.post(rel_server.url + COMPLETIONS, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "80 prompts" in r.json()["error"]["message"] and "at most 72" in r.json()["error"]["message"]
+    m = rel_server.metrics()
+    assert m.get("rwkv_engine_requests_waiting", 0) == 0 and m.get("rwkv_engine_requests_running", 0) == 0
+    r = httpx.post(rel_server.url + COMPLETIONS, json={**body, "prompt": [[1, 2]] * 72}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 72

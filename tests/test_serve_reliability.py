@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tests.test_serve import COMPLETIONS, MODEL, Server, files  # noqa: F401 (files: the fixture)
 
@@ -182,3 +183,32 @@ def test_more_prompts_than_can_ever_fit_are_a_400(rel_server):
     assert m.get("rwkv_engine_requests_waiting", 0) == 0 and m.get("rwkv_engine_requests_running", 0) == 0
     r = httpx.post(rel_server.url + COMPLETIONS, json={**body, "prompt": [[1, 2]] * 72}, timeout=120)
     assert r.status_code == 200 and len(r.json()["choices"]) == 72
+
+
+def _write_state(path, tensors: dict, signature: str) -> None:
+    from safetensors.torch import save_file
+
+    meta = {"format": "rwkv-engine-state/1", "signature": signature, "fields": ",".join(tensors)}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def test_crafted_states_get_a_400_or_one_clean_error(rel_server, files):
+    """R6: a --state-dir file holding a 0-dim tensor was a 500 with its traceback logged twice; a
+    state of finite 3e38 values a 500 "model step failed" with a traceback (NaN logits). Now:
+    400, and one clean per-request error naming NaN logits; no traceback in the log."""
+    import rwkv_engine
+
+    model = rwkv_engine.load(files["model"])
+    good = model.new_state(1)
+    sig = model.config.state_signature()
+    tensors = {k: t.contiguous() for k, t in good.items()}
+    flat = dict(tensors, **{next(iter(tensors)): torch.tensor(1.0)})
+    _write_state(files["states"] / "flat.safetensors", flat, sig)
+    _write_state(files["states"] / "huge.safetensors", {k: torch.full_like(t, 3e38) for k, t in tensors.items()}, sig)
+    base = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+    r = httpx.post(rel_server.url + COMPLETIONS, json={**base, "state": "flat.safetensors"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "state", r.text
+    r = httpx.post(rel_server.url + COMPLETIONS, json={**base, "state": "huge.safetensors"}, timeout=60)
+    assert r.status_code in (400, 500) and "NaN or infinite" in r.json()["error"]["message"], r.text
+    assert "Traceback" not in rel_server.log()
+    assert httpx.post(rel_server.url + COMPLETIONS, json=base, timeout=60).status_code == 200

@@ -100,13 +100,8 @@ class SavedStates:
             state = await asyncio.to_thread(State.load, path, model.device)
         except StateError:  # (its message names the server's path: not for clients)
             raise APIError(400, f"state {name!r} is not a file written by State.save", param="state") from None
-        if state.signature != model.config.state_signature():
-            raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
-        if state.batch_size != 1:
-            raise APIError(400, f"state {name!r} holds {state.batch_size} sequences, not one", param="state")
-        layout = lambda s: {k: (t.shape, t.dtype) for k, t in s.items()}  # noqa: E731
-        if layout(state) != layout(model.new_state(1)):
-            raise APIError(400, f"state {name!r} does not have the shapes of this model's state", param="state")
-        if not all(bool(t.isfinite().all()) for _, t in state.items()):
-            raise APIError(400, f"state {name!r} holds NaN or infinite values", param="state")
+        try:
+            state.check_usable(model)
+        except StateError as e:
+            raise APIError(400, f"state {name!r}: {e}", param="state") from None
         return state

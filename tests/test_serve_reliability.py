@@ -212,3 +212,27 @@ def test_crafted_states_get_a_400_or_one_clean_error(rel_server, files):
     assert r.status_code in (400, 500) and "NaN or infinite" in r.json()["error"]["message"], r.text
     assert "Traceback" not in rel_server.log()
     assert httpx.post(rel_server.url + COMPLETIONS, json=base, timeout=60).status_code == 200
+
+
+def test_an_unexpected_route_error_is_logged_once(files, capfd):
+    """Smaller item: an unexpected error in a route was logged twice (the app's handler printed
+    it, then Starlette re-raised it to uvicorn, which logged it again). Now once, with a 500."""
+    import rwkv_engine
+    from rwkv_engine.serve.app import create_app
+    from rwkv_engine.serve.context import AppSettings
+    from rwkv_engine.serve.engine import Engine
+
+    model = rwkv_engine.load(files["model"])
+    app = create_app(Engine(model, rwkv_engine.load_tokenizer(model)), AppSettings(model_name=MODEL))
+
+    async def boom():
+        raise ZeroDivisionError("a bug")
+
+    app.add_api_route("/boom", boom)
+    capfd.readouterr()
+    with live(app, "httptools") as where:
+        r = httpx.get(f"http://{where[0]}:{where[1]}/boom", timeout=30)
+        assert r.status_code == 500 and "ZeroDivisionError" in r.json()["error"]["message"]
+        time.sleep(0.2)
+    err = capfd.readouterr().err
+    assert err.count("ZeroDivisionError: a bug") == 1, err

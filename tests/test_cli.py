@@ -219,3 +219,15 @@ def test_threads_flag_sets_torch_threads(model_path, capsys):
     finally:
         torch.set_num_threads(before)
     capsys.readouterr()
+
+
+def test_out_of_range_port_and_convert_device_are_flag_errors(capsys):
+    """N3: `serve M.pth --port 70000` was an OverflowError traceback; N7: `convert --device` was
+    accepted and ignored. Both are one-line flag errors now (exit 2)."""
+    for argv, words in (
+        (["serve", "m.pth", "--port", "70000"], "0 to 65535"),
+        (["convert", "m.pth", "out", "--device", "cuda"], "--device"),
+    ):
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err

@@ -236,3 +236,15 @@ def test_an_unexpected_route_error_is_logged_once(files, capfd):
         time.sleep(0.2)
     err = capfd.readouterr().err
     assert err.count("ZeroDivisionError: a bug") == 1, err
+
+
+def test_a_request_without_model_is_for_the_served_model(rel_server):
+    """N7: a request without "model" was refused; llama.cpp's server takes it as the served model."""
+    for path, body in (
+        (COMPLETIONS, {"prompt": "Hello", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+    ):
+        r = httpx.post(rel_server.url + path, json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
+    r = httpx.post(rel_server.url + COMPLETIONS, json={"model": "other", "prompt": "x"}, timeout=60)
+    assert r.status_code == 404

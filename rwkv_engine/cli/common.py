@@ -44,19 +44,21 @@ def add_threads_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    """The model flags; device=False for a command that runs on the CPU whatever (convert)."""
     parser.add_argument(
         "model",
         help="model: a .pth / .safetensors file, a Hugging Face model directory, or a Hugging Face Hub id (org/name)",
     )
     add_threads_arg(parser)
-    parser.add_argument(
-        "--device",
-        default="auto",
-        type=device_arg,
-        metavar="{auto,cpu,cuda,cuda:N}",
-        help="device to run on: auto (default) picks CUDA when torch sees a GPU, else the CPU",
-    )
+    if device:
+        parser.add_argument(
+            "--device",
+            default="auto",
+            type=device_arg,
+            metavar="{auto,cpu,cuda,cuda:N}",
+            help="device to run on: auto (default) picks CUDA when torch sees a GPU, else the CPU",
+        )
     parser.add_argument(
         "--dtype",
         default="auto",

@@ -3,10 +3,10 @@
 Each line of IN is one request, either a bare OpenAI request body (`{"messages": [...]}` goes to
 /v1/chat/completions, anything else to /v1/completions) or a line of OpenAI's Batch API
 (`{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}`). Each
-line of OUT answers the line of IN with the same number, in order:
+line of OUT answers the line of IN with the same number (counted from 1, as in every message), in order:
 
-    {"line": 0, "custom_id": null, "response": {"status_code": 200, "body": {...}}, "error": null}
-    {"line": 1, "custom_id": "q2", "response": {"status_code": 400, "body": {"error": ...}},
+    {"line": 1, "custom_id": null, "response": {"status_code": 200, "body": {...}}, "error": null}
+    {"line": 2, "custom_id": "q2", "response": {"status_code": 400, "body": {"error": ...}},
      "error": {"message": "...", "type": "invalid_request_error", "code": null}}
 
 The requests go through the server's own FastAPI app in this process (`serve.app.create_app`, no
@@ -38,7 +38,7 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 
 @dataclass(frozen=True)
 class Line:
-    number: int  # 0-based line number in IN
+    number: int  # 0-based index of the line in IN (its answer's "line" and messages count from 1)
     text: str
 
 
@@ -47,7 +47,7 @@ def _failure(line: Line, custom_id, status: int, message: str, body: dict | None
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
     error = dict(body.get("error") or {"message": message})
     return {
-        "line": line.number,
+        "line": line.number + 1,
         "custom_id": custom_id,
         "response": {"status_code": status, "body": body},
         "error": {"message": error.get("message", message), "type": error.get("type"), "code": error.get("code")},
@@ -131,7 +131,7 @@ class AppClient:
         if r.status_code != 200:
             return _failure(line, custom_id, r.status_code, f"HTTP {r.status_code}", payload)
         return {
-            "line": line.number,
+            "line": line.number + 1,
             "custom_id": custom_id,
             "response": {"status_code": 200, "body": payload},
             "error": None,
@@ -186,7 +186,7 @@ def resume_point(out_path: Path) -> int:
             obj = json.loads(raw)
         except ValueError:
             obj = None
-        if not isinstance(obj, dict) or obj.get("line") != i:
+        if not isinstance(obj, dict) or obj.get("line") != i + 1:
             raise InputError(
                 f"{out_path}: line {i + 1} is not this command's answer to line {i + 1}; "
                 "give a new output file or remove it"

@@ -97,6 +97,7 @@ class EngineConfig:
     draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
     draft_quantization: str = "q4"  # of the twin draft
     max_draft: int = 8  # most tokens drafted per pass
+    name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "prefill_chunk"):
@@ -450,14 +451,14 @@ class Engine:
             self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
         _, state = self.model.forward([0] * (GEMV_MAX_ROWS + 1))  # the GEMM / chunked-WKV path
         decode_rows(self.model, torch.zeros(1, 1, dtype=torch.long), state)  # the per-row step
-        print(f"rwkv-engine serve: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        print(f"{self.config.name}: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
 
     def _loop(self) -> None:
         try:
             try:
                 self._warm_up()
             except Exception as e:
-                print("rwkv-engine serve: the warm-up forward failed; nothing can be served:", file=sys.stderr)
+                print(f"{self.config.name}: the warm-up forward failed; nothing can be served:", file=sys.stderr)
                 traceback.print_exception(e, file=sys.stderr)
                 return
             self._ready = True
@@ -806,7 +807,7 @@ class Engine:
         if isinstance(error, RWKVEngineError):
             message = str(error)
         else:
-            print("rwkv-engine serve: a model step failed:", file=sys.stderr)
+            print(f"{self.config.name}: a model step failed:", file=sys.stderr)
             traceback.print_exception(error, file=sys.stderr)
             message = f"the model step failed ({type(error).__name__}); the request was dropped"
         for seq in seqs:

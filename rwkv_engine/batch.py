@@ -60,6 +60,8 @@ def parse_line(line: Line) -> tuple[object, str, dict] | dict:
         obj = json.loads(line.text)
     except ValueError as e:
         return _failure(line, None, 400, f"line {line.number + 1} is not JSON: {e}")
+    except RecursionError:  # (the server's read_json answers the same)
+        return _failure(line, None, 400, f"line {line.number + 1} is nested too deeply")
     if not isinstance(obj, dict):
         return _failure(line, None, 400, f"line {line.number + 1} is not a JSON object")
     custom_id = None

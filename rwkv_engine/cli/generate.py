@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from ..sampling import COMPLETION
+from ..sampling_params import COMPLETION
 from . import common
 
 HELP = "Continue a prompt with an RWKV model, streaming the text to stdout."

@@ -231,3 +231,21 @@ def test_out_of_range_port_and_convert_device_are_flag_errors(capsys):
         rc = main(argv)
         err = capsys.readouterr().err
         assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mistyped_local_path_fails_at_once(tmp_path, capsys, monkeypatch):
+    """N2: `generate models/nope.pth -p hi` spent 34 s on Hugging Face Hub retries, then showed a
+    Hub error. A path-like argument (a checkpoint suffix, ./, /, a folder that exists) that does
+    not exist is "no such file" at once."""
+    from rwkv_engine.loading.resolve import resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda *a, **k: pytest.fail("went to the Hub"))
+    monkeypatch.setattr("huggingface_hub.list_repo_files", lambda *a, **k: pytest.fail("went to the Hub"))
+    for arg in ("models/nope.pth", "weights/nope.safetensors", "models/rwkv-7-world", "./m", "/nope/m.pth"):
+        with pytest.raises(rwkv_engine.CheckpointError, match="no such file"):
+            resolve(arg)
+    rc = main(["generate", "models/nope.pth", "-p", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no such file" in err and "Hub" not in err, err

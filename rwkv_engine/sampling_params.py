@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from .chat_format import TURN_SEPARATOR
 from .errors import InputError
 from .tokenizer.world import EOS_TOKEN_ID
 
@@ -168,6 +169,11 @@ class SamplingParams:
 # The presets every front end starts from (the CLI and the server add their own max_tokens and stops).
 # Chat: ChatRWKV's API_DEMO_CHAT.py (the RWKV-7 chat demo).
 CHAT = SamplingParams(temperature=1.0, top_p=0.3, presence_penalty=0.5, frequency_penalty=0.5, penalty_decay=0.996)
+# The terminal chat (rwkv-engine chat): CHAT, replies cut at the turn separator, end-of-text banned
+# (a reply ends at the separator), as SamplingParams fields.
+CHAT_SESSION = dataclasses.asdict(
+    CHAT.replace(max_tokens=500, stop=(TURN_SEPARATOR,), stop_token_ids=(), banned_token_ids=(EOS_TOKEN_ID,))
+)
 # Completion: a wider nucleus and lighter penalties, for continuing free text.
 COMPLETION = SamplingParams(
     temperature=1.0, top_p=0.85, presence_penalty=0.2, frequency_penalty=0.2, penalty_decay=0.996

@@ -3,6 +3,8 @@
     python benchmarks/soak_server.py                          # 8 streams, 3 minutes, the 0.1B shape
     python benchmarks/soak_server.py --streams 16 --minutes 10
     python benchmarks/soak_server.py --shape tiny --minutes 1  # a 2 x 64 model: the HTTP side only
+    python benchmarks/soak_server.py --scenario fairness       # short prompts behind a long one
+    python benchmarks/soak_server.py --scenario slow-reader    # clients that never read their answer
 
 A random-weight checkpoint (bench_engine.py's, bf16; or a tiny 2-layer one) is served by a server
 subprocess on a free loopback port (127.0.0.1 only: nothing here reaches the network), with short
@@ -24,6 +26,18 @@ Every loop ends at the deadline; the script then stops the server with SIGTERM (
 and prints: outcomes and errors by kind, p50 / p99 time to first token, aggregate tok/s (tokens
 of all streams / the time until the last stream ended), RSS over time, the server's /metrics error counts and the number of
 tracebacks in its log (must be 0).
+
+--scenario fairness: --shorts short streamed completions (a few words, 8 tokens each) at once on
+an idle server, then a streamed completion of a --long-words word prompt and, 1 s later, the same
+short completions again. It prints the shorts' time to first token p50 / p99 alone and behind the
+long prompt, and their ratio: the engine prefills round-robin, so a short prompt waits for a few
+chunks of the long one, not for all of it. (--max-batch is shorts + 1: no short waits for a slot.)
+
+--scenario slow-reader: --streams normal stream workers run while --slow-readers clients each ask
+for a big answer (a prompt's echo with log-probabilities, several MB) and never read it. The
+server (--write-timeout 3) must cut each off a few seconds after it stops taking bytes; printed:
+how long each was held and what it got, the normal streams' time to first token, and the
+server's RSS before, at most, and after.
 
 Machines are noisy and shared: the numbers are for one machine at one time; name the CPU.
 """
@@ -86,7 +100,7 @@ def checkpoint(work: Path, shape: str) -> Path:
     return path
 
 
-def start_server(ckpt: Path, args, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(ckpt: Path, args, log_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable,
         "-m",
@@ -111,6 +125,7 @@ def start_server(ckpt: Path, args, log_path: Path) -> tuple[subprocess.Popen, st
         str(BODY_TIMEOUT),
         "--shutdown-timeout",
         "5",
+        *extra,
     ]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -366,6 +381,127 @@ async def soak(url: str, pid: int, args) -> Tally:
     return tally
 
 
+# --- scenario: short prompts behind a long one ---------------------------------------------------
+
+
+async def first_token_seconds(http: httpx.AsyncClient, body: dict) -> float:
+    """Seconds from sending a streamed completion to its first text chunk; the stream is read to its end."""
+    t0, first = time.perf_counter(), None
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and '"text":"' in line.replace(" ", ""):
+                first = time.perf_counter() - t0
+    return first if first is not None else float("nan")
+
+
+async def fairness(url: str, args) -> None:
+    rng = random.Random(args.seed)
+    short = [{"model": MODEL, "prompt": prompt(rng), "max_tokens": 8, "temperature": 0} for _ in range(args.shorts)]
+    long_prompt = " ".join(rng.choice(WORDS) for _ in range(args.long_words))
+    async with httpx.AsyncClient(base_url=url, timeout=1800, limits=httpx.Limits(max_connections=200)) as http:
+        await asyncio.gather(*(first_token_seconds(http, b) for b in short[:2]))  # warm the paths
+        alone = await asyncio.gather(*(first_token_seconds(http, b) for b in short))
+        long_body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 8, "temperature": 0}
+        long_task = asyncio.create_task(first_token_seconds(http, long_body))
+        await asyncio.sleep(1.0)
+        behind = await asyncio.gather(*(first_token_seconds(http, b) for b in short))
+        long_ttft = await long_task
+    tokens = len(
+        httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": long_prompt}, timeout=300).json()["tokens"]
+    )
+
+    def line(name, values):
+        return (
+            f"  {name:<28} p50 {1000 * percentile(values, 0.5):8.0f} ms   p99 {1000 * percentile(values, 0.99):8.0f} ms"
+        )
+
+    print(f"\nfairness: {args.shorts} short streamed completions, alone and 1 s after a {tokens}-token prompt")
+    print(f"(shape {args.shape}, --max-batch {args.shorts + 1}, --prefill-chunk 256)")
+    print(line("short prompts alone", alone))
+    print(line("behind the long prompt", behind))
+    print(
+        f"  ratio behind / alone: p50 {percentile(behind, 0.5) / percentile(alone, 0.5):.1f}x, "
+        f"p99 {percentile(behind, 0.99) / percentile(alone, 0.99):.1f}x; "
+        f"the long prompt's own first token: {long_ttft:.1f} s"
+    )
+
+
+# --- scenario: clients that never read their answer -------------------------------------------------
+
+
+async def slow_reader(host: str, port: int, ids: list[int], out: list) -> None:
+    """Ask for a big answer with a tiny receive window, then stop reading; note when the server cuts it off."""
+    import socket
+
+    body = json.dumps({"model": MODEL, "prompt": [ids], "echo": True, "logprobs": 5, "max_tokens": 0, "n": 2}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, port))
+    await loop.sock_sendall(sock, head + body)
+    first = await loop.sock_recv(sock, 4096)
+    length = int(first.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]) if b"content-length: " in first else -1
+    await asyncio.sleep(20)  # not reading; then see what is left and whether the server hung up
+    got, closed_at = len(first), None
+    try:
+        while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 5):
+            got += len(chunk)
+        closed_at = time.monotonic()
+    except (ConnectionResetError, BrokenPipeError):
+        closed_at = time.monotonic()
+    except TimeoutError:
+        pass
+    sock.close()
+    out.append((first.split(b"\r\n", 1)[0].decode(errors="replace"), length, got, closed_at is not None))
+
+
+async def slow_readers(url: str, pid: int, args) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    rng = random.Random(args.seed)
+    tally = Tally()
+    rss_before = rss_mib(pid)
+    peak = [rss_before]
+
+    async def watch(stop: asyncio.Event):
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_mib(pid))
+            await asyncio.sleep(0.2)
+
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch(stop))
+    deadline = time.monotonic() + 60 * args.minutes
+    results: list = []
+    ids = [1 + rng.randrange(60000) for _ in range(args.reader_tokens)]
+    t0 = time.monotonic()
+    await asyncio.gather(
+        *(stream_worker(url, random.Random(rng.random()), deadline, tally, 0.0) for _ in range(args.streams)),
+        *(slow_reader(host, int(port), ids, results) for _ in range(args.slow_readers)),
+    )
+    stop.set()
+    await watcher
+    await asyncio.sleep(2)
+    print(f"\nslow readers: {args.slow_readers} clients that never read a big answer, beside {args.streams} streams")
+    print(f"(shape {args.shape}, --write-timeout 3, {time.monotonic() - t0:.0f} s)")
+    for i, (status, length, got, closed) in enumerate(results):
+        print(
+            f"  reader {i}: {status}, answer {length / 1e6:.1f} MB, received {got / 1e6:.1f} MB, "
+            + ("cut off by the server" if closed else "STILL OPEN after 25 s")
+        )
+    print(
+        f"  normal streams: {tally.outcomes['stream complete']} complete, errors {dict(tally.errors) or 'none'}; "
+        f"time to first token p50 {1000 * percentile(tally.ttft, 0.5):.0f} ms, "
+        f"p99 {1000 * percentile(tally.ttft, 0.99):.0f} ms"
+    )
+    print(f"  server RSS: {rss_before:.0f} MiB before, {peak[0]:.0f} MiB at most, {rss_mib(pid):.0f} MiB after")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", type=int, default=8, help="concurrent stream workers (= --max-batch)")
@@ -376,12 +512,33 @@ def main() -> None:
     ap.add_argument("--stalled", type=int, default=20, help="stalled sockets held open at a time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rwkv-engine-bench"))
+    ap.add_argument("--scenario", choices=["soak", "fairness", "slow-reader"], default="soak")
+    ap.add_argument("--shorts", type=int, default=16, help="fairness: short completions at once")
+    ap.add_argument("--long-words", type=int, default=14000, help="fairness: words of the long prompt")
+    ap.add_argument("--slow-readers", type=int, default=4, help="slow-reader: clients that never read")
+    ap.add_argument("--reader-tokens", type=int, default=6000, help="slow-reader: prompt tokens each echoes")
     args = ap.parse_args()
     if not 0 < args.minutes <= 24 * 60 or args.streams < 1:
         raise SystemExit("--minutes must be in (0, 1440] and --streams >= 1")
     args.workdir.mkdir(parents=True, exist_ok=True)
     ckpt = checkpoint(args.workdir, args.shape)
     log_path = args.workdir / "soak_server.log"
+    if args.scenario != "soak":
+        extra = ["--write-timeout", "3"]
+        if args.scenario == "fairness":
+            args.streams = args.shorts + 1  # (the --max-batch start_server passes)
+            extra += ["--max-prompt-tokens", str(4 * args.long_words + 64)]
+        proc, url = start_server(ckpt, args, log_path, *extra)
+        try:
+            if args.scenario == "fairness":
+                asyncio.run(fairness(url, args))
+            else:
+                asyncio.run(slow_readers(url, proc.pid, args))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+        print(f"server log: {log_path.read_text().count('Traceback')} tracebacks")
+        return
     proc, url = start_server(ckpt, args, log_path)
     try:
         start = time.monotonic()

@@ -20,6 +20,7 @@ _EXPORTS = {
     "UnsupportedModelError": "rwkv_engine.errors",
     "InputError": "rwkv_engine.errors",
     "StateError": "rwkv_engine.errors",
+    "ModelOutputError": "rwkv_engine.errors",
     "ModelConfig": "rwkv_engine.config",
     "State": "rwkv_engine.state",
     "load_state": "rwkv_engine.state",

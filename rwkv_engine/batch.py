@@ -3,10 +3,10 @@
 Each line of IN is one request, either a bare OpenAI request body (`{"messages": [...]}` goes to
 /v1/chat/completions, anything else to /v1/completions) or a line of OpenAI's Batch API
 (`{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}`). Each
-line of OUT answers the line of IN with the same number, in order:
+line of OUT answers the line of IN with the same number (counted from 1, as in every message), in order:
 
-    {"line": 0, "custom_id": null, "response": {"status_code": 200, "body": {...}}, "error": null}
-    {"line": 1, "custom_id": "q2", "response": {"status_code": 400, "body": {"error": ...}},
+    {"line": 1, "custom_id": null, "response": {"status_code": 200, "body": {...}}, "error": null}
+    {"line": 2, "custom_id": "q2", "response": {"status_code": 400, "body": {"error": ...}},
      "error": {"message": "...", "type": "invalid_request_error", "code": null}}
 
 The requests go through the server's own FastAPI app in this process (`serve.app.create_app`, no
@@ -38,7 +38,7 @@ ENDPOINTS = (CHAT, COMPLETIONS)
 
 @dataclass(frozen=True)
 class Line:
-    number: int  # 0-based line number in IN
+    number: int  # 0-based index of the line in IN (its answer's "line" and messages count from 1)
     text: str
 
 
@@ -47,7 +47,7 @@ def _failure(line: Line, custom_id, status: int, message: str, body: dict | None
         body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
     error = dict(body.get("error") or {"message": message})
     return {
-        "line": line.number,
+        "line": line.number + 1,
         "custom_id": custom_id,
         "response": {"status_code": status, "body": body},
         "error": {"message": error.get("message", message), "type": error.get("type"), "code": error.get("code")},
@@ -60,6 +60,8 @@ def parse_line(line: Line) -> tuple[object, str, dict] | dict:
         obj = json.loads(line.text)
     except ValueError as e:
         return _failure(line, None, 400, f"line {line.number + 1} is not JSON: {e}")
+    except RecursionError:  # (the server's read_json answers the same)
+        return _failure(line, None, 400, f"line {line.number + 1} is nested too deeply")
     if not isinstance(obj, dict):
         return _failure(line, None, 400, f"line {line.number + 1} is not a JSON object")
     custom_id = None
@@ -89,11 +91,23 @@ def with_model(parsed, model_name: str):
     return parsed
 
 
+def _retry_after(value: str | None) -> float:
+    """Seconds a 429's Retry-After asks for (1 when it is missing or odd; at most 30)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return 1.0
+    return min(max(seconds, 0.0), 30.0) if seconds == seconds else 1.0
+
+
 class AppClient:
     """Requests to a FastAPI app in this process (httpx's ASGI transport); its engine must be running."""
 
-    def __init__(self, app, model_name: str):
-        self.app, self.model_name = app, model_name
+    def __init__(self, app, model_name: str, busy_retries: int = 120):
+        # 429 means every slot and queue place is taken, by this run's own lines: retried after
+        # the server's Retry-After, but a line refused `busy_retries` times in a row gets an
+        # error answer, so one line can never hold up the rest for good.
+        self.app, self.model_name, self.busy_retries = app, model_name, busy_retries
 
     async def answer(self, client, line: Line) -> dict:
         parsed = with_model(parse_line(line), self.model_name)
@@ -101,17 +115,25 @@ class AppClient:
             return parsed
         custom_id, url, body = parsed
         r = await client.post(url, json=body)
-        while r.status_code == 429:  # the engine's queue is full: wait for a slot, never drop the line
-            await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+        tries = 1
+        while r.status_code == 429 and tries <= self.busy_retries:
+            await asyncio.sleep(_retry_after(r.headers.get("retry-after")))
             r = await client.post(url, json=body)
+            tries += 1
         try:
             payload = r.json()
         except ValueError:
             payload = {"error": {"message": r.text or f"HTTP {r.status_code}", "type": "server_error"}}
+        if r.status_code == 429:
+            error = dict(payload.get("error") or {}) if isinstance(payload, dict) else {}
+            error["message"] = (
+                f"the server stayed busy: gave up after {tries} tries ({error.get('message', 'HTTP 429')})"
+            )
+            payload = {**(payload if isinstance(payload, dict) else {}), "error": error}
         if r.status_code != 200:
             return _failure(line, custom_id, r.status_code, f"HTTP {r.status_code}", payload)
         return {
-            "line": line.number,
+            "line": line.number + 1,
             "custom_id": custom_id,
             "response": {"status_code": 200, "body": payload},
             "error": None,
@@ -166,7 +188,7 @@ def resume_point(out_path: Path) -> int:
             obj = json.loads(raw)
         except ValueError:
             obj = None
-        if not isinstance(obj, dict) or obj.get("line") != i:
+        if not isinstance(obj, dict) or obj.get("line") != i + 1:
             raise InputError(
                 f"{out_path}: line {i + 1} is not this command's answer to line {i + 1}; "
                 "give a new output file or remove it"

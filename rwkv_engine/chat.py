@@ -30,6 +30,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,8 @@ from .chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from .chat_format import normalize_text as normalize_message
 from .errors import InputError, RWKVEngineError, StateError
 from .generation import GenerationStats, generate
-from .sampling import CHAT, SamplingParams
+from .sampling import SamplingParams
+from .sampling_params import CHAT_SESSION
 from .tokenizer import EOS_TOKEN_ID
 
 DEFAULT_SYSTEM = (
@@ -49,11 +51,12 @@ DEFAULT_SYSTEM = (
 )
 
 # SamplingParams fields: the chat preset; `chat_params` adds the chat rules on top.
-DEFAULTS = dataclasses.asdict(
-    CHAT.replace(max_tokens=500, stop=(TURN_SEPARATOR,), stop_token_ids=(), banned_token_ids=(EOS_TOKEN_ID,))
-)
+DEFAULTS = CHAT_SESSION  # (defined with the other presets, where the CLI reads it without torch)
 
 SESSION_FORMAT = "rwkv-engine-chat/1"
+# Largest session.json a session file may inflate to (a long chat's text and token ids are far
+# less); a state entry may be at most twice the model's state (plus its header).
+MAX_SESSION_JSON = 64 << 20
 
 # /set names (and short aliases) -> SamplingParams fields
 SETTABLE = {
@@ -298,11 +301,21 @@ class ChatSession:
         if not path.is_file():
             raise InputError(f"{path}: no such file")
         bad = StateError(f"{path}: not an rwkv-engine chat session file")
+        state_limit = 2 * self.system_state.nbytes + (1 << 20)
+
+        def entry_size(z: zipfile.ZipFile, name: str, limit: int) -> None:
+            # Checked before reading: zipfile inflates at most the declared size (and checks the CRC).
+            size = z.getinfo(name).file_size
+            if size > limit:
+                raise StateError(f"{path}: its {name} would inflate to {size} bytes; at most {limit} fit this model")
+
         try:
             with zipfile.ZipFile(path) as z, tempfile.TemporaryDirectory() as tmp:
+                entry_size(z, "session.json", MAX_SESSION_JSON)
                 meta = json.loads(z.read("session.json").decode("utf-8"))
                 if not isinstance(meta, dict) or meta.get("format") != SESSION_FORMAT:
                     raise bad
+                _check_session(meta, path, self.model.config.vocab_size)
                 saved = meta["model"]["config"]
                 if saved != self._model_config():
                     raise StateError(
@@ -312,10 +325,13 @@ class ChatSession:
                 states = {}
                 for name in ("state", "system_state", "regen_state"):
                     if f"{name}.safetensors" in z.namelist():
+                        entry_size(z, f"{name}.safetensors", state_limit)
                         z.extract(f"{name}.safetensors", tmp)
                         st = State.load(Path(tmp) / f"{name}.safetensors", device=self.system_state.device)
-                        if st.signature != self.system_state.signature:
-                            raise StateError(f"{path}: its state belongs to another model ({st.signature})")
+                        try:  # as the server checks a saved state: a bad one fails the first message
+                            st.check_usable(self.model)
+                        except StateError as e:
+                            raise StateError(f"{path}: its {name}: {e}") from None
                         states[name] = st
                 p = dict(meta["params"])
                 p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
@@ -325,7 +341,18 @@ class ChatSession:
                 rng = torch.frombuffer(bytearray(base64.b64decode(meta["generator"])), dtype=torch.uint8)
                 if "state" not in states or "system_state" not in states:
                     raise bad
-        except (zipfile.BadZipFile, KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+        except (
+            zipfile.BadZipFile,
+            zlib.error,
+            EOFError,
+            KeyError,
+            TypeError,
+            ValueError,  # UnicodeDecodeError, JSONDecodeError, binascii.Error included
+            OverflowError,
+            RecursionError,
+            NotImplementedError,  # a compression method zipfile does not have
+            RuntimeError,  # an encrypted entry
+        ) as e:
             if isinstance(e, RWKVEngineError):
                 raise
             raise bad from None
@@ -337,6 +364,36 @@ class ChatSession:
             self.generator.set_state(rng)
         except RuntimeError:  # saved on another kind of device: keep going with a fresh seed
             self._seed(self.params.seed)
+
+
+def _check_session(meta: dict, path: Path, vocab_size: int) -> None:
+    """StateError unless session.json's fields have the types `ChatSession.save` writes."""
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise StateError(f"{path}: session.json: {what}")
+
+    def ids(value) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in value
+        )
+
+    need(isinstance(meta.get("model"), dict) and isinstance(meta["model"].get("config"), dict), "no model config")
+    need(isinstance(meta.get("system"), str), "system is not text")
+    need(ids(meta.get("system_ids")), "system_ids are not token ids of this model")
+    need(isinstance(meta.get("stateless"), bool), "stateless is not true or false")
+    need(isinstance(meta.get("params"), dict) and isinstance(meta["params"].get("logit_bias", {}), dict), "bad params")
+    need(isinstance(meta.get("generator"), str), "bad generator state")
+    turns = meta.get("turns")
+    need(isinstance(turns, list), "turns is not a list")
+    fields = {f.name for f in dataclasses.fields(Turn)}
+    for i, t in enumerate(turns):
+        need(isinstance(t, dict) and set(t) == fields, f"turn {i + 1} does not have the fields {sorted(fields)}")
+        need(
+            isinstance(t["user"], str) and isinstance(t["reply"], str) and isinstance(t["finish_reason"], str),
+            f"turn {i + 1}: user, reply and finish_reason must be text",
+        )
+        need(ids(t["prompt_ids"]) and ids(t["reply_ids"]), f"turn {i + 1}: its ids are not token ids of this model")
 
 
 def _parse_value(field: str, text: str):

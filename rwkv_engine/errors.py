@@ -22,6 +22,11 @@ class InputError(RWKVEngineError):
     """A call got a bad argument: token ids out of range, an empty prompt, an unknown option."""
 
 
+class ModelOutputError(RWKVEngineError):
+    """The model computed logits that are NaN or infinite (weights or a state that are not
+    finite, or values so large that the forward overflowed): no token can be chosen from them."""
+
+
 class StateError(RWKVEngineError):
     """A recurrent state does not belong to the model it is used with, or its file is bad."""
 

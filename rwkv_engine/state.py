@@ -37,6 +37,9 @@ class State:
     def __init__(self, tensors: dict[str, Tensor], signature: str):
         if not tensors:
             raise StateError("a state needs at least one tensor")
+        flat = [k for k, t in tensors.items() if not isinstance(t, Tensor) or t.dim() == 0]
+        if flat:
+            raise StateError(f"state tensor {flat[0]!r} has no batch axis (a state's tensors are [B, ...])")
         sizes = {t.shape[0] for t in tensors.values()}
         if len(sizes) != 1:
             raise StateError(f"state tensors disagree on the batch size: {sorted(sizes)}")
@@ -112,6 +115,22 @@ class State:
             and all(torch.allclose(v, other._tensors[k], rtol=rtol, atol=atol) for k, v in self._tensors.items())
         )
 
+    def check_usable(self, model, batch_size: int | None = 1) -> None:
+        """StateError unless this state can start sequences of `model`: its signature, its batch
+        size (None: any), the layout of `model.new_state` (field names, shapes, dtypes) and finite
+        values. For a state from a file (a server's --state-dir, a saved chat): a wrong shape or a
+        NaN would fail (or poison) the first forward instead."""
+        if self.signature != model.config.state_signature():
+            raise StateError(f"the state belongs to another model ({self.signature})")
+        if batch_size is not None and self.batch_size != batch_size:
+            raise StateError(f"the state holds {self.batch_size} sequences, not {batch_size}")
+        want = {k: (t.shape[1:], t.dtype) for k, t in model.new_state(1).items()}
+        have = {k: (t.shape[1:], t.dtype) for k, t in self.items()}
+        if have != want:
+            raise StateError("the state does not have the fields, shapes and dtypes of this model's state")
+        if not all(bool(t.isfinite().all()) for t in self._tensors.values()):
+            raise StateError("the state holds NaN or infinite values")
+
     # --- files ------------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -169,19 +188,10 @@ def load_state(model, path: str | os.PathLike) -> State:
         except StateError:
             tensors = _read_safetensors(path)
             state = _time_state_file(model, path, tensors)
-    if state.signature != model.config.state_signature():
-        raise StateError(
-            f"{path}: the state belongs to another model ({state.signature}); this model is "
-            f"{model.config.state_signature()}"
-        )
-    if state.batch_size != 1:
-        raise StateError(f"{path}: the state holds {state.batch_size} sequences, not one")
-    fresh = model.new_state(1)
-    layout = lambda s: {k: (tuple(t.shape), t.dtype) for k, t in s.items()}  # noqa: E731
-    if layout(state) != layout(fresh):
-        raise StateError(f"{path}: the state does not have the shapes of this model's state")
-    if not all(bool(t.isfinite().all()) for _, t in state.items()):
-        raise StateError(f"{path}: the state holds NaN or infinite values")
+    try:
+        state.check_usable(model)
+    except StateError as e:
+        raise StateError(f"{path}: {e}") from None
     return state.to(model.device)
 
 

@@ -9,6 +9,7 @@ interruption writes.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -83,6 +84,9 @@ def first_run(model_path, tmp_path_factory):
     inp.write_text("\n".join(request_lines()) + "\n", encoding="utf-8")
     run = _batch(model_path, inp, out)
     assert run.returncode == 0, run.stderr[-3000:]
+    # N6: batch's own messages (not "rwkv-engine serve: ready"), with its rate and error count
+    assert "rwkv-engine serve" not in run.stderr and "rwkv-engine batch: ready" in run.stderr, run.stderr
+    assert re.search(r"lines answered \(\d+ ok, \d+ errors, [\d.]+ lines/s\)", run.stderr), run.stderr
     return inp, out, [json.loads(x) for x in out.read_text().splitlines()]
 
 
@@ -97,7 +101,7 @@ def _generate(ref, prompt, max_tokens, sampling, stop=()):
 def test_answers_in_order_and_equal_generate(ref, first_run):
     _, _, answers = first_run
     lines = request_lines()
-    assert [a["line"] for a in answers] == list(range(len(lines)))
+    assert [a["line"] for a in answers] == list(range(1, len(lines) + 1))
     for i, prompt in enumerate(PROMPTS):
         body = answers[i]["response"]["body"]
         assert answers[i]["error"] is None and answers[i]["response"]["status_code"] == 200
@@ -118,6 +122,8 @@ def test_bad_lines_get_an_error_each(first_run):
     n = len(PROMPTS) + 2
     not_json, bad_value, wrong_model, bad_url = answers[n:]
     assert not_json["response"]["status_code"] == 400 and "not JSON" in not_json["error"]["message"]
+    # N6: one numbering: the answer's "line" is the number its message names (an editor's, from 1)
+    assert f"line {not_json['line']} is not JSON" in not_json["error"]["message"]
     assert bad_value["response"]["status_code"] == 400 and "temperature" in bad_value["error"]["message"]
     assert wrong_model["response"]["status_code"] == 404 and wrong_model["error"]["code"] == "model_not_found"
     assert bad_url["custom_id"] == "bad-url" and bad_url["response"]["status_code"] == 400
@@ -176,3 +182,34 @@ def test_lines_are_split_on_newlines_only(tmp_path):
     f.write_bytes(("\r\n".join(json.dumps(b, ensure_ascii=False) for b in bodies) + "\n").encode())
     lines = read_lines(f)
     assert [json.loads(line.text) for line in lines] == bodies and [line.number for line in lines] == [0, 1]
+
+
+def test_a_line_busy_for_good_gets_an_error_line_not_endless_retries():
+    """R2, batch half: a line the server answers 429 on every try was retried forever and held up
+    every later line; after a bounded number of 429s it gets its error line and the run goes on."""
+    import asyncio
+
+    from rwkv_engine.batch import AppClient, Line
+
+    tries = []
+
+    async def app(scope, receive, send):  # a server always busy for the first prompt, fine for others
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        busy = json.loads(body)["prompt"] == "busy"
+        tries.append(busy)
+        status, payload = (429, {"error": {"message": "busy", "code": "queue_full"}}) if busy else (200, {"ok": 1})
+        headers = [(b"content-type", b"application/json"), (b"retry-after", b"0")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+    lines = [Line(0, json.dumps({"prompt": "busy"})), Line(1, json.dumps({"prompt": "fine"}))]
+    out = []
+    asyncio.run(asyncio.wait_for(AppClient(app, NAME, busy_retries=5).answer_all(lines, out.append, 2), 30))
+    assert [a["line"] for a in out] == [1, 2]
+    assert out[0]["response"]["status_code"] == 429 and "gave up after 6 tries" in out[0]["error"]["message"]
+    assert out[1]["error"] is None and tries.count(True) == 6

@@ -5,6 +5,7 @@ the common failures; the rest of the error mapping in-process through `main(argv
 processes of a test are started together, so the machine's cores overlap their start-up.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -177,3 +178,74 @@ def test_dispatcher_errors_in_process(capsys, monkeypatch):
         cap = capsys.readouterr()
         line = one_error_line(status, cap.out, cap.err)
         assert line.startswith("rwkv-engine generate: error: ")
+
+
+def test_help_and_flag_errors_come_before_any_heavy_import():
+    """N4: `generate --help` took 6 s and `generate M --dtype int8` 10 s: torch was imported
+    before the flags were parsed. Every command's --help and flag errors import no torch; every
+    command that computes has --threads (N5)."""
+    computing = [c for c in COMMANDS]  # every command loads a model and computes
+    script = f"""
+import contextlib, io, json, sys
+from rwkv_engine.cli import main
+out = {{}}
+for name in {computing!r}:
+    help_text, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(help_text):
+        rc_help = main([name, "--help"])
+    with contextlib.redirect_stderr(errors):
+        rc_bad = main([name, "m.pth", "out", "--dtype", "int8", "--threads", "0"])
+    out[name] = [rc_help, "--threads" in help_text.getvalue(), rc_bad, errors.getvalue()]
+out["torch imported"] = "torch" in sys.modules
+print(json.dumps(out))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got.pop("torch imported") is False
+    for name, (rc_help, has_threads, rc_bad, err) in got.items():
+        assert rc_help == 0 and has_threads, name
+        assert rc_bad == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (name, err)
+
+
+def test_threads_flag_sets_torch_threads(model_path, capsys):
+    """N5: --threads on generate (as on every command that computes) sets torch's thread count."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", str(model_path), "-p", "hi", "--max-tokens", "1", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+
+
+def test_out_of_range_port_and_convert_device_are_flag_errors(capsys):
+    """N3: `serve M.pth --port 70000` was an OverflowError traceback; N7: `convert --device` was
+    accepted and ignored. Both are one-line flag errors now (exit 2)."""
+    for argv, words in (
+        (["serve", "m.pth", "--port", "70000"], "0 to 65535"),
+        (["convert", "m.pth", "out", "--device", "cuda"], "--device"),
+    ):
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mistyped_local_path_fails_at_once(tmp_path, capsys, monkeypatch):
+    """N2: `generate models/nope.pth -p hi` spent 34 s on Hugging Face Hub retries, then showed a
+    Hub error. A path-like argument (a checkpoint suffix, ./, /, a folder that exists) that does
+    not exist is "no such file" at once."""
+    from rwkv_engine.loading.resolve import resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", lambda *a, **k: pytest.fail("went to the Hub"))
+    monkeypatch.setattr("huggingface_hub.list_repo_files", lambda *a, **k: pytest.fail("went to the Hub"))
+    for arg in ("models/nope.pth", "weights/nope.safetensors", "models/rwkv-7-world", "./m", "/nope/m.pth"):
+        with pytest.raises(rwkv_engine.CheckpointError, match="no such file"):
+            resolve(arg)
+    rc = main(["generate", "models/nope.pth", "-p", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "no such file" in err and "Hub" not in err, err

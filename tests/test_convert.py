@@ -1,5 +1,8 @@
 """`rwkv-engine convert` and rwkv-engine directories: the same model as on-the-fly quantization, safe writes."""
 
+import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -132,3 +135,21 @@ def test_converted_embedding_reads_rows_from_the_file(src, tmp_path):
     logits, _ = model.forward(IDS, all_logits=True)
     model.emb.file_rows = None  # the plain lookup through the mapping: the same model
     assert torch.equal(model.forward(IDS, all_logits=True)[0], logits)
+
+
+def test_a_killed_converts_partial_directory_is_cleaned_up(src, tmp_path, capfd):
+    """Smaller item: a SIGKILLed convert left its hidden .OUT.partial-* directory forever. The next
+    convert beside it removes the ones whose writer is dead (and says so), never a live one's."""
+    model = rwkv_engine.load(src)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name, pid in (("stale", dead.pid), ("live", os.getpid())):
+        d = tmp_path / f".out.partial-{name}"
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half a file")
+        (d / converted.OWNER_FILE).write_text(json.dumps({"pid": pid, "host": socket.gethostname()}))
+    converted.save(model, tmp_path / "out")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".out.partial-live", "out"], left
+    assert not (tmp_path / "out" / converted.OWNER_FILE).exists()
+    assert "removed 1 partial directory" in capfd.readouterr().err

@@ -90,3 +90,51 @@ def test_short_prompts_are_not_held_behind_a_long_prefill(model_and_tokenizer):
         long_handle.cancel()
     finally:
         engine.stop()
+
+
+def test_more_prompts_than_can_ever_fit_are_refused_before_queueing(model_and_tokenizer):
+    """R2: 80 prompts at once with --max-batch 8 --max-queue 64 can never all be taken: an
+    InputError naming the limit (not QueueFull "64 requests are already waiting", which a client
+    retries forever), and nothing of them is queued; a set that fits later is QueueFull, all or none."""
+    from rwkv_engine.errors import InputError
+    from rwkv_engine.serve.engine import QueueFull
+
+    model, tok = model_and_tokenizer
+    engine = Engine(model, tok, EngineConfig(max_batch=8, max_queue=64, state_cache_bytes=0))
+    engine.start()
+    wait_ready(engine)
+    endless = SamplingParams(temperature=0, max_tokens=100000, stop_token_ids=())
+    try:
+        with pytest.raises(InputError, match=r"80 prompts .* at most 72 .*max batch 8.*max queue 64"):
+            engine.submit_all([(Request([1, 2], endless), lambda e: None) for _ in range(80)])
+        assert engine.gauges()["requests_waiting"] == 0 and engine.gauges()["requests_running"] == 0
+        # 72 fit on an idle server: taken.
+        handles = engine.submit_all([(Request([1, 2], endless), lambda e: None) for _ in range(72)])
+        # Full now: two more are refused together, and neither is queued.
+        with pytest.raises(QueueFull):
+            engine.submit_all([(Request([1, 2], endless), lambda e: None) for _ in range(2)])
+        for h in handles:
+            h.cancel()
+        assert engine.gauges()["requests_waiting"] == 0
+    finally:
+        engine.stop()
+
+
+def test_one_request_takes_at_most_half_the_batch(model_and_tokenizer):
+    """Smaller item: with n equal to --max-batch one request held every slot; n is capped at half."""
+    from rwkv_engine.errors import InputError
+
+    model, tok = model_and_tokenizer
+    engine = Engine(model, tok, EngineConfig(max_batch=8, state_cache_bytes=0))
+    engine.start()
+    wait_ready(engine)
+    params = SamplingParams(temperature=0, max_tokens=1, stop_token_ids=())
+    try:
+        with pytest.raises(InputError, match=r"n must be an integer from 1 to 4 \(half of the server's max batch 8\)"):
+            engine.submit(Request([1, 2], params, n=8), lambda e: None)
+        done = threading.Event()
+        engine.submit(Request([1, 2], params, n=4), lambda e: done.set() if isinstance(e, Finished) else None)
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert Engine(model, tok, EngineConfig(max_batch=1)).max_choices == 1

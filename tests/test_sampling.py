@@ -5,6 +5,7 @@ it passes to `np.random.choice` and compare it with ours, step by step, feeding 
 token so that the penalty counts evolve together.
 """
 
+import json
 import math
 
 import numpy as np
@@ -73,6 +74,15 @@ def reference_probs(logits, temperature, top_p, top_k, monkeypatch):
 def test_bad_params_raise_input_error(bad):
     with pytest.raises(InputError):
         SamplingParams(**bad)
+
+
+def test_infinite_temperature_is_named_as_such():
+    """Smaller item: `temperature: 1e400` (JSON's inf) said "must be >= 0, got inf"."""
+    for t in (float("inf"), 1e400, json.loads("1e400")):
+        with pytest.raises(InputError, match=r"temperature must be a finite number >= 0 .*got inf"):
+            SamplingParams(temperature=t)
+    with pytest.raises(InputError, match=r"temperature must be a finite number >= 0 .*got -1"):
+        SamplingParams(temperature=-1)
 
 
 def test_params_normalise_and_replace():
@@ -413,3 +423,24 @@ def test_every_accepted_temperature_samples_without_nan(temperature, top_p):
         assert a == int(logits[0].argmax()) and b in (7, 9)
     sampler = Sampler(SamplingParams(temperature=temperature, top_p=top_p), 65536)
     assert sampler(logits[0]) == int(logits[0].argmax())
+
+
+def test_nan_or_infinite_logits_are_an_error_not_a_token():
+    """R6 / fuzz: NaN logits (a NaN weight or state) were sampled as token 0 by greedy ("stop",
+    empty output: NaN in, finite out) and raised torch's RuntimeError otherwise."""
+    from rwkv_engine.errors import ModelOutputError
+
+    V = 50
+    for bad in (float("nan"), float("inf")):
+        logits = torch.randn(3, V)
+        logits[1, 7] = bad
+        for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)):
+            samplers = [Sampler(params, V) for _ in range(3)]
+            with pytest.raises(ModelOutputError, match="NaN or infinite"):
+                Sampler.sample_batch(samplers, logits)
+            with pytest.raises(ModelOutputError):
+                samplers[1](logits[1])
+            assert samplers[0](logits[0]) >= 0  # the finite rows sample as usual
+    banned = torch.randn(V)
+    banned[:10] = -math.inf  # -inf (a ban) is fine
+    assert Sampler(SamplingParams(temperature=0), V)(banned) >= 10

@@ -559,7 +559,6 @@ BAD = [
         "stream_options",
     ),
     (COMPLETIONS, {"model": "gpt-4o", "prompt": "x"}, 404, "model"),
-    (COMPLETIONS, {"prompt": "x"}, 400, "model"),
     (CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
     (CHAT, {**OK_CHAT, "messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0]"),  # no tool_call_id
     (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": 7}]}, 400, "messages[0].content"),

@@ -107,6 +107,10 @@ def _run(prog: str, run, args) -> int:
     from ..errors import RWKVEngineError, StateError
 
     try:
+        if getattr(args, "threads", None) is not None:  # (every command that computes has --threads)
+            import torch
+
+            torch.set_num_threads(args.threads)
         return int(run(args) or 0)
     except StateError as e:  # a state file that does not fit the model: a usage error
         return _fail(prog, e, 2)

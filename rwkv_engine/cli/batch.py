@@ -8,11 +8,15 @@ interrupted run resumes where it stopped when started again with the same OUT.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
+import time
 from pathlib import Path
 
 from ..errors import InputError
 from . import common, serve
+
+PROGRESS_EVERY = 10.0  # seconds between progress lines when stderr is not a terminal
 
 HELP = "Answer a JSONL file of OpenAI request bodies, one answer line per request, resumable."
 
@@ -69,7 +73,7 @@ def config(args):
 
     return Config(
         serve.model_spec(args),
-        serve.engine_config(args),
+        dataclasses.replace(serve.engine_config(args), name="rwkv-engine batch"),
         serve.limits(args),
         ServerSettings(served_model_name=args.served_model_name),
     )
@@ -101,10 +105,19 @@ def run(args) -> int:
         return 0
     out = OutputFile(args.output)
     bar = tqdm(total=total, initial=done, desc="batch", unit="req", disable=not sys.stderr.isatty())
+    started = last = time.monotonic()
+
+    def progress() -> str:
+        rate = out.count / max(time.monotonic() - started, 1e-9)
+        return f"{done + out.count} of {total} lines, {rate:.2f} lines/s, {out.errors} errors"
 
     def write(answer: dict) -> None:
+        nonlocal last
         out.write(answer)
         bar.update(1)
+        if bar.disable and time.monotonic() - last >= PROGRESS_EVERY:  # (a terminal has the bar)
+            last = time.monotonic()
+            print(f"rwkv-engine batch: {progress()}", file=sys.stderr, flush=True)
 
     try:
         cfg = config(args)
@@ -135,8 +148,8 @@ def run(args) -> int:
         out.close()
         bar.close()
     print(
-        f"rwkv-engine batch: {out.count} lines answered ({out.ok} ok, {out.errors} errors), "
-        f"{done + out.count} of {total} in {args.output}",
+        f"rwkv-engine batch: {out.count} lines answered ({out.ok} ok, {out.errors} errors, "
+        f"{out.count / max(time.monotonic() - started, 1e-9):.2f} lines/s), {done + out.count} of {total} in {args.output}",
         file=sys.stderr,
     )
     return 0

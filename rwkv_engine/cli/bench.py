@@ -34,7 +34,6 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--repeats", type=int, default=2, help="prefill repeats, best is reported (default: %(default)s)"
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default, all cores)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -42,8 +41,6 @@ def _check(args) -> None:
     for name in ("prompt_len", "decode_tokens", "batch", "repeats"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.threads is not None and args.threads < 1:
-        raise InputError(f"--threads must be at least 1, got {args.threads}")
 
 
 def weight_bytes_per_step(model) -> int:
@@ -145,8 +142,6 @@ def run(args) -> int:
     _check(args)
     import torch
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model = _load(args)  # no tokenizer: bench feeds token ids
     load_s = time.perf_counter() - t0

@@ -11,8 +11,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..chat import DEFAULTS, ChatSession, plural
+from ..sampling_params import CHAT_SESSION as DEFAULTS
+
+if TYPE_CHECKING:  # (rwkv_engine.chat imports torch: only when the command runs)
+    from ..chat import ChatSession
 from ..chat_format import normalize_text as normalize_message
 from ..errors import InputError, RWKVEngineError
 from . import common
@@ -115,6 +119,8 @@ class _Terminal:
             if name == "/save":
                 self.say(f"(saved to {s.save(rest)})")
             else:
+                from ..chat import plural
+
                 s.load(rest)
                 self.say(f"(loaded {rest}: {plural(len(s.turns), 'turn')})")
         else:
@@ -143,6 +149,8 @@ class _Terminal:
 
 
 def run(args) -> int:
+    from ..chat import ChatSession, plural
+
     params = common.sampling_params(args, DEFAULTS)
     common.check_speculative_args(args)
     if args.load is not None and not Path(args.load).is_file():

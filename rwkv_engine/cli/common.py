@@ -22,18 +22,43 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1, with a one-line message otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    """--threads, which cli.main applies (torch.set_num_threads) before the command runs."""
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads torch computes with (default: torch's choice, one per core, or OMP_NUM_THREADS)",
+    )
+
+
+def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    """The model flags; device=False for a command that runs on the CPU whatever (convert)."""
     parser.add_argument(
         "model",
         help="model: a .pth / .safetensors file, a Hugging Face model directory, or a Hugging Face Hub id (org/name)",
     )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        type=device_arg,
-        metavar="{auto,cpu,cuda,cuda:N}",
-        help="device to run on: auto (default) picks CUDA when torch sees a GPU, else the CPU",
-    )
+    add_threads_arg(parser)
+    if device:
+        parser.add_argument(
+            "--device",
+            default="auto",
+            type=device_arg,
+            metavar="{auto,cpu,cuda,cuda:N}",
+            help="device to run on: auto (default) picks CUDA when torch sees a GPU, else the CPU",
+        )
     parser.add_argument(
         "--dtype",
         default="auto",

@@ -17,7 +17,7 @@ HELP = "Convert a checkpoint to an rwkv-engine directory (quantized, or in anoth
 
 
 def add_arguments(parser) -> None:
-    common.add_model_args(parser)
+    common.add_model_args(parser, device=False)  # (it converts on the CPU; the output loads on any device)
     parser.add_argument("out", help="output directory (must not exist)")
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from . import common
+
 HELP = "export a model to an ExecuTorch program (.pte) for phones and edge devices"
 
 
@@ -13,6 +15,7 @@ def add_arguments(parser) -> None:
         help="model: a .pth / .safetensors file, a Hugging Face model directory, or a Hugging Face Hub id (org/name)",
     )
     parser.add_argument("out", metavar="OUT.pte", help="the program file to write")
+    common.add_threads_arg(parser)
     parser.add_argument(
         "--quantization",
         "-q",

@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 from ..errors import InputError
-from ..sampling import COMPLETION
-from ..structured import check_json_schema
+from ..sampling_params import COMPLETION
 from . import common
 
 HELP = "Continue a prompt with an RWKV model, streaming the text to stdout."
@@ -76,6 +75,8 @@ def read_schema(path: str | None):
         schema = json.loads(text)
     except ValueError as e:
         raise InputError(f"--json-schema {path}: not valid JSON ({e})") from None
+    from ..structured import check_json_schema
+
     check_json_schema(schema)
     return schema
 

@@ -65,6 +65,16 @@ def _max_batch(text: str) -> int:
 _non_negative = _int_at_least(0)
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 to 65535 (a larger one made the bind raise OverflowError)."""
+    import argparse
+
+    value = _non_negative(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {text!r}")
+    return value
+
+
 def _seconds(text: str) -> float:
     import argparse
 
@@ -89,7 +99,7 @@ def add_arguments(parser) -> None:
     )
     g.add_argument(
         "--port",
-        type=_non_negative,
+        type=_port,
         default=8000,
         metavar="PORT",
         help="TCP port; 0 = any free port (default: %(default)s)",
@@ -154,6 +164,13 @@ def add_arguments(parser) -> None:
         metavar="SECONDS",
         help="close a connection whose request headers are not complete this long after their first "
         "byte (default: %(default)g)",
+    )
+    s.add_argument(
+        "--write-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection whose client reads none of a queued answer for this long (default: %(default)g)",
     )
     s.add_argument(
         "--body-timeout",
@@ -319,6 +336,7 @@ def config(args, environ=None):
         allowed_hosts=tuple(args.allowed_host),
         cors_origins=tuple(args.cors_origin),
         header_timeout=args.header_timeout,
+        write_timeout=args.write_timeout,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
         shutdown_timeout=args.shutdown_timeout,

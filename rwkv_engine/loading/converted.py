@@ -16,9 +16,12 @@ renames it into place at the end, so an interrupted convert never leaves a direc
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -66,6 +69,38 @@ def _meta(model, scheme) -> dict:
     }
 
 
+OWNER_FILE = ".writer"  # in a partial directory: {"pid", "host"} of the process writing it
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Remove the partial directories beside `out` that a killed convert left (their writer, on
+    this host, is no longer running); say so on stderr. A live writer's directory is kept."""
+    removed = 0
+    for d in out.resolve().parent.glob(f".{glob.escape(out.name)}.partial-*"):
+        try:
+            owner = json.loads((d / OWNER_FILE).read_text())
+            pid, host = int(owner["pid"]), owner["host"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to judge (no owner file: an older version's, or not a convert's)
+        if host != socket.gethostname() or pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or another user's process): kept
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed += 1
+    if removed:
+        print(
+            f"rwkv-engine: removed {removed} partial director{'y' if removed == 1 else 'ies'} of interrupted "
+            f"converts beside {out}",
+            file=sys.stderr,
+        )
+
+
 def _write_dir(out: Path, model, specs: dict, write_tensors, tokenizer_source: Path | None) -> Path:
     """Write the directory beside `out` and rename it into place once complete. write_tensors(writer)
     writes every tensor of `specs` through the SafetensorsWriter it is given."""
@@ -74,8 +109,10 @@ def _write_dir(out: Path, model, specs: dict, write_tensors, tokenizer_source: P
         raise InputError(f"{out}: already exists; choose a new output directory")
     if not out.resolve().parent.is_dir():
         raise InputError(f"{out.parent}: no such directory")
+    _remove_stale_partials(out)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.resolve().parent))
     try:
+        (tmp / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         writer = SafetensorsWriter(tmp / "model.safetensors", specs, {"format": "pt"})
         try:
             write_tensors(writer)
@@ -95,6 +132,7 @@ def _write_dir(out: Path, model, specs: dict, write_tensors, tokenizer_source: P
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if tokenizer_source is not None:
             shutil.copy(tokenizer_source, tmp / tokenizer_source.name)
+        (tmp / OWNER_FILE).unlink()
         umask = os.umask(0)
         os.umask(umask)
         for f in tmp.iterdir():

@@ -225,6 +225,8 @@ def open_checkpoint(path: Path) -> Checkpoint:
             ck.hf_config = json.loads(config.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{config}: not valid JSON ({e})") from None
+        if not isinstance(ck.hf_config, dict):
+            raise CheckpointError(f"{config}: not a JSON object")
         for name in _HF_WEIGHTS:
             if (path / name).is_file():
                 break

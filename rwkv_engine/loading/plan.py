@@ -41,6 +41,12 @@ def _check_names(ck: Checkpoint, cfg: ModelConfig, expected) -> dict[str, str | 
         raise CheckpointError(
             f"{ck.where}: {len(unknown)} unknown tensor(s) for an RWKV-{cfg.version} model: {', '.join(unknown[:5])}"
         )
+    odd = [k for k, t in mapping.items() if t is not None and not ck.dtype(k).is_floating_point]
+    if odd:  # (int8 / bool / complex: not weights this loader knows; casting them would be silent garbage)
+        raise CheckpointError(
+            f"{ck.where}: tensor {odd[0]} is {str(ck.dtype(odd[0])).removeprefix('torch.')}; "
+            "an RWKV checkpoint's tensors are floating-point"
+        )
     have = {t for t in mapping.values() if t is not None}
     missing = sorted(k for k in expected if k not in have and k != "emb.weight")
     if "blocks.0.ln0.weight" not in ck or "blocks.0.ln0.bias" not in ck:

@@ -9,6 +9,17 @@ from pathlib import Path
 from ..errors import CheckpointError
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/[\w./-]+)?")
+_CHECKPOINT_SUFFIXES = (".pth", ".pt", ".safetensors", ".bin", ".gguf", ".pte")
+
+
+def _path_like(text: str) -> bool:
+    """An argument meant as a local path, not a hub id: it starts with ./ / ~, its first folder
+    exists here, or it is `folder/file` with a checkpoint suffix (a hub id names a file only
+    after `org/name/`)."""
+    if text.startswith((".", "/", "~")) or not _HUB_ID.fullmatch(text):
+        return True
+    parts = text.split("/")
+    return Path(parts[0]).is_dir() or (len(parts) == 2 and parts[1].lower().endswith(_CHECKPOINT_SUFFIXES))
 
 
 def resolve(path_or_id: str | os.PathLike) -> Path:
@@ -17,7 +28,7 @@ def resolve(path_or_id: str | os.PathLike) -> Path:
     if path.exists():
         return path
     text = str(path_or_id)
-    if not _HUB_ID.fullmatch(text) or text.startswith((".", "/", "~")):
+    if _path_like(text):
         raise CheckpointError(f"{text}: no such file or directory")
     try:
         import huggingface_hub as hub
@@ -41,5 +52,8 @@ def resolve(path_or_id: str | os.PathLike) -> Path:
         raise
     except Exception as e:
         raise CheckpointError(
-            f"{text}: not a local file, and fetching it from the Hugging Face Hub failed ({type(e).__name__}: {e})"
+            f"{text}: not a local file, and fetching it from the Hugging Face Hub failed ({type(e).__name__}: "
+            f"{str(e)[:300]}). A local file: check the path. No network: HF_HUB_OFFLINE=1 uses only what is "
+            f"cached; or download it elsewhere (huggingface-cli download {'/'.join(text.split('/')[:2])} "
+            "--local-dir DIR) and pass DIR"
         ) from None

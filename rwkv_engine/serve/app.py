@@ -122,7 +122,31 @@ def add_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
     async def _client_gone(request, e: ClientDisconnect):
         return Response(status_code=499)  # (nobody reads it) a cancel: not an error, no traceback
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request, e: Exception):
-        traceback.print_exception(e, file=sys.stderr)
-        return error(500, f"internal server error ({type(e).__name__})")
+    # Not an exception handler for Exception: Starlette calls that one, then re-raises to the
+    # server, which logs the error a second time (and an in-process client gets it raised).
+    app.add_middleware(_Unexpected, error=error)
+
+
+class _Unexpected:
+    """An error no handler took: logged once (its traceback on stderr) and answered 500."""
+
+    def __init__(self, app, error):
+        self.app, self.error = app, error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as e:
+            print("rwkv-engine serve: an unexpected error in a request:", file=sys.stderr)
+            traceback.print_exception(e, file=sys.stderr)
+            if not started:  # (else the answer is cut short: the client sees it end early)
+                await self.error(500, f"internal server error ({type(e).__name__})")(scope, receive, send)

@@ -101,13 +101,4 @@ class SavedStates:
         except StateError as e:  # (its message names the server's path: not for clients)
             why = str(e).split(": ", 1)[-1]
             raise APIError(400, f"state {name!r}: {why}", param="state") from None
-        if state.signature != model.config.state_signature():
-            raise APIError(400, f"state {name!r} belongs to another model ({state.signature})", param="state")
-        if state.batch_size != 1:
-            raise APIError(400, f"state {name!r} holds {state.batch_size} sequences, not one", param="state")
-        layout = lambda s: {k: (t.shape, t.dtype) for k, t in s.items()}  # noqa: E731
-        if layout(state) != layout(model.new_state(1)):
-            raise APIError(400, f"state {name!r} does not have the shapes of this model's state", param="state")
-        if not all(bool(t.isfinite().all()) for _, t in state.items()):
-            raise APIError(400, f"state {name!r} holds NaN or infinite values", param="state")
         return state

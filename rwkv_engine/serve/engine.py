@@ -97,6 +97,7 @@ class EngineConfig:
     draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
     draft_quantization: str = "q4"  # of the twin draft
     max_draft: int = 8  # most tokens drafted per pass
+    name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "prefill_chunk"):
@@ -338,6 +339,44 @@ class Engine:
 
     def submit(self, request: Request, sink: Sink) -> Handle:
         """Queue a request. Raises InputError (bad ids or params), QueueFull, EngineStopped."""
+        return self.submit_all([(request, sink)])[0]
+
+    def submit_all(self, requests: Sequence[tuple[Request, Sink]]) -> list[Handle]:
+        """Queue (request, sink) pairs, all or none, in one step: no other request is queued
+        between them, and none of them runs unless all are queued. Raises InputError (bad ids
+        or params, or more requests than the queue and the batch can ever hold together),
+        QueueFull (they fit, but not now), EngineStopped."""
+        capacity = self.config.max_batch + self.config.max_queue
+        if len(requests) > capacity:
+            raise InputError(
+                f"{len(requests)} prompts in one request; this server takes at most {capacity} at once "
+                f"(max batch {self.config.max_batch} + max queue {self.config.max_queue})"
+            )
+        groups = [self._prepare(request) for request, _ in requests]
+        with self._cond:
+            if not self.alive:
+                raise EngineStopped("the engine is not running")
+            # Requests not yet admitted while slots are free take a slot at the next turn:
+            # only those beyond the free slots wait.
+            free = max(0, self.config.max_batch - self._holding)
+            waiting = len(self._waiting) - free
+            if waiting + len(requests) > self.config.max_queue:
+                raise QueueFull(f"the server is busy: {max(0, waiting)} requests are already waiting")
+            handles = []
+            for (request, sink), (samplers, streams) in zip(requests, groups):
+                group = [
+                    _Sequence(next(self._ids), request, sink, s, t, i)
+                    for i, (s, t) in enumerate(zip(samplers, streams))
+                ]
+                for s in group:
+                    s.group = group
+                self._waiting.append(group[0])
+                handles.append(Handle(self, group[0]))
+            self._cond.notify_all()
+        return handles
+
+    def _prepare(self, request: Request) -> tuple[list[Sampler], list[TextStream]]:
+        """Check a request (its prompt ids are normalised in place); each choice's sampler and stream."""
         vocab = self.model.config.vocab_size
         request.prompt_ids = encode_prompt(self.tokenizer, request.prompt_ids, vocab)
         if request.start_state is not None and request.start_state.batch_size != 1:
@@ -351,30 +390,21 @@ class Engine:
             grammar = grammar_for(request.params, self.tokenizer, vocab)
             constraint = grammar and grammar.constraint
         samplers = [Sampler(p, vocab, constraint=constraint and constraint()) for p in params]
-        streams = [TextStream(self.tokenizer, p) for p in params]
-        with self._cond:
-            if not self.alive:
-                raise EngineStopped("the engine is not running")
-            # Requests not yet admitted while slots are free take a slot at the next turn:
-            # only those beyond the free slots wait.
-            free = max(0, self.config.max_batch - self._holding)
-            waiting = len(self._waiting) - free
-            if waiting >= self.config.max_queue:
-                raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
-            group = [
-                _Sequence(next(self._ids), request, sink, s, t, i) for i, (s, t) in enumerate(zip(samplers, streams))
-            ]
-            for s in group:
-                s.group = group
-            seq = group[0]
-            self._waiting.append(seq)
-            self._cond.notify_all()
-        return Handle(self, seq)
+        return samplers, [TextStream(self.tokenizer, p) for p in params]
+
+    @property
+    def max_choices(self) -> int:
+        """The most choices (`n`) one request may have: half the batch, so one request never
+        takes every slot (for a batch of 1, 1)."""
+        return max(1, self.config.max_batch // 2)
 
     def _check_choices(self, request: Request) -> None:
-        n, k = request.n, request.logprobs
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_batch:
-            raise InputError(f"n must be an integer from 1 to {self.config.max_batch} (the batch size), got {n!r}")
+        n, k, top = request.n, request.logprobs, self.max_choices
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= top:
+            raise InputError(
+                f"n must be an integer from 1 to {top} (half of the server's max batch {self.config.max_batch}), "
+                f"got {n!r}"
+            )
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise InputError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
 
@@ -421,14 +451,14 @@ class Engine:
             self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
         _, state = self.model.forward([0] * (GEMV_MAX_ROWS + 1))  # the GEMM / chunked-WKV path
         decode_rows(self.model, torch.zeros(1, 1, dtype=torch.long), state)  # the per-row step
-        print(f"rwkv-engine serve: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        print(f"{self.config.name}: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
 
     def _loop(self) -> None:
         try:
             try:
                 self._warm_up()
             except Exception as e:
-                print("rwkv-engine serve: the warm-up forward failed; nothing can be served:", file=sys.stderr)
+                print(f"{self.config.name}: the warm-up forward failed; nothing can be served:", file=sys.stderr)
                 traceback.print_exception(e, file=sys.stderr)
                 return
             self._ready = True
@@ -777,7 +807,7 @@ class Engine:
         if isinstance(error, RWKVEngineError):
             message = str(error)
         else:
-            print("rwkv-engine serve: a model step failed:", file=sys.stderr)
+            print(f"{self.config.name}: a model step failed:", file=sys.stderr)
             traceback.print_exception(error, file=sys.stderr)
             message = f"the model step failed ({type(error).__name__}); the request was dropped"
         for seq in seqs:

@@ -75,9 +75,9 @@ def submit(
     """One engine request per prompt (n choices each); all or none are queued. `constraint`:
     a fresh grammar Constraint per call (structured.py), for each choice."""
     job = Job(asyncio.get_running_loop())
-    try:
-        for i, ids in enumerate(prompts):
-            request = Request(
+    requests = [
+        (
+            Request(
                 ids,
                 params,
                 state,
@@ -87,16 +87,18 @@ def submit(
                 echo=echo,
                 constraint=constraint,
                 speculative=speculative,
-            )
-            job.handles.append(engine.submit(request, job.sink(i * n)))
+            ),
+            job.sink(i * n),
+        )
+        for i, ids in enumerate(prompts)
+    ]
+    try:
+        job.handles = engine.submit_all(requests)  # all or none, and a set that can never fit is an InputError
     except QueueFull as e:
-        job.cancel()
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
     except EngineStopped as e:
-        job.cancel()
         raise APIError(503, str(e), code="unavailable") from None
     except InputError as e:
-        job.cancel()
         raise APIError(400, str(e)) from None
     job.choices = len(prompts) * n
     return job

@@ -85,7 +85,10 @@ def serve(config: Config, sock: socket.socket) -> int:
     )
     uconfig.load()
     uconfig.http_protocol_class = guarded_protocol(
-        uconfig.http_protocol_class, connection_budget(settings.max_connections), settings.header_timeout
+        uconfig.http_protocol_class,
+        connection_budget(settings.max_connections),
+        settings.header_timeout,
+        settings.write_timeout,
     )
     server = _server_class()(uconfig, engine, settings.shutdown_timeout)
     # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's default

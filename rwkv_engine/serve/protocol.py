@@ -136,7 +136,7 @@ MAX_CHOICES = 128  # OpenAI's limit on n (the engine's batch size may allow fewe
 class _SamplingFields(_Strict):
     """The fields completions and chat completions share."""
 
-    model: str
+    model: str | None = None  # None: the served model (as llama.cpp's server)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)

@@ -74,6 +74,7 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()  # Host names besides the loopback ones; "*" = any
     cors_origins: tuple[str, ...] = ()
     header_timeout: float = 10.0
+    write_timeout: float = 30.0  # a client that reads nothing of a queued answer this long is cut off
     body_timeout: float = 30.0
     max_connections: int = 512
     shutdown_timeout: int = 30

@@ -248,14 +248,20 @@ class Generation:
             if not stream.is_stop_token(token):
                 logits, state = self.model.forward([token], state=self.state)
                 self.state = state
-            text = stream.push(token)
-            stats.generated_tokens = len(stream.tokens)
-            stats.decode_seconds = time.perf_counter() - t1
-            stats.finish_reason = stream.finish_reason
+            text = self._push(token, t1)
             if text:
                 yield text
             if stream.done:
                 return
+
+    def _push(self, token: int, t1: float) -> str:
+        """Feed a decided token to the text stream and the stats; the new text."""
+        stats, stream = self.stats, self.stream
+        text = stream.push(token)
+        stats.generated_tokens = len(stream.tokens)
+        stats.decode_seconds = time.perf_counter() - t1
+        stats.finish_reason = stream.finish_reason
+        return text
 
     def _run_speculative(self, logits, t1: float) -> Iterator[str]:
         stats, stream = self.stats, self.stream
@@ -272,10 +278,7 @@ class Generation:
         dec.limit = self.params.max_tokens
         self._decoder = dec
         for token in dec.tokens(frozenset(self.params.stop_token_ids)):
-            text = stream.push(token)
-            stats.generated_tokens = len(stream.tokens)
-            stats.decode_seconds = time.perf_counter() - t1
-            stats.finish_reason = stream.finish_reason
+            text = self._push(token, t1)
             if text:
                 yield text
             if stream.done:

@@ -34,7 +34,14 @@ from . import test_native_step as TS
 from .test_lora import ckpts  # noqa: F401  (fixture)
 from .test_native_step import checkpoints  # noqa: F401  (fixture)
 
-LEVELS = [lv.name for lv in native.LEVELS]
+# Every level with this CPU's tuning, and the AVX-512 levels also with the others (native.TUNINGS:
+# 256- or 512-bit int8 / int4 GEMVs): avx512 (no VNNI: other int instructions) with both at 512
+# bits, avx512_bf16 with each.
+LEVELS = (
+    [lv.name for lv in native.LEVELS]
+    + ["avx512/int512"] * (native.tuning("avx512") != "int512")
+    + [f"avx512_bf16/{t}" for t in native.TUNINGS if t != native.tuning("avx512_bf16")]
+)
 # Compilers for a level of another architecture than this machine's (Debian's cross compilers).
 CROSS = {"aarch64": "aarch64-linux-gnu-g++", "x86_64": "x86_64-linux-gnu-g++"}
 # level -> what happened to it in this run ("compiled", "ran", "skipped: why"), for the summary.
@@ -51,16 +58,17 @@ def _compiler_for(lv: native.Level) -> str:
 
 @pytest.mark.parametrize("name", LEVELS)
 def test_every_level_compiles(name):
-    lv = native.level(name)
+    lv = native.parse_spec(name)[0]
     cxx = _compiler_for(lv)
     if shutil.which(cxx) is None:
         _note(name, f"compile skipped: no {cxx}")
         pytest.skip(f"{name}: no {cxx} on PATH (Debian: g++-{lv.arch.replace('_', '-')}-linux-gnu)")
-    assert native.build_kernels(lv, cxx=cxx).exists()  # (the standalone driver: test_kernel_cases_against_pytorch)
+    assert native.build_kernels(name, cxx=cxx).exists()  # (the standalone driver: test_kernel_cases_against_pytorch)
     _note(name, "compiled")
 
 
 def _why_not_runnable(name: str) -> str:
+    name = name.partition("/")[0]
     for lv, why in native.supported_levels():
         if lv.name == name:
             return why
@@ -78,7 +86,7 @@ def level_in_use(request):
         _note(name, f"run skipped: {why}")
         pytest.skip(f"{name}: {why}")
     with native.using(name) as ops:
-        assert ops.isa() == name
+        assert ops.isa() == name.partition("/")[0]
         yield name
     _note(name, f"ran {request.node.name.split('[')[0]}")
 

@@ -152,6 +152,15 @@ def test_env_forces_a_level_or_turns_the_kernels_off():
     assert out == "None" and "'avx1024' is not an ISA level" in err and err.count("\n") == 1
 
 
+def test_tuning_follows_the_cpu_family():
+    intel, zen4, zen5 = ("GenuineIntel", 6), ("AuthenticAMD", 25), ("AuthenticAMD", 26)
+    assert [native.tuning("avx512_bf16", c) for c in (intel, zen4, zen5)] == ["int512", "int256", "int256"]
+    assert native.tuning("avx2", intel) == "int256" and native.tuning("neon", intel) == ""
+    assert native.tuning_flags("int512") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512")
+    lib = native.library_path("avx512_bf16/int8_512")
+    assert lib.name.startswith("avx512_bf16_int8_512_") and lib != native.library_path("avx512_bf16/int256")
+
+
 def test_choose_level_follows_the_cpu_features(monkeypatch):
     monkeypatch.setattr(build, "_arch", lambda: "x86_64")
     monkeypatch.setattr(build, "_cpu_features", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw"})

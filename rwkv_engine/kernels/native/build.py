@@ -24,9 +24,9 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
 
 Within a level, choices per CPU family are made at load from cpuid's vendor and family
 (`tuning`, `TUNINGS`): the AVX-512 levels build their int8 / int4 GEMVs on 512-bit vectors where
-the core runs 512-bit instructions at full width (Intel: "int512"; AMD Zen 5: int8 only,
-"int8_512") and on 256-bit ones where it splits them (Zen 4 and older: "int256"). The same
-sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
+the core runs 512-bit instructions at full width and it pays (Intel: "int512") and on 256-bit
+ones elsewhere ("int256": Zen 4 splits them; on Zen 5 "int8_512" won at batch 4-8 and lost 2-3%
+at batch 1, see TUNINGS). The same sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
 bench_kernels.py `--baseline isa:avx512_bf16/int256` run another one, and `+OPTION`s (OPTIONS:
 the AMX path off, or emulated) are for tests and A/B runs.
 """
@@ -189,10 +189,11 @@ def cpu_family() -> tuple[str, int] | None:
 
 # Per-CPU-family choices within a level, made at load from cpuid (the same sources, compiled with
 # these defines; the library's name says which): the int8 / int4 GEMVs on 512-bit vectors (simd.h
-# v512) or 256-bit ones. Intel's AVX-512 cores run 512-bit instructions at full width: both.
-# AMD Zen 5 (family 26) too, but there only int8 gained (1 thread, weights in cache, against
-# 256-bit: int8 1.1-1.35x at batch 1 and 8; int4 0.76-0.93x at batch 8, as fast at batch 1).
-# Zen 4 (family 25) and older split 512-bit instructions into halves: 256-bit (simd.h).
+# v512) or 256-bit ones. Intel's AVX-512 cores run 512-bit instructions at full width: both at
+# 512 bits there. AMD Zen 5 (family 26) does too, but measured there against 256-bit (2 threads,
+# decode steps of a 0.4B q8 model, A/B every step): int8 at 512 bits 1.09-1.10x at batch 4 and 8
+# but 0.965-0.98x at batch 1, and int4 at 512 bits 0.76-0.93x at batch 8 (1 thread, in cache);
+# batch 1 decides: 256-bit, as on Zen 4 and older, which split 512-bit instructions (simd.h).
 TUNINGS = {
     "int256": (),
     "int8_512": ("-DRWKV_INT8_512",),
@@ -208,10 +209,8 @@ def tuning(lv: Level | str, cpu: tuple[str, int] | None = None) -> str:
     lv = level(lv) if isinstance(lv, str) else lv
     if not lv.name.startswith("avx512"):
         return "int256" if lv.arch == "x86_64" else ""
-    vendor, family = cpu or cpu_family() or ("", 0)
-    if vendor == "GenuineIntel":
-        return "int512"
-    return "int8_512" if vendor == "AuthenticAMD" and family >= 26 else "int256"
+    vendor, _family = cpu or cpu_family() or ("", 0)  # (Zen 5, family 26: see above)
+    return "int512" if vendor == "GenuineIntel" else "int256"
 
 
 def tuning_flags(tune: str) -> tuple[str, ...]:

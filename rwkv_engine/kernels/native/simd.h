@@ -22,7 +22,7 @@
 // `iv8` / `iv4` name the vectors of the int8 / int4 GEMVs (kernels.cpp IntKernel): the level's
 // own on AVX2 and NEON; on the AVX-512 levels 512-bit ones (v512) where the build defines
 // RWKV_INT8_512 / RWKV_INT4_512 (chosen per CPU family at load, see TUNINGS in
-// kernels/native/__init__.py), else 256-bit ones (v256: the AVX2 primitives, with VNNI's vpdpwssd
+// kernels/native/build.py), else 256-bit ones (v256: the AVX2 primitives, with VNNI's vpdpwssd
 // and the 32 registers of AVX-512VL). Zen 4 runs a 512-bit instruction as two 256-bit halves:
 // measured there, the 512-bit form took as many instructions per 64 multiply-adds but was 5-10%
 // slower at batch 1 (int4, when it took int16 x: zero-extending 32 codes to 512 bits; int8 group
@@ -221,8 +221,8 @@ inline F dot_bf16(F acc, H2 a, H2 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a,
 #endif
 
 // 512-bit vectors for the int8 / int4 GEMVs (iv8 / iv4), built where the CPU runs a 512-bit
-// instruction at full width (Intel Xeons with AVX-512, AMD Zen 5; kernels/native/__init__.py
-// TUNINGS): a chunk of 64 columns is half the instructions of v256's (int8: two vpdpwssd instead
+// instruction at full width (Intel Xeons with AVX-512; AMD Zen 5 measured better on 256-bit at
+// batch 1, see TUNINGS in kernels/native/build.py): a chunk of 64 columns is half the instructions of v256's (int8: two vpdpwssd instead
 // of four; int4: one vpdpbusd instead of two), and the accumulators are 16 lanes. The sums of a
 // chunk are the same exact integers as v256's, in other lanes, so only the fp32 accumulation order
 // (and so the last bits) differs between the two builds; each is batch invariant.

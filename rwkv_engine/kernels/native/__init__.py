@@ -104,16 +104,18 @@ def amx_min_rows() -> int | None:
     """From how many rows of x a pass of a bf16 GEMV (bf16 weights, x exact in bf16) runs on AMX
     tiles with the kernels in use (amx.cpp: results differ from the vector kernel's in the last
     bits), None where it never does: no AMX (cpuid, as /proc/cpuinfo lists it), not the
-    avx512_bf16 level, or a '+no_amx' build; a '+amx_emulate' build runs emulated tiles."""
+    avx512_bf16 level, or a build without '+amx' (opt-in, build.OPTIONS); a '+amx_emulate' build
+    runs emulated tiles."""
     from .build import _cpu_features
 
     name = isa()
     if name is None:
         return None
     lv, tune = parse_spec(_using[-1] if _using else name)
-    if lv.name != "avx512_bf16" or "no_amx" in tune:
+    opts = set(tune.split("+")[1:])
+    if lv.name != "avx512_bf16" or "no_amx" in opts:
         return None
-    if "amx_emulate" in tune or {"amx_tile", "amx_bf16"} <= (_cpu_features() or set()):
+    if "amx_emulate" in opts or ("amx" in opts and {"amx_tile", "amx_bf16"} <= (_cpu_features() or set())):
         return AMX_MIN_ROWS
     return None
 

@@ -199,9 +199,11 @@ TUNINGS = {
     "int8_512": ("-DRWKV_INT8_512",),
     "int512": ("-DRWKV_INT8_512", "-DRWKV_INT4_512"),
 }
-# Build options that tests and A/B runs add to a tuning ('LEVEL/TUNING+OPTION'): the AMX path of
-# amx.cpp off, or run by its scalar tile emulation (on any x86 CPU: the tests of its tiling).
-OPTIONS = {"no_amx": ("-DRWKV_NO_AMX",), "amx_emulate": ("-DRWKV_AMX_EMULATE",)}
+# Build options added to a tuning ('LEVEL/TUNING+OPTION'). The AMX tiles of amx.cpp are opt-in
+# ('+amx', e.g. native.using("avx512_bf16/+amx")) until they have run on AMX hardware: only
+# their scalar emulation ('+amx_emulate', on any x86 CPU) has been tested. Without either option
+# a build has no AMX path ('+no_amx' says so explicitly).
+OPTIONS = {"amx": (), "no_amx": (), "amx_emulate": ("-DRWKV_AMX_EMULATE",)}
 
 
 def tuning(lv: Level | str, cpu: tuple[str, int] | None = None) -> str:
@@ -218,7 +220,8 @@ def tuning_flags(tune: str) -> tuple[str, ...]:
     base, *opts = tune.split("+")
     if base and base not in TUNINGS or any(o not in OPTIONS for o in opts):
         raise ValueError(f"unknown tuning {tune!r}; known: {', '.join(TUNINGS)}, each with +{', +'.join(OPTIONS)}")
-    return TUNINGS.get(base, ()) + tuple(f for o in opts for f in OPTIONS[o])
+    flags = TUNINGS.get(base, ()) + tuple(f for o in opts for f in OPTIONS[o])
+    return flags if {"amx", "amx_emulate"} & set(opts) else (*flags, "-DRWKV_NO_AMX")
 
 
 def parse_spec(spec: str) -> tuple[Level, str]:

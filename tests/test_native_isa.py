@@ -34,7 +34,14 @@ from . import test_native_step as TS
 from .test_lora import ckpts  # noqa: F401  (fixture)
 from .test_native_step import checkpoints  # noqa: F401  (fixture)
 
-LEVELS = [lv.name for lv in native.LEVELS]
+# Every level with this CPU's tuning, and the AVX-512 levels also with the others (native.TUNINGS:
+# 256- or 512-bit int8 / int4 GEMVs): avx512 (no VNNI: other int instructions) with both at 512
+# bits, avx512_bf16 with each.
+LEVELS = (
+    [lv.name for lv in native.LEVELS]
+    + ["avx512/int512"] * (native.tuning("avx512") != "int512")
+    + [f"avx512_bf16/{t}" for t in native.TUNINGS if t != native.tuning("avx512_bf16")]
+)
 # Compilers for a level of another architecture than this machine's (Debian's cross compilers).
 CROSS = {"aarch64": "aarch64-linux-gnu-g++", "x86_64": "x86_64-linux-gnu-g++"}
 # level -> what happened to it in this run ("compiled", "ran", "skipped: why"), for the summary.
@@ -51,16 +58,17 @@ def _compiler_for(lv: native.Level) -> str:
 
 @pytest.mark.parametrize("name", LEVELS)
 def test_every_level_compiles(name):
-    lv = native.level(name)
+    lv = native.parse_spec(name)[0]
     cxx = _compiler_for(lv)
     if shutil.which(cxx) is None:
         _note(name, f"compile skipped: no {cxx}")
         pytest.skip(f"{name}: no {cxx} on PATH (Debian: g++-{lv.arch.replace('_', '-')}-linux-gnu)")
-    assert native.build_kernels(lv, cxx=cxx).exists()  # (the standalone driver: test_kernel_cases_against_pytorch)
+    assert native.build_kernels(name, cxx=cxx).exists()  # (the standalone driver: test_kernel_cases_against_pytorch)
     _note(name, "compiled")
 
 
 def _why_not_runnable(name: str) -> str:
+    name = name.partition("/")[0]
     for lv, why in native.supported_levels():
         if lv.name == name:
             return why
@@ -78,7 +86,7 @@ def level_in_use(request):
         _note(name, f"run skipped: {why}")
         pytest.skip(f"{name}: {why}")
     with native.using(name) as ops:
-        assert ops.isa() == name
+        assert ops.isa() == name.partition("/")[0]
         yield name
     _note(name, f"ran {request.node.name.split('[')[0]}")
 
@@ -142,6 +150,15 @@ def test_env_forces_a_level_or_turns_the_kernels_off():
     assert out == "None" and err.count("RWKV_ENGINE_ISA=none") == 1
     out, err = _isa_in_subprocess("avx1024")
     assert out == "None" and "'avx1024' is not an ISA level" in err and err.count("\n") == 1
+
+
+def test_tuning_follows_the_cpu_family():
+    intel, zen4, zen5 = ("GenuineIntel", 6), ("AuthenticAMD", 25), ("AuthenticAMD", 26)
+    assert [native.tuning("avx512_bf16", c) for c in (intel, zen4, zen5)] == ["int512", "int256", "int256"]
+    assert native.tuning("avx2", intel) == "int256" and native.tuning("neon", intel) == ""
+    assert native.tuning_flags("int512") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512")
+    lib = native.library_path("avx512_bf16/int8_512")
+    assert lib.name.startswith("avx512_bf16_int8_512_") and lib != native.library_path("avx512_bf16/int256")
 
 
 def test_choose_level_follows_the_cpu_features(monkeypatch):

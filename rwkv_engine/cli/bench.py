@@ -5,10 +5,10 @@ decode then feeds one token per row per step from that state and reports the med
 token ids are fixed pseudo-random ids, so runs are comparable. Decode is memory-bound: every
 step reads every weight but the embedding once, so bytes per step x steps per second is the
 memory bandwidth the run achieved. Beside it, bench measures what this machine's memory delivers
-to a plain streaming read on the same threads (an fp32 sum of at least 256 MB and 16 times the
-last-level cache, median of 7 passes, in memory of the kind the weights are in: huge pages where
-the engine puts them there, see rwkv_engine/memory.py) and prints the decode speed that bandwidth
-allows at batch 1: the ceiling no engine passes on this machine.
+to a streaming read on the same threads (read_bandwidth: the best of several read patterns, torch
+sums and our own GEMVs over int8 / bf16 rows, over a buffer of at most 1 GB freed before the model
+loads) and prints the decode speed that bandwidth allows at batch 1: the ceiling no engine passes
+on this machine. The peak RSS is the model's: the probe's is reset away (Linux).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from ..errors import InputError
 from . import common
@@ -90,38 +89,123 @@ def measure(model, prompt_len: int, decode_tokens: int, batch: int, repeats: int
     }
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache (Linux sysfs; 32 MB where unknown)."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = f.read_text().strip()
-            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]] if text[-1] in "KM" else int(text))
-        except (OSError, ValueError):
-            pass
-    return max(sizes, default=32 * 2**20)
+PROBE_CAP_BYTES = 1 << 30  # the probe's buffer: big enough to stream from memory on any CPU's cache
+PROBE_MIN_BYTES = 64 << 20
 
 
-def read_bandwidth_gb_s(repeats: int = 7) -> float:
-    """GB/s of a streaming read (torch's sum, all threads) of a buffer at least 16 times the last
-    level cache and 256 MB, so that no pass is served from the cache: the median of `repeats`
-    passes (a shared machine's passes vary; the median is stable where the best is not)."""
+def _mem_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def probe_bytes() -> int:
+    """The bandwidth probe's buffer: PROBE_CAP_BYTES, or a quarter of the available memory where that
+    is less. Never sized by the cache: a CPU reporting a 300 MB L3 made 16 x LLC a 4.8 GB buffer.
+    1 GB is 3x the largest L3 seen, and the passes of a median (each a full sweep) evict it anyway."""
+    avail = _mem_available_bytes()
+    cap = PROBE_CAP_BYTES if avail is None else min(PROBE_CAP_BYTES, avail // 4)
+    return max(PROBE_MIN_BYTES, cap) // (1 << 20) * (1 << 20)
+
+
+# The weights' own layout: a GEMV of our native kernels over the probe's buffer seen as int8 / bf16
+# rows of this many bytes (the shapes of a 1.5B model's rows), with one row of x.
+_PROBE_ROW_BYTES = 4096
+
+
+def _probe_patterns(buf) -> dict:
+    """name -> (bytes read, a function doing one pass) over the uint8 buffer `buf`."""
+    import torch
+
+    n = buf.numel()
+    f32 = buf.view(torch.float32)
+    patterns = {
+        # torch's sum on all threads, and on one: a shared machine's other thread may be busy
+        "sum": (n, lambda: f32.sum()),
+        "sum_1_thread": (n, lambda: _one_thread(f32.sum)),
+        # one float per 64-byte line: every line is still fetched whole, with far fewer instructions
+        "strided": (n, lambda: f32.view(-1, 16)[:, 0].sum()),
+    }
+    from ..kernels import native
+
+    ops = native.load()
+    if ops is not None:
+        rows = n // _PROBE_ROW_BYTES
+        q = buf[: rows * _PROBE_ROW_BYTES].view(torch.int8).view(rows, _PROBE_ROW_BYTES)
+        scales = torch.ones(rows, 1, dtype=torch.float16)
+        w = q.view(torch.bfloat16)
+        xq = torch.ones(1, _PROBE_ROW_BYTES, dtype=torch.bfloat16)
+        xd = torch.ones(1, _PROBE_ROW_BYTES // 2, dtype=torch.bfloat16)
+        patterns["gemv_q8"] = (q.numel(), lambda: ops.gemv_q8(xq, q, scales, None))
+        patterns["gemv_bf16"] = (q.numel(), lambda: ops.gemv_dense(xd, w))
+    return patterns
+
+
+def _one_thread(fn):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def read_bandwidth(repeats: int = 7, nbytes: int | None = None) -> dict:
+    """What this machine's memory delivers to a streaming read, on the threads in use: several access
+    patterns over one buffer of `probe_bytes()` (in memory of the kind the weights are in: huge pages
+    where the engine puts them there, see rwkv_engine/memory.py), their passes alternating; each
+    pattern's median pass in GB/s (a shared machine's passes vary; the median is stable where the best
+    is not), and the best pattern's: the bound an engine's decode may approach but not pass. The
+    buffer is freed before this returns.
+
+    {"gb_s": best, "pattern": its name, "patterns": {name: GB/s}, "buffer_mb": size}"""
     import torch
 
     from ..memory import huge_page_empty, huge_pages_available
 
-    nbytes = max(256 * 2**20, 16 * last_level_cache_bytes())
+    nbytes = nbytes or probe_bytes()
     if huge_pages_available():  # as the weights are (memory.to_huge_pages)
-        buf = huge_page_empty((nbytes // 4,), torch.float32).fill_(1.0)
+        buf = huge_page_empty((nbytes,), torch.uint8)
     else:
-        buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    buf.sum()
-    times = []
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.view(torch.float32).fill_(1.0)
+    patterns = _probe_patterns(buf)
+    times = {name: [] for name in patterns}
+    for _, fn in patterns.values():
+        fn()  # warm up (the native kernels' threads, torch's)
     for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times) / 1e9
+        for name, (_, fn) in patterns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    gb_s = {name: patterns[name][0] / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    del patterns, buf
+    best = max(gb_s, key=gb_s.get)
+    return {"gb_s": gb_s[best], "pattern": best, "patterns": gb_s, "buffer_mb": nbytes >> 20}
+
+
+def read_bandwidth_gb_s(repeats: int = 7) -> float:
+    """GB/s of the best streaming-read pattern (read_bandwidth)."""
+    return read_bandwidth(repeats)["gb_s"]
+
+
+def reset_peak_rss() -> bool:
+    """Resets this process's peak resident memory to its current one (Linux >= 4.0: clear_refs 5),
+    so that a later peak_rss_mb counts what came after; whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def peak_rss_mb() -> float:
@@ -142,11 +226,16 @@ def run(args) -> int:
     _check(args)
     import torch
 
+    # The bandwidth probe first, its buffer freed and the peak reset before the model loads, so the
+    # peak RSS is the model's own; where the peak cannot be reset, after the model's peak is read.
+    probe = read_bandwidth() if reset_peak_rss() else None
+    if probe is not None:
+        reset_peak_rss()
     t0 = time.perf_counter()
     model = _load(args)  # no tokenizer: bench feeds token ids
     load_s = time.perf_counter() - t0
     r = measure(model, args.prompt_len, args.decode_tokens, args.batch, args.repeats)
-    rss = peak_rss_mb()  # before the bandwidth probe's buffer
+    rss = peak_rss_mb()
     from ..memory import huge_page_bytes
 
     huge = huge_page_bytes()
@@ -154,7 +243,9 @@ def run(args) -> int:
     from ..quant.schemes import quantization_note
 
     isa = native.isa()
-    read_bw = read_bandwidth_gb_s()
+    if probe is None:
+        probe = read_bandwidth()
+    read_bw = probe["gb_s"]
     c = model.config
     result = {
         "model": str(args.model),
@@ -179,7 +270,10 @@ def run(args) -> int:
         "huge_pages_mb": None if huge is None else round(huge / 2**20),  # of the process, weights and all
         "weight_bytes_per_token": r["weight_bytes_per_step"],
         "bandwidth_gb_s": round(r["bandwidth_gb_s"], 2),
-        "memory_read_gb_s": round(read_bw, 2),
+        "memory_read_gb_s": round(read_bw, 2),  # the best pattern's
+        "memory_read_pattern": probe["pattern"],
+        "memory_read_patterns_gb_s": {k: round(v, 2) for k, v in probe["patterns"].items()},
+        "memory_probe_mb": probe["buffer_mb"],  # freed before the model loads: not in peak_rss_mb
         "decode_bound_tok_s": round(read_bw * 1e9 / r["weight_bytes_per_step"], 2),
     }
     if args.json:
@@ -201,7 +295,8 @@ def run(args) -> int:
     )
     print(f"weights / step  {result['weight_bytes_per_token'] / 1e6:.1f} MB -> {result['bandwidth_gb_s']:.1f} GB/s")
     print(
-        f"memory read     {result['memory_read_gb_s']:.1f} GB/s (streaming sum) -> batch-1 decode bound "
+        f"memory read     {result['memory_read_gb_s']:.1f} GB/s (best of {len(probe['patterns'])} read patterns: "
+        f"{probe['pattern']}) -> batch-1 decode bound "
         f"{result['decode_bound_tok_s']:.1f} tok/s"
     )
     print(

@@ -42,7 +42,21 @@ import logging
 import os
 import shutil
 
-from .build import ENV, LEVELS, Level, build_kernels, choose_level, level, library_path, supported_levels
+from .build import (
+    ENV,
+    LEVELS,
+    OPTIONS,
+    TUNINGS,
+    Level,
+    build_kernels,
+    choose_level,
+    level,
+    library_path,
+    parse_spec,
+    supported_levels,
+    tuning,
+    tuning_flags,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,31 +95,66 @@ def isa() -> str | None:
     return None if ops is None else ops.isa()
 
 
+_using: list[str] = []  # the specs of the using() blocks entered, innermost last
+
+AMX_MIN_ROWS = 4  # amx.h kMinRows
+
+
+def amx_min_rows() -> int | None:
+    """From how many rows of x a pass of a bf16 GEMV (bf16 weights, x exact in bf16) runs on AMX
+    tiles with the kernels in use (amx.cpp: results differ from the vector kernel's in the last
+    bits), None where it never does: no AMX (cpuid, as /proc/cpuinfo lists it), not the
+    avx512_bf16 level, or a build without '+amx' (opt-in, build.OPTIONS); a '+amx_emulate' build
+    runs emulated tiles."""
+    from .build import _cpu_features
+
+    name = isa()
+    if name is None:
+        return None
+    lv, tune = parse_spec(_using[-1] if _using else name)
+    opts = set(tune.split("+")[1:])
+    if lv.name != "avx512_bf16" or "no_amx" in opts:
+        return None
+    if "amx_emulate" in opts or ("amx" in opts and {"amx_tile", "amx_bf16"} <= (_cpu_features() or set())):
+        return AMX_MIN_ROWS
+    return None
+
+
 @contextlib.contextmanager
 def using(name: str):
-    """Runs the kernels of level `name` inside the block (tests, A/B benchmarks), then the level
-    in use before. Needs load() to have succeeded and the CPU to run the level."""
+    """Runs the kernels of level `name` ('LEVEL' or 'LEVEL/TUNING', build.parse_spec) inside the
+    block (tests, A/B benchmarks), then those in use before. Needs load() to have succeeded and
+    the CPU to run the level."""
     ops = load()
     assert ops is not None, "native kernels unavailable"
-    before = ops.isa()
+    before = _using[-1] if _using else ops.isa()
     ops.use_kernels(str(build_kernels(name)))
+    _using.append(name)
     try:
         yield ops
     finally:
+        _using.pop()
         ops.use_kernels(str(build_kernels(before)))
 
 
 __all__ = [
+    "AMX_MIN_ROWS",
     "ENV",
     "GEMV_MAX_ROWS",
     "LEVELS",
+    "OPTIONS",
+    "TUNINGS",
     "Level",
     "build_kernels",
     "choose_level",
     "isa",
     "level",
+    "amx_min_rows",
     "library_path",
     "load",
+    "parse_spec",
     "supported_levels",
+    "tuning",
+    "tuning_flags",
     "using",
 ]

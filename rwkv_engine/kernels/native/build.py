@@ -21,6 +21,14 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
     neon     ARM64 (Advanced SIMD is part of ARMv8-A: Apple Silicon, Graviton, phones)
     neon_dotprod  neon + the ARMv8.2 dot product instructions (sdot: the int4 kernel's int8 dot
              products; Apple M1, Graviton 2, Cortex-A55/A76 and later)
+
+Within a level, choices per CPU family are made at load from cpuid's vendor and family
+(`tuning`, `TUNINGS`): the AVX-512 levels build their int8 / int4 GEMVs on 512-bit vectors where
+the core runs 512-bit instructions at full width and it pays (Intel: "int512") and on 256-bit
+ones elsewhere ("int256": Zen 4 splits them; on Zen 5 "int8_512" won at batch 4-8 and lost 2-3%
+at batch 1, see TUNINGS). The same sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
+bench_kernels.py `--baseline isa:avx512_bf16/int256` run another one, and `+OPTION`s (OPTIONS:
+the AMX path off, or emulated) are for tests and A/B runs.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
 _BINDING_SOURCES = ("bindings.cpp",)  # the torch extension, built with the baseline level's flags
-_KERNEL_SOURCES = ("kernels.cpp", "step.cpp", "api.cpp", "quantize.cpp")  # one shared library per level
-_HEADERS = ("api.h", "kernels.h", "numeric.h", "pool.h", "quantize.h", "simd.h", "step.h")
+_KERNEL_SOURCES = ("kernels.cpp", "step.cpp", "api.cpp", "quantize.cpp", "amx.cpp")  # one shared library per level
+_HEADERS = ("amx.h", "api.h", "kernels.h", "numeric.h", "pool.h", "quantize.h", "simd.h", "step.h")
 _BINDING_HEADERS = ("api.h", "kernels.h", "quantize.h", "step.h")  # what bindings.cpp includes
 # -ffp-contract=off: no silent a*b+c -> fma, so quantize_q4 repeats the reference's roundings
 # and every level rounds where the source says.
@@ -159,6 +167,74 @@ def choose_level(requested: str | None = None) -> tuple[Level | None, str]:
     return level(requested), ""
 
 
+def cpu_family() -> tuple[str, int] | None:
+    """(vendor, family) of the CPU, cpuid's vendor string and family as /proc/cpuinfo gives them
+    ("GenuineIntel", 6), ("AuthenticAMD", 26); None where unknown."""
+    vendor, family = None, None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id":
+                    vendor = value.strip()
+                elif key == "cpu family":
+                    family = int(value)
+                if vendor is not None and family is not None:
+                    return vendor, family
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+# Per-CPU-family choices within a level, made at load from cpuid (the same sources, compiled with
+# these defines; the library's name says which): the int8 / int4 GEMVs on 512-bit vectors (simd.h
+# v512) or 256-bit ones. Intel's AVX-512 cores run 512-bit instructions at full width: both at
+# 512 bits there. AMD Zen 5 (family 26) does too, but measured there against 256-bit (2 threads,
+# decode steps of a 0.4B q8 model, A/B every step): int8 at 512 bits 1.09-1.10x at batch 4 and 8
+# but 0.965-0.98x at batch 1, and int4 at 512 bits 0.76-0.93x at batch 8 (1 thread, in cache);
+# batch 1 decides: 256-bit, as on Zen 4 and older, which split 512-bit instructions (simd.h).
+TUNINGS = {
+    "int256": (),
+    "int8_512": ("-DRWKV_INT8_512",),
+    "int512": ("-DRWKV_INT8_512", "-DRWKV_INT4_512"),
+}
+# Build options added to a tuning ('LEVEL/TUNING+OPTION'). The AMX tiles of amx.cpp are opt-in
+# ('+amx', e.g. native.using("avx512_bf16/+amx")) until they have run on AMX hardware: only
+# their scalar emulation ('+amx_emulate', on any x86 CPU) has been tested. Without either option
+# a build has no AMX path ('+no_amx' says so explicitly).
+OPTIONS = {"amx": (), "no_amx": (), "amx_emulate": ("-DRWKV_AMX_EMULATE",)}
+
+
+def tuning(lv: Level | str, cpu: tuple[str, int] | None = None) -> str:
+    """The name (a key of TUNINGS) of level lv's build for this CPU, or for `cpu` (cpu_family())."""
+    lv = level(lv) if isinstance(lv, str) else lv
+    if not lv.name.startswith("avx512"):
+        return "int256" if lv.arch == "x86_64" else ""
+    vendor, _family = cpu or cpu_family() or ("", 0)  # (Zen 5, family 26: see above)
+    return "int512" if vendor == "GenuineIntel" else "int256"
+
+
+def tuning_flags(tune: str) -> tuple[str, ...]:
+    """The compiler flags of a tuning: a key of TUNINGS (or ''), then '+OPTION's."""
+    base, *opts = tune.split("+")
+    if base and base not in TUNINGS or any(o not in OPTIONS for o in opts):
+        raise ValueError(f"unknown tuning {tune!r}; known: {', '.join(TUNINGS)}, each with +{', +'.join(OPTIONS)}")
+    flags = TUNINGS.get(base, ()) + tuple(f for o in opts for f in OPTIONS[o])
+    return flags if {"amx", "amx_emulate"} & set(opts) else (*flags, "-DRWKV_NO_AMX")
+
+
+def parse_spec(spec: str) -> tuple[Level, str]:
+    """'LEVEL' or 'LEVEL/TUNING' (e.g. avx512_bf16/int256, avx512_bf16/int512+no_amx; '/+no_amx':
+    this CPU's tuning with the option), for A/B runs and tests -> (level, tuning)."""
+    name, _, tune = spec.partition("/")
+    lv = level(name)
+    if tune.startswith("+"):
+        tune = tuning(lv) + tune
+    tuning_flags(tune)
+    return lv, tune or tuning(lv)
+
+
 def compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
@@ -193,39 +269,52 @@ def _compiler_version(cxx: str) -> bytes:
 
 
 def library_path(
-    lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE, selftest: bool = False
+    lv: Level | str,
+    cxx: str | None = None,
+    out_dir: Path | None = None,
+    src: Path = _HERE,
+    selftest: bool = False,
+    tune: str | None = None,
 ) -> Path:
     """Where build_kernels keeps the build of these arguments (its name holds the digest of the
     sources, flags and compiler)."""
-    return _build_plan(lv, cxx, out_dir, src, selftest)[0]
+    return _build_plan(lv, cxx, out_dir, src, selftest, tune)[0]
 
 
-def _build_plan(lv, cxx, out_dir, src, selftest):
-    lv = level(lv) if isinstance(lv, str) else lv
+def _build_plan(lv, cxx, out_dir, src, selftest, tune):
+    lv, tune = parse_spec(lv) if isinstance(lv, str) else (lv, tune)
+    tune = tuning(lv) if tune is None else tune
     cxx = cxx or compiler()
     if selftest:
         sources = ("selftest.cpp",) + tuple(s for s in _KERNEL_SOURCES if s != "api.cpp")
-        flags = _CFLAGS + lv.flags
+        flags = _CFLAGS + lv.flags + tuning_flags(tune)
     else:
         sources = _KERNEL_SOURCES
-        flags = _CFLAGS + lv.flags + ("-fPIC", "-shared", "-fvisibility=hidden")
+        flags = _CFLAGS + lv.flags + tuning_flags(tune) + ("-fPIC", "-shared", "-fvisibility=hidden")
     key = _digest([(src / s).read_bytes() for s in sources + _HEADERS] + [flags, _LDFLAGS, _compiler_version(cxx)])
     out_dir = out_dir or _cache_dir() / "rwkv_engine_kernels"
-    lib = out_dir / f"{lv.name}_{key}{'_selftest' if selftest else '.so'}"
+    name = lv.name + (f"_{tune.replace('+', '_')}" if tuning_flags(tune) else "")
+    lib = out_dir / f"{name}_{key}{'_selftest' if selftest else '.so'}"
     return lib, lv, cxx, sources, flags, key, out_dir
 
 
 def build_kernels(
-    lv: Level | str, cxx: str | None = None, out_dir: Path | None = None, src: Path = _HERE, selftest: bool = False
+    lv: Level | str,
+    cxx: str | None = None,
+    out_dir: Path | None = None,
+    src: Path = _HERE,
+    selftest: bool = False,
+    tune: str | None = None,
 ) -> Path:
     """The kernel library of level `lv` (built with `cxx` unless cached): the path of its .so;
-    with `selftest`, the standalone test program of selftest.cpp instead.
+    with `selftest`, the standalone test program of selftest.cpp instead. `tune`: a tuning
+    (tuning_flags; None: this CPU's, `tuning`); `lv` may also name one, as 'LEVEL/TUNING'.
 
     Any level of any architecture can be built where a compiler for it is given (the tests build
     the ARM64 level with aarch64-linux-gnu-g++); a failed build raises RuntimeError with the
     compiler's message. `src`: another copy of this directory (benchmarks/bench_kernels.py
     --baseline builds a git revision's kernels)."""
-    lib, lv, cxx, sources, flags, key, out_dir = _build_plan(lv, cxx, out_dir, src, selftest)
+    lib, lv, cxx, sources, flags, key, out_dir = _build_plan(lv, cxx, out_dir, src, selftest, tune)
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,11 +13,11 @@
 //   * Dense weights: x is converted to fp32 once per call, then FMAs; at the avx512_bf16 level,
 //     bf16 weights times x whose values are bf16 use the bf16 dot product (DenseBF16DotKernel).
 //   * int8 / int4: x is rounded to small integers and the products are summed exactly in int32
-//     (256-bit vectors at the AVX-512 levels too, see simd.h iv). int8 weights: x in int16 per
-//     64 columns, iv::madd (vpmaddwd, 16 per instruction; vpdpwssd adds in the same instruction
-//     with VNNI). int4 weights: x in int8 per 32 columns, iv::dot_u8s8 (vpdpbusd, 32 per
+//     (256- or 512-bit vectors at the AVX-512 levels, see simd.h iv8 / iv4). int8 weights: x in int16 per
+//     64 columns, iv8::madd (vpmaddwd, 16 per instruction; vpdpwssd adds in the same instruction
+//     with VNNI). int4 weights: x in int8 per 32 columns, iv4::dot_u8s8 (vpdpbusd, 32 per
 //     instruction, with VNNI; vpmaddubsw + vpmaddwd on AVX2; sdot / widening multiplies on
-//     NEON); x is permuted (iv::q4x8_column) so that a mask and a shift put the codes in the
+//     NEON); x is permuted (iv4::q4x8_column) so that a mask and a shift put the codes in the
 //     right lanes (no shuffles in the inner loop).
 //   * Blocks of R weight rows x Bt rows of x share their loads; per-chunk / per-group partial
 //     sums are scaled once (the int4 bias term is sum_g bias_g * sum(rounded x over group g)).
@@ -27,6 +27,7 @@
 // here: this file compiles in seconds.
 
 #include "kernels.h"
+#include "amx.h"
 #include "numeric.h"
 #include "pool.h"
 #include "simd.h"
@@ -44,7 +45,8 @@ namespace {
 
 using simd::F;
 using simd::kW;
-namespace iv = simd::iv;  // the vectors of the int8 / int4 GEMVs
+namespace iv8 = simd::iv8;  // the vectors of the int8 GEMVs
+namespace iv4 = simd::iv4;  // and of the int4 ones
 
 constexpr int kMaxB = 8;                   // rows of x per pass over the weights
 constexpr int64_t kMinParallel = 1 << 16;  // weights below which one thread does the whole call
@@ -387,20 +389,20 @@ bool bf16_dot(const GemvCall& c) {
 // integers (symmetric: step = the block's absmax / qmax, nearest even), the products of codes and
 // rounded x are summed exactly in int32, and each chunk's sums are scaled once.
 //   * int8 weights: x to int16 per 64-column chunk (step about 1.5e-5 of the chunk's largest
-//     value: below bf16 / fp16 rounding), products summed with iv::madd (vpmaddwd, 16 per
+//     value: below bf16 / fp16 rounding), products summed with iv8::madd (vpmaddwd, 16 per
 //     instruction; vpdpwssd adds in the same instruction with VNNI). A last partial chunk (K % 64
 //     columns, per-channel scales only) uses fp32 x directly.
 //   * int4 weights: x to int8 per 32 columns (step 1/127 of the block's absmax; the rounding is
 //     part of the format's math, primitives.round_activations_int8), unsigned codes times signed
-//     x with iv::dot_u8s8 (vpdpbusd, 32 per instruction, with VNNI; vpmaddubsw + vpmaddwd on
+//     x with iv4::dot_u8s8 (vpdpbusd, 32 per instruction, with VNNI; vpmaddubsw + vpmaddwd on
 //     AVX2; sdot / widening multiplies on NEON). A last group of 32 columns (K % 64 == 32) is
 //     summed in fp32 from the rounded x.
 
 struct XQ {
   std::vector<int16_t> q;  // int8 weights: [B, padded_stride(K, 32)] int16
-  std::vector<int8_t> q8;  // int4 weights: [B, padded_stride(K, 64)] int8, chunks permuted (iv::q4x8_column)
-  std::vector<float> dx;   // the steps: q [B, K / 64]; q8 [B, K / 64, iv::kW], one vector per chunk
-                           // (iv::q4_groups of its two 32-column blocks' steps)
+  std::vector<int8_t> q8;  // int4 weights: [B, padded_stride(K, 64)] int8, chunks permuted (iv4::q4x8_column)
+  std::vector<float> dx;   // the steps: q [B, K / 64]; q8 [B, K / 64, iv4::kW], one vector per chunk
+                           // (iv4::q4_groups of its two 32-column blocks' steps)
   std::vector<float> xf;   // [B, K] fp32 x in column order
   std::vector<float> xh;   // [B, K] x as rounded (q * dx) in column order; q: tail exact
 };
@@ -417,7 +419,7 @@ struct XQView {
 XQView view(const XQ& x, int64_t b0, int64_t K) {
   const int64_t C = K / 64;
   if (!x.q8.empty()) {
-    const int64_t qs = padded_stride(K, 64), dxs = C * iv::kW;
+    const int64_t qs = padded_stride(K, 64), dxs = C * iv4::kW;
     return {x.q8.data() + b0 * qs, x.dx.data() + b0 * dxs, x.xf.data() + b0 * K, x.xh.data() + b0 * K, qs, dxs};
   }
   const int64_t qs = padded_stride(K, 32);
@@ -480,17 +482,17 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool int8, const ui
     return r;
   }
   r.q8.resize(static_cast<size_t>(B * padded_stride(K, 64)));
-  r.dx.resize(static_cast<size_t>(B * C * iv::kW));
+  r.dx.resize(static_cast<size_t>(B * C * iv4::kW));
   int8_t tmp[64];
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t c = 0; c < C; ++c) {
       const int64_t k = b * K + c * 64;
       const float d0 = round_block(r.xf.data() + k, 32, 127.f, tmp, r.xh.data() + k);
       const float d1 = round_block(r.xf.data() + k + 32, 32, 127.f, tmp + 32, r.xh.data() + k + 32);
-      iv::store(r.dx.data() + (b * C + c) * iv::kW, iv::q4_groups(d0, d1));
-      // position p of the chunk takes the column that iv::q4_piece8 puts in its lane
+      iv4::store(r.dx.data() + (b * C + c) * iv4::kW, iv4::q4_groups(d0, d1));
+      // position p of the chunk takes the column that iv4::q4_piece8 puts in its lane
       int8_t* d = r.q8.data() + b * padded_stride(K, 64) + c * 64;
-      for (int i = 0; i < 64; ++i) d[i] = tmp[iv::q4x8_column(i)];
+      for (int i = 0; i < 64; ++i) d[i] = tmp[iv4::q4x8_column(i)];
     }
     if (C * 64 < K)  // the last 32 columns: only their rounded values (Q4Format::finish)
       round_block(r.xf.data() + b * K + C * 64, 32, 127.f, tmp, r.xh.data() + b * K + C * 64);
@@ -519,9 +521,9 @@ struct IntKernel {
   static constexpr int64_t kStepBytes = Fmt::kXStepBytes;  // prepared x per chunk and row of x
   static constexpr int64_t kMaxSteps = kXTileBytes / kStepBytes;  // of a K tile (B = 1)
   static constexpr int kPieces = Fmt::kPieces;
-  using Acc = iv::F;
+  using Acc = typename Fmt::Acc;
   using X = typename Fmt::X;
-  static float hsum(iv::F v) { return iv::hsum(v); }
+  static float hsum(Acc v) { return Fmt::hsum(v); }
   template <int B> static constexpr int kRows = kIntRows<B>;
   template <int B> static constexpr int kXRows = kIntXRows<B>;
 
@@ -532,7 +534,7 @@ struct IntKernel {
   bool prefetch_alone() const { return Fmt::kRowBytes(f.K) <= kPrefetchMaxRow; }
 
   template <int R, int Bt>
-  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, iv::F* acc, int stride, bool pf) const {
+  inline void tile(int64_t n, int b0, int64_t s0, int64_t s1, Acc* acc, int stride, bool pf) const {
     // Everything in locals: the accumulator stores may alias any memory as far as GCC knows.
     const Fmt fm = f;
     const int64_t C = fm.K / 64, rb = Fmt::kRowBytes(fm.K);
@@ -541,7 +543,7 @@ struct IntKernel {
     const X* xq[Bt];
     const float* dx[Bt];
     for (int b = 0; b < Bt; ++b) xq[b] = static_cast<const X*>(x.q) + (b0 + b) * x.qs, dx[b] = x.dx + (b0 + b) * x.dxs;
-    iv::F fa[R][Bt];
+    Acc fa[R][Bt];
     load_block(fa, acc, stride);
     // The rows' fp16 scales for the tile in fp32, two per chunk (its halves' groups), converted
     // 8 at a time once per tile rather than one at a time per chunk.
@@ -564,12 +566,10 @@ struct IntKernel {
         typename Fmt::Piece w[kPieces];
 #pragma GCC unroll 8
         for (int h = 0; h < kPieces; ++h) w[h] = fm.piece(rows[r] + c * Fmt::kChunkBytes, h);
-        const iv::F s = fm.scale(sc[r] + 2 * (c - s0));
+        const Acc s = fm.scale(sc[r] + 2 * (c - s0));
 #pragma GCC unroll 8
-        for (int b = 0; b < Bt; ++b) {
-          const iv::I32 sum = fm.dot(w, xq[b] + c * 64);
-          fa[r][b] = iv::fma(iv::mul(iv::to_float(sum), Fmt::xstep(dx[b], c)), s, fa[r][b]);
-        }
+        for (int b = 0; b < Bt; ++b)
+          fa[r][b] = Fmt::accumulate(fa[r][b], fm.dot(w, xq[b] + c * 64), Fmt::xstep(dx[b], c), s);
       }
     }
     store_block(fa, acc, stride);
@@ -580,16 +580,22 @@ struct IntKernel {
 
 // int8 weights, fp16 scales (N, G) with K / G a multiple of 32 or G == 1 (per channel).
 // Group 32 (ggml's Q8_0 layout): a chunk's pieces 0-1 are one group and pieces 2-3 the next, and
-// the halves' sums are kept apart (kSplit) and joined into one vector (iv::join_halves) whose
-// lanes take each their group's scale (iv::pair_scales). kSplit is a template parameter: a run-time
+// the halves' sums are kept apart (kSplit) and joined into one vector (iv8::join_halves) whose
+// lanes take each their group's scale (iv8::pair_scales). kSplit is a template parameter: a run-time
 // flag tested in the inner loop measured 15% slower at B = 8.
 template <bool kSplit>
 struct Q8Format {
   static constexpr int64_t kChunkBytes = 64;
   static constexpr int64_t kXStepBytes = 64 * 2;  // int16 x
-  static constexpr int kPieces = 64 / iv::kW16;   // four on x86, eight on NEON
+  static constexpr int kPieces = 64 / iv8::kW16;   // four on x86, eight on NEON
   using X = int16_t;
-  using Piece = iv::I16;
+  using Piece = iv8::I16;
+  using Acc = iv8::F;
+  static float hsum(Acc v) { return iv8::hsum(v); }
+  // acc + (float(sum) * xstep) * scale: a chunk's exact sums scaled into the accumulator
+  static inline Acc accumulate(Acc acc, iv8::I32 sum, Acc xstep, Acc scale) {
+    return iv8::fma(iv8::mul(iv8::to_float(sum), xstep), scale, acc);
+  }
   static constexpr int64_t kRowBytes(int64_t K) { return K; }
   const int8_t* Q;
   const uint16_t* S;
@@ -604,23 +610,23 @@ struct Q8Format {
   }
 
   const uint8_t* row(int64_t n) const { return reinterpret_cast<const uint8_t*>(Q + n * K); }
-  static inline iv::I16 piece(const uint8_t* chunk, int h) {
-    return iv::load_i8(reinterpret_cast<const int8_t*>(chunk) + iv::kW16 * h);
+  static inline iv8::I16 piece(const uint8_t* chunk, int h) {
+    return iv8::load_i8(reinterpret_cast<const int8_t*>(chunk) + iv8::kW16 * h);
   }
   // The exact int32 sums of a chunk: one vector (the order of integer adds does not matter), or
   // with kSplit the halves' sums joined.
-  static inline iv::I32 dot(const iv::I16* w, const int16_t* xb) {
-    iv::I32 lo = iv::madd(w[0], iv::load_i16(xb));
+  static inline iv8::I32 dot(const iv8::I16* w, const int16_t* xb) {
+    iv8::I32 lo = iv8::madd(w[0], iv8::load_i16(xb));
 #pragma GCC unroll 4
-    for (int h = 1; h < kPieces / 2; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
+    for (int h = 1; h < kPieces / 2; ++h) lo = iv8::madd_add(lo, w[h], iv8::load_i16(xb + h * iv8::kW16));
     if constexpr (kSplit) {
-      iv::I32 hi = iv::madd(w[kPieces / 2], iv::load_i16(xb + kPieces / 2 * iv::kW16));
+      iv8::I32 hi = iv8::madd(w[kPieces / 2], iv8::load_i16(xb + kPieces / 2 * iv8::kW16));
 #pragma GCC unroll 4
-      for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = iv::madd_add(hi, w[h], iv::load_i16(xb + h * iv::kW16));
-      return iv::join_halves(lo, hi);
+      for (int h = kPieces / 2 + 1; h < kPieces; ++h) hi = iv8::madd_add(hi, w[h], iv8::load_i16(xb + h * iv8::kW16));
+      return iv8::join_halves(lo, hi);
     }
 #pragma GCC unroll 4
-    for (int h = kPieces / 2; h < kPieces; ++h) lo = iv::madd_add(lo, w[h], iv::load_i16(xb + h * iv::kW16));
+    for (int h = kPieces / 2; h < kPieces; ++h) lo = iv8::madd_add(lo, w[h], iv8::load_i16(xb + h * iv8::kW16));
     return lo;
   }
   // Row n's scales of chunks [c0, c1): dst[2 (c - c0) + part], part = the chunk's half.
@@ -633,11 +639,11 @@ struct Q8Format {
     }
   }
   // The scale vector of a chunk's sums, from its two scales.
-  static inline iv::F scale(const float* two) {
-    if constexpr (kSplit) return iv::pair_scales(two);
-    return iv::set1(two[0]);
+  static inline iv8::F scale(const float* two) {
+    if constexpr (kSplit) return iv8::pair_scales(two);
+    return iv8::set1(two[0]);
   }
-  static inline iv::F xstep(const float* dx, int64_t c) { return iv::set1(dx[c]); }
+  static inline iv8::F xstep(const float* dx, int64_t c) { return iv8::set1(dx[c]); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -653,14 +659,19 @@ struct Q8Format {
 
 // int4 weights, fp16 scales and biases (N, G), group size 32 / 64 / 128.
 // w = code * scale + bias, so row n gives  sum_g scale_g * (codes_g . x_g) + sum_g bias_g * xsum_g.
-// The int32 lanes of a chunk's sums (iv::q4_dot8) each cover columns of one 32-column block,
-// with its own step of x and (group 32) its own scale: iv::q4_groups.
+// The int32 lanes of a chunk's sums (iv4::q4_dot8) each cover columns of one 32-column block,
+// with its own step of x and (group 32) its own scale: iv4::q4_groups.
 struct Q4Format {
   static constexpr int64_t kChunkBytes = 32;
-  static constexpr int64_t kXStepBytes = 64 + 4 * iv::kW;  // int8 x and its steps
-  static constexpr int kPieces = iv::kQ4Pieces8;
+  static constexpr int64_t kXStepBytes = 64 + 4 * iv4::kW;  // int8 x and its steps
+  static constexpr int kPieces = iv4::kQ4Pieces8;
   using X = int8_t;
-  using Piece = iv::I8;
+  using Piece = iv4::I8;
+  using Acc = iv4::F;
+  static float hsum(Acc v) { return iv4::hsum(v); }
+  static inline Acc accumulate(Acc acc, iv4::I32 sum, Acc xstep, Acc scale) {  // see Q8Format
+    return iv4::fma(iv4::mul(iv4::to_float(sum), xstep), scale, acc);
+  }
   static constexpr int64_t kRowBytes(int64_t K) { return K / 2; }
   const uint8_t* Q;
   const uint16_t *S, *Z;
@@ -669,16 +680,16 @@ struct Q4Format {
   int gshift = K / G == 128;  // group of chunk c (group size 64 / 128): c >> gshift
 
   const uint8_t* row(int64_t n) const { return Q + n * (K / 2); }
-  static inline iv::I8 piece(const uint8_t* chunk, int h) { return iv::q4_piece8(chunk, h); }
-  static inline iv::I32 dot(const iv::I8* w, const int8_t* xb) { return iv::q4_dot8(w, xb); }
+  static inline iv4::I8 piece(const uint8_t* chunk, int h) { return iv4::q4_piece8(chunk, h); }
+  static inline iv4::I32 dot(const iv4::I8* w, const int8_t* xb) { return iv4::q4_dot8(w, xb); }
   void scales(int64_t n, int64_t c0, int64_t c1, float* dst) const {
     const uint16_t* s = S + n * G;
     if (K / G == 32) return to_float(s + 2 * c0, DType::kF16, 0, 2 * (c1 - c0), dst);
     for (int64_t c = c0; c < c1; ++c) dst[2 * (c - c0)] = dst[2 * (c - c0) + 1] = half_to_float(s[c >> gshift]);
   }
   // Group 32: the two groups of a chunk scale their own lanes; else both the same.
-  static inline iv::F scale(const float* two) { return iv::q4_groups(two[0], two[1]); }
-  static inline iv::F xstep(const float* dx, int64_t c) { return iv::load(dx + c * iv::kW); }
+  static inline iv4::F scale(const float* two) { return iv4::q4_groups(two[0], two[1]); }
+  static inline iv4::F xstep(const float* dx, int64_t c) { return iv4::load(dx + c * iv4::kW); }
 
   float finish(int64_t n, int b, float v, const XQView& x) const {
     const int64_t C = K / 64;
@@ -722,10 +733,14 @@ void with_batch(int64_t Bc, const F& fn) {
   }
 }
 
+// 32-bit words of one pass's packed x on AMX tiles (amx::pack_x, up to kMaxB rows).
+constexpr int64_t amx_words(int64_t K) { return K / 32 * 16 * kMaxB; }
+
 // A GEMV with its x prepared for the weight format.
 struct Prepared {
   const GemvCall* call;
   std::vector<uint16_t> xb; // dense bf16 weights on DenseBF16DotKernel (bf16_dot): x as bf16
+  std::vector<uint32_t> xt; // and on AMX tiles (use_amx): each pass's x as amx::pack_x lays it out
   std::vector<float> xp;    // dense: fp32 x, permuted
   XQ xq;                    // int8 / int4: x rounded (int16 per 64 columns / int8 per 32)
   std::vector<float> xsum;  // int4: sum of the rounded x over each group (the bias term)
@@ -733,10 +748,19 @@ struct Prepared {
 
 Prepared prepare(const GemvCall& c, int64_t B) {
   const Linear& l = *c.l;
-  Prepared p{&c, {}, {}, {}, {}};
+  Prepared p{&c, {}, {}, {}, {}, {}};
   switch (l.kind) {
     case Linear::Kind::kDense:
-      if (bf16_dot(c)) p.xb = prepare_xb(c.x, c.xt, B, l.K);
+      if (bf16_dot(c)) {
+        p.xb = prepare_xb(c.x, c.xt, B, l.K);
+        if (amx::available() && B >= amx::kMinRows) {
+          const int64_t Kx = padded_stride(l.K, 32), words = amx_words(l.K);
+          p.xt.resize(static_cast<size_t>((B + kMaxB - 1) / kMaxB * words));
+          for (int64_t b0 = 0; b0 < B; b0 += kMaxB)
+            amx::pack_x(p.xb.data() + b0 * Kx, Kx, static_cast<int>(std::min<int64_t>(kMaxB, B - b0)), l.K,
+                        p.xt.data() + b0 / kMaxB * words);
+        }
+      }
       else p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16);
       break;
     case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
@@ -758,8 +782,13 @@ Prepared prepare(const GemvCall& c, int64_t B) {
   return p;
 }
 
+// Whether the pass of Bc rows of x runs on AMX tiles: bf16 weights times bf16 x, AMX available
+// (amx.h: from amx::kMinRows rows of x, so a row's bits then differ from its bits alone).
+bool use_amx(const Prepared& p, int64_t Bc) { return !p.xt.empty() && Bc >= amx::kMinRows; }
+
 // The row block of a pass of Bc rows of x (work items are cut at multiples of it).
 int64_t block_rows(const Prepared& p, int64_t Bc) {
+  if (use_amx(p, Bc)) return 16;  // a tile's rows
   int64_t R = 1;
   with_batch(Bc, [&]<int B>() {
     R = p.call->l->kind != Linear::Kind::kDense ? kIntRows<B> : DenseKernel<DenseF32>::kRows<B>;
@@ -779,6 +808,15 @@ void run_part(const Prepared& p, int64_t B, int64_t b0, int64_t r0, int64_t r1) 
     switch (l.kind) {
       case Linear::Kind::kDense: {
 #if defined(RWKV_SIMD_BF16_DOT)
+        if (use_amx(p, Bc)) {
+          const int64_t Kx = padded_stride(K, 32), rows = r1 - r0;
+          std::vector<float> yf(static_cast<size_t>(Bc * rows));
+          amx::gemm_bf16(static_cast<const uint16_t*>(l.w), K, p.xt.data() + b0 / kMaxB * amx_words(K),
+                         p.xb.data() + b0 * Kx, Kx, Bc, r0, r1, yf.data(), rows);
+          for (int b = 0; b < Bc; ++b)
+            for (int64_t n = r0; n < r1; ++n) y.put(b * N + n, yf[b * rows + n - r0]);
+          break;
+        }
         if (bf16_dot(*p.call)) {
           const DenseBF16DotKernel kern{static_cast<const uint16_t*>(l.w), K, p.xb.data() + b0 * padded_stride(K, 32)};
           run_tiled<Bc>(kern, r0, r1, N, y);

@@ -19,13 +19,15 @@
 // primitive exists only where the operation has no portable spelling (fused multiply-add, 16-bit
 // float conversion, int16 / int8 dot products); plain loops are left to the compiler.
 //
-// `iv` names the vectors of the int8 / int4 GEMVs (kernels.cpp IntKernel): the level's own on
-// AVX2 and NEON, and 256-bit ones (v256: the AVX2 primitives, with VNNI's vpdpwssd and the 32
-// registers of AVX-512VL) on the AVX-512 levels. Measured on Zen 4, which runs a 512-bit
-// instruction as two 256-bit halves: the 512-bit form took as many instructions per 64
-// multiply-adds but was 5-10% slower at batch 1 (int4, when it took int16 x: zero-extending 32
-// codes to 512 bits; int8 group 32: a whole vector per 32-column group, so twice the scaling per chunk) and
-// 10-25% slower at batch 8; the 256-bit form at the AVX-512 levels was as fast as AVX2 or
+// `iv8` / `iv4` name the vectors of the int8 / int4 GEMVs (kernels.cpp IntKernel): the level's
+// own on AVX2 and NEON; on the AVX-512 levels 512-bit ones (v512) where the build defines
+// RWKV_INT8_512 / RWKV_INT4_512 (chosen per CPU family at load, see TUNINGS in
+// kernels/native/build.py), else 256-bit ones (v256: the AVX2 primitives, with VNNI's vpdpwssd
+// and the 32 registers of AVX-512VL). Zen 4 runs a 512-bit instruction as two 256-bit halves:
+// measured there, the 512-bit form took as many instructions per 64 multiply-adds but was 5-10%
+// slower at batch 1 (int4, when it took int16 x: zero-extending 32 codes to 512 bits; int8 group
+// 32: a whole vector per 32-column group, so twice the scaling per chunk) and 10-25% slower at
+// batch 8; the 256-bit form at the AVX-512 levels was as fast as AVX2 or
 // faster (bench_kernels.py --only batch --baseline isa:avx2).
 #pragma once
 
@@ -218,12 +220,92 @@ inline H2 load_h2(const uint16_t* p) { return _mm512_loadu_si512(p); }
 inline F dot_bf16(F acc, H2 a, H2 b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 #endif
 
-namespace iv = v256;
+// 512-bit vectors for the int8 / int4 GEMVs (iv8 / iv4), built where the CPU runs a 512-bit
+// instruction at full width (Intel Xeons with AVX-512; AMD Zen 5 measured better on 256-bit at
+// batch 1, see TUNINGS in kernels/native/build.py): a chunk of 64 columns is half the instructions of v256's (int8: two vpdpwssd instead
+// of four; int4: one vpdpbusd instead of two), and the accumulators are 16 lanes. The sums of a
+// chunk are the same exact integers as v256's, in other lanes, so only the fp32 accumulation order
+// (and so the last bits) differs between the two builds; each is batch invariant.
+namespace v512 {
+
+inline constexpr int kW = 16;
+inline constexpr int kW16 = 32;
+using F = __m512;
+using I32 = __m512i;
+using I16 = __m512i;
+
+inline F zero() { return _mm512_setzero_ps(); }
+inline F set1(float v) { return _mm512_set1_ps(v); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline float hsum(F v) {
+  return v256::hsum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+inline I16 load_i16(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline I16 load_i8(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline I32 madd(I16 a, I16 b) { return _mm512_madd_epi16(a, b); }
+inline I32 add_i(I32 a, I32 b) { return _mm512_add_epi32(a, b); }
+inline I32 madd_add(I32 acc, I16 a, I16 b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return add_i(acc, madd(a, b));
+#endif
+}
+inline F to_float(I32 v) { return _mm512_cvtepi32_ps(v); }
+// int4: lanes 0-3 and 8-11 of a chunk's sums cover columns 0-31 (block s0), lanes 4-7 and 12-15
+// columns 32-63 (s1): see q4_dot8.
+inline F q4_groups(float s0, float s1) { return _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(s0), _mm512_set1_ps(s1)); }
+// int8 group 32: lo and hi each a 32-column group's sums, adjacent lanes added into lanes 0-7 (lo)
+// and 8-15 (hi); pair_scales(two) is the matching scale vector.
+inline I32 join_halves(I32 lo, I32 hi) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  return _mm512_add_epi32(_mm512_permutex2var_epi32(lo, even, hi), _mm512_permutex2var_epi32(lo, odd, hi));
+}
+inline F pair_scales(const float* two) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(two[0]), _mm512_set1_ps(two[1])); }
+// int4 codes times int8 x: a chunk's 32 code bytes as one vector of u8 codes, the low nibbles
+// (even columns) in bytes 0-31 and the high nibbles (odd columns) in bytes 32-63: x is permuted
+// as v256's (q4x8_column).
+using I8 = __m512i;
+inline constexpr int kQ4Pieces8 = 1;
+inline I8 q4_piece8(const uint8_t* chunk, int) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), _mm512_set1_epi8(0x0F));
+}
+constexpr int q4x8_column(int pos) { return v256::q4x8_column(pos); }
+// The int32 sums of a chunk: int32 lane l < 8 sums the even columns of 8l .. 8l + 7, lane 8 + l
+// their odd columns (codes at most 15 times x in [-127, 127]: exact, see v256::dot_u8s8).
+inline I32 q4_dot8(const I8* w, const int8_t* xb) {
+  const __m512i x = _mm512_loadu_si512(xb);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(w[0], x), _mm512_set1_epi16(1));
+#endif
+}
+
+}  // namespace v512
+
+#if defined(RWKV_INT8_512)
+namespace iv8 = v512;
+#else
+namespace iv8 = v256;
+#endif
+#if defined(RWKV_INT4_512)
+namespace iv4 = v512;
+#else
+namespace iv4 = v256;
+#endif
 
 #elif defined(RWKV_SIMD_AVX2)
 
 using namespace v256;
-namespace iv = v256;
+namespace iv8 = v256;
+namespace iv4 = v256;
 
 #else  // NEON
 
@@ -286,7 +368,8 @@ inline I32 q4_dot8(const I8* w, const int8_t* xb) {
   const I32 g1 = dot_u8s8(w[2], vld1q_s8(xb + 32), w[3], vld1q_s8(xb + 48));
   return vpaddq_s32(g0, g1);
 }
-namespace iv = ::rwkv_native::simd;
+namespace iv8 = ::rwkv_native::simd;
+namespace iv4 = ::rwkv_native::simd;
 
 #endif
 
@@ -296,7 +379,7 @@ inline constexpr int kBytes = kW * 4;  // of a vector
 // block is checked by the tests: groups of 32 with different scales).
 constexpr bool layouts_consistent() {
   bool seen_q4[64] = {}, seen_bf16[16] = {};
-  for (int pos = 0; pos < 64; ++pos) seen_q4[iv::q4x8_column(pos)] = true;
+  for (int pos = 0; pos < 64; ++pos) seen_q4[iv4::q4x8_column(pos)] = true;
   for (int pos = 0; pos < 16; ++pos) seen_bf16[bf16_column(pos)] = true;
   for (bool b : seen_q4) if (!b) return false;
   for (bool b : seen_bf16) if (!b) return false;

@@ -335,7 +335,10 @@ class ChatSession:
                         states[name] = st
                 p = dict(meta["params"])
                 p["logit_bias"] = {int(k): v for k, v in p["logit_bias"].items()}
-                params = chat_params(SamplingParams(**p))
+                try:
+                    params = chat_params(SamplingParams(**p))
+                except InputError as e:
+                    raise StateError(f"{path}: session.json: params: {e}") from None
                 turns = [Turn(**t) for t in meta["turns"]]
                 system, system_ids, stateless = str(meta["system"]), list(meta["system_ids"]), bool(meta["stateless"])
                 rng = torch.frombuffer(bytearray(base64.b64decode(meta["generator"])), dtype=torch.uint8)

@@ -9,6 +9,7 @@ state with `model.forward(ids)` from a fresh state.
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 import zipfile
@@ -319,3 +320,26 @@ def test_interrupted_regen_keeps_the_turn(model, tok):
         "".join(s.regen())
     assert len(s.turns) == 1 and s.turns[0].finish_reason == "interrupted"
     states_equal(s.state, model.forward(s.conversation_ids())[1])
+
+
+def test_chat_load_of_an_unusable_session_is_exit_2(model_path, tmp_path):
+    """Issue 28 R5: `chat --load` of a file that is no usable session (missing, not a zip, a
+    session whose params do not validate) is one stderr line and exit 2, before any prompt."""
+    bad_params = tmp_path / "params.zip"
+    with zipfile.ZipFile(bad_params, "w") as z:
+        z.writestr("session.json", json.dumps({"format": "x"}))
+    (tmp_path / "junk.zip").write_text("not a zip")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    for name in ("missing.zip", "junk.zip", "params.zip"):
+        out = subprocess.run(
+            [sys.executable, "-m", "rwkv_engine", "chat", str(model_path), "--load", name],
+            cwd=tmp_path,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2, (name, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr and name in lines[-1], (name, lines)

@@ -18,7 +18,7 @@ from ..sampling_params import CHAT_SESSION as DEFAULTS
 if TYPE_CHECKING:  # (rwkv_engine.chat imports torch: only when the command runs)
     from ..chat import ChatSession
 from ..chat_format import normalize_text as normalize_message
-from ..errors import InputError, RWKVEngineError
+from ..errors import InputError, RWKVEngineError, StateError
 from . import common
 
 HELP = "Chat with an RWKV World model in the terminal (type /help once it runs)."
@@ -153,8 +153,8 @@ def run(args) -> int:
 
     params = common.sampling_params(args, DEFAULTS)
     common.check_speculative_args(args)
-    if args.load is not None and not Path(args.load).is_file():
-        raise InputError(f"{args.load}: no such file")
+    if args.load is not None and not Path(args.load).is_file():  # before the model loads
+        raise StateError(f"{args.load}: no such file")
     if sys.stdin.isatty():
         try:
             import readline  # noqa: F401  (line editing and history for input())
@@ -173,7 +173,10 @@ def run(args) -> int:
         max_draft=args.max_draft,
     )
     if args.load is not None:
-        session.load(args.load)
+        try:
+            session.load(args.load)
+        except InputError as e:  # a session file chat cannot use is a usage error, like a bad state file
+            raise StateError(str(e)) from None
     c = model.config
     name = Path(model.path or args.model).name
     notes = [f"system prompt {len(session.system_ids)} tokens in {time.perf_counter() - t0:.2f}s"]

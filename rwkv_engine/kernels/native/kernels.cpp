@@ -243,9 +243,8 @@ struct DenseF16 {
 template <typename D>
 struct DenseKernel {
   static constexpr int64_t kStepBytes = 16 * 4;  // prepared x per step and row of x
-  // Accumulators R x Bt + R weights + one x vector within the 16 registers of AVX2: measured in
-  // L1, 8 rows of x at R x Bt = 2 x 4 or 3 x 3: 13-14 multiply-adds per cycle (peak 16), 3 x 4
-  // (spills): 10-11. B = 1 is memory-bound: eight rows keep enough loads in flight.
+  // Accumulators R x Bt + R weights + one x vector fit AVX2's 16 registers without spilling; at
+  // B = 1 (memory-bound) eight rows keep enough loads in flight (docs/performance.md).
   template <int B> static constexpr int kRows = B == 1 ? 8 : B == 2 ? 4 : B == 3 ? 3 : 2;
   template <int B> static constexpr int kXRows = B <= 4 ? B : 4;
   static constexpr int kVecs = 16 / kW;  // vectors per step
@@ -299,9 +298,8 @@ struct DenseKernel {
 // bf16 dot products (simd::dot_bf16, vdpbf16ps): a step is 32 columns, one 64-byte vector of a
 // weight row and of a row of xb (x as bf16 [B, padded_stride(K, 32)]), multiplied and added
 // into 16 fp32 lanes with no conversion of the weights. Per multiply-add half the instructions of
-// DenseKernel<DenseBF16> and twice the multiply-adds per instruction: measured on Zen 4 at B = 8,
-// 2 threads, against it: 1.6-1.9x with the weights in cache, 1.3-1.5x streamed from memory (1.05-
-// 1.18x at B = 1). The sums round differently from the FMA kernel (pairs of
+// DenseKernel<DenseBF16> and twice the multiply-adds per instruction (faster in and out of cache:
+// docs/performance.md). The sums round differently from the FMA kernel (pairs of
 // products first, denormals flushed), so this level's results are its own; every accumulator
 // still takes the same operations for any batch, so batched = alone holds.
 struct DenseBF16DotKernel {

@@ -23,12 +23,8 @@
 // own on AVX2 and NEON; on the AVX-512 levels 512-bit ones (v512) where the build defines
 // RWKV_INT8_512 / RWKV_INT4_512 (chosen per CPU family at load, see TUNINGS in
 // kernels/native/build.py), else 256-bit ones (v256: the AVX2 primitives, with VNNI's vpdpwssd
-// and the 32 registers of AVX-512VL). Zen 4 runs a 512-bit instruction as two 256-bit halves:
-// measured there, the 512-bit form took as many instructions per 64 multiply-adds but was 5-10%
-// slower at batch 1 (int4, when it took int16 x: zero-extending 32 codes to 512 bits; int8 group
-// 32: a whole vector per 32-column group, so twice the scaling per chunk) and 10-25% slower at
-// batch 8; the 256-bit form at the AVX-512 levels was as fast as AVX2 or
-// faster (bench_kernels.py --only batch --baseline isa:avx2).
+// and the 32 registers of AVX-512VL). AMD cores ran the 512-bit form slower at batch 1 (Zen 4
+// splits it into two halves), so they keep 256 bits (docs/performance.md has the A/B runs).
 #pragma once
 
 #include <cstdint>

@@ -172,9 +172,7 @@ void lora_rows(const void* W, int64_t N, const float* x, int64_t ldx, int64_t k0
 // so that the reads are kLoraGroup sequential streams: the D -> C matrices' rows are 4 KB and
 // more apart, and a block of columns down all the rows read a new page per row, which the
 // hardware prefetchers do not follow; the next group is prefetched into L2. Up to 4 rows of x
-// share each weight load. Measured on Zen 4, 2 threads, RWKV-7 1.5B's LoRA matrices of a layer
-// (bf16) streamed from memory, against one column block down all rows and one row of x at a
-// time: D -> C 1.07-1.09x at batch 1, 1.13-1.18x at batch 8; C -> D 1.0-1.06x and 1.2-1.25x.
+// share each weight load (the gains measured: docs/performance.md).
 template <DType T>
 void lora_tile(const void* W, int64_t N, const float* x, int64_t ldx, int64_t B, int64_t k0, int64_t k1, int64_t n0,
                int64_t n1, float* y, int64_t ldy) {

@@ -269,9 +269,22 @@ def test_stop_cancels_the_request_and_keeps_the_reply_so_far(browser, server):
     page = Page(browser, server.url + "/").ready()
     page.set(seed=0)  # max_tokens left empty: the server's 4096; this reply runs for hundreds of tokens
     before = server.metrics().get(CANCELLED, 0.0)
+    # Stop is clicked from inside the page as soon as the reply shows text: the tiny model streams
+    # its whole reply (~2000 tokens) in a few seconds, which a WebDriver poll-then-click on a busy
+    # machine could miss, finding the button hidden again.
+    page.js(
+        """const stop = document.getElementById('stop');
+        const seen = new MutationObserver(() => {
+            const texts = document.querySelectorAll('.message.assistant .text');
+            if (texts.length && texts[texts.length - 1].textContent !== '' && !stop.hidden) {
+                seen.disconnect();
+                stop.click();
+            }
+        });
+        seen.observe(document.body, {subtree: true, childList: true, characterData: true});"""
+    )
     page.type("Tell me a long story.")
     page.wait(lambda: page.replies() and page.replies()[-1] != "", message="no text came")
-    page.find("stop").click()
     page.wait(lambda: page.state == "idle", timeout=5, message="Stop did not end the stream")
     shown = page.replies()[-1]
     assert page.notes()[-1] == "stopped"

@@ -58,31 +58,11 @@ from pathlib import Path
 
 import httpx
 from bench_engine import SHAPES, make_checkpoint
-from bench_server import wait_ready
+from bench_server import WORDS, wait_ready
 
 MODEL = "soak"
 HEADER_TIMEOUT = 3
 BODY_TIMEOUT = 3
-WORDS = [
-    "river",
-    "stone",
-    "light",
-    "paper",
-    "engine",
-    "garden",
-    "window",
-    "silver",
-    "morning",
-    "violin",
-    "harbour",
-    "lantern",
-    "meadow",
-    "copper",
-    "thunder",
-    "velvet",
-    "orchard",
-    "compass",
-]
 
 
 def checkpoint(work: Path, shape: str) -> Path:

@@ -125,13 +125,30 @@ def args_dims(args: tuple, x2: Tensor) -> tuple[int, int, int]:
 
 
 class _CudaQuantLinear(nn.Module):
-    in_features: int
-    out_features: int
+    """The source module's buffers, adopted as they are; `forward` hands `KERNEL_ARGS` to the
+    `KERNEL`-th kernel of `_kernels()`."""
+
+    BUFFERS: tuple[str, ...]
+    KERNEL: int
+    KERNEL_ARGS: tuple[str, ...]
+
+    def __init__(self, src: nn.Module):
+        super().__init__()
+        self.in_features, self.out_features = src.in_features, src.out_features
+        for name in self.BUFFERS:
+            self.register_buffer(name, getattr(src, name).contiguous())
 
     def _scaled_input(self, x: Tensor) -> Tensor:
         """x [..., K] -> [M, K] contiguous, times the column scales (the weight is stored / them)."""
         x2 = x.reshape(-1, self.in_features)
         return (x2.float() * self.col_scales.float()).to(x.dtype).contiguous()
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        kernel = _kernels()[self.KERNEL]
+        args = tuple(getattr(self, name) for name in self.KERNEL_ARGS)
+        y = _launch(kernel, self._scaled_input(x), self.out_features, args)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -144,44 +161,21 @@ class _CudaQuantLinear(nn.Module):
 class CudaInt8Linear(_CudaQuantLinear):
     """Int8Linear's buffers (qweight int8 [N, K], scales fp16 [N, G], col_scales fp16 [K]) through `int8_mm`."""
 
-    def __init__(self, src: Int8Linear):
-        super().__init__()
-        self.in_features, self.out_features = src.in_features, src.out_features
-        self.register_buffer("qweight", src.qweight.contiguous())
-        self.register_buffer("scales", src.scales.contiguous())
-        self.register_buffer("col_scales", src.col_scales.contiguous())
+    BUFFERS = ("qweight", "scales", "col_scales")
+    KERNEL, KERNEL_ARGS = 2, ("qweight", "scales")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return P.dequantize_int8(self.qweight, self.scales, dtype, self.col_scales)
-
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        x2 = self._scaled_input(x)
-        _, _, kernel, _ = _kernels()
-        y = _launch(kernel, x2, self.out_features, (self.qweight, self.scales))
-        return y.to(x.dtype).reshape(*lead, self.out_features)
 
 
 class CudaInt4Linear(_CudaQuantLinear):
     """Int4Linear's buffers (qweight uint8 [N, K // 2], scales / biases fp16 [N, G], col_scales) through `int4_mm`."""
 
-    def __init__(self, src: Int4Linear):
-        super().__init__()
-        self.in_features, self.out_features = src.in_features, src.out_features
-        self.register_buffer("qweight", src.qweight.contiguous())
-        self.register_buffer("scales", src.scales.contiguous())
-        self.register_buffer("biases", src.biases.contiguous())
-        self.register_buffer("col_scales", src.col_scales.contiguous())
+    BUFFERS = ("qweight", "scales", "biases", "col_scales")
+    KERNEL, KERNEL_ARGS = 3, ("qweight", "scales", "biases")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return P.dequantize_int4(self.qweight, self.scales, self.biases, dtype, self.col_scales)
-
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        x2 = self._scaled_input(x)
-        _, _, _, kernel = _kernels()
-        y = _launch(kernel, x2, self.out_features, (self.qweight, self.scales, self.biases))
-        return y.to(x.dtype).reshape(*lead, self.out_features)
 
 
 def convertible(m: nn.Module) -> bool:

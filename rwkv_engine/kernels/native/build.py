@@ -293,7 +293,7 @@ def _build_plan(lv, cxx, out_dir, src, selftest, tune):
         flags = _CFLAGS + lv.flags + tuning_flags(tune) + ("-fPIC", "-shared", "-fvisibility=hidden")
     key = _digest([(src / s).read_bytes() for s in sources + _HEADERS] + [flags, _LDFLAGS, _compiler_version(cxx)])
     out_dir = out_dir or _cache_dir() / "rwkv_engine_kernels"
-    name = lv.name + (f"_{tune.replace('+', '_')}" if tuning_flags(tune) else "")
+    name = lv.name + (f"_{tune.replace('+', '_')}" if tune else "")
     lib = out_dir / f"{name}_{key}{'_selftest' if selftest else '.so'}"
     return lib, lv, cxx, sources, flags, key, out_dir
 

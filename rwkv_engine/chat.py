@@ -43,6 +43,7 @@ from .errors import InputError, RWKVEngineError, StateError
 from .generation import GenerationStats, generate
 from .sampling import SamplingParams
 from .sampling_params import CHAT_SESSION
+from .speculative import DEFAULT_MAX_DRAFT
 from .tokenizer import EOS_TOKEN_ID
 
 DEFAULT_SYSTEM = (
@@ -125,7 +126,7 @@ class ChatSession:
         system: str | None = None,
         stateless: bool = False,
         speculative=None,
-        max_draft: int = 8,
+        max_draft: int = DEFAULT_MAX_DRAFT,
     ):
         self.model = model
         # generate()'s speculative decoding for every reply ("lookup", "draft", a Drafter; None: off)

@@ -42,7 +42,7 @@ import torch
 
 from .errors import InputError
 from .sampling import Sampler, SamplingParams
-from .speculative import Drafter, DraftModel, SpeculativeDecoder, SpeculativeStats, make_drafter
+from .speculative import DEFAULT_MAX_DRAFT, Drafter, DraftModel, SpeculativeDecoder, SpeculativeStats, make_drafter
 from .structured import constraint_for
 
 __all__ = ["generate", "Generation", "GenerationStats", "TextStream", "encode_prompt"]
@@ -172,7 +172,7 @@ class Generation:
         state=None,
         generator: torch.Generator | None = None,
         speculative: str | Drafter | None = None,
-        max_draft: int = 8,
+        max_draft: int = DEFAULT_MAX_DRAFT,
     ):
         if not isinstance(params, SamplingParams):
             raise InputError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -308,7 +308,7 @@ def generate(
     state=None,
     generator: torch.Generator | None = None,
     speculative: str | Drafter | None = None,
-    max_draft: int = 8,
+    max_draft: int = DEFAULT_MAX_DRAFT,
 ) -> Generation:
     """Generate a continuation of `prompt` (text or token ids), starting from `state` (None = fresh).
 

@@ -1,10 +1,11 @@
 """Speculative decoding: several tokens per pass over the weights, with the target's exact output.
 
 Decode is memory-bound: one pass reads every weight once whatever few rows it carries. A draft
-proposes k tokens; one `model.forward` of the row's not-yet-fed tokens plus the k drafts (the
-linears run all of them as rows of one GEMV; the WKV recurrence steps through them) gives the
-target's logits at every draft position, and each position is decided in order exactly as plain
-decoding would decide it:
+proposes k tokens; one `model.forward` of the row's not-yet-fed tokens plus the k drafts (on the
+CPU the fused native step's several-tokens mode: the linears run all of them as rows of one
+GEMV, the WKV recurrence steps through them, and each token gets the bits of a one-token step)
+gives the target's logits at every draft position, and each position is decided in order
+exactly as plain decoding would decide it:
 
 * greedy: the draft token is accepted if it is the arg-max of the adjusted logits, else the
   arg-max is taken and the round ends, so the output is token for token plain greedy decoding;
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
-from .quant.linear import GEMV_MAX_ROWS
+from .kernels.native import GEMV_MAX_ROWS, GEMV_ROWS_PER_READ
 from .sampling import Sampler, SamplingParams, bias_vector, rwkv_probs, sample_rows
 
 Tensor = torch.Tensor
@@ -52,6 +53,7 @@ __all__ = [
     "SpeculativeDecoder",
     "SpeculativeStats",
     "make_drafter",
+    "DEFAULT_MAX_DRAFT",
     "quantized_twin",
     "decide",
     "KINDS",
@@ -59,9 +61,12 @@ __all__ = [
 
 KINDS = ("lookup", "draft")
 
-# Most tokens one pass carries (not-yet-fed tokens + drafts): the per-row GEMV's limit, so a pass
-# reads each weight once (8 rows per pass over a weight in the native GEMVs, two passes at 16).
+# Most tokens one pass carries (not-yet-fed tokens + drafts): the per-row GEMV's limit. A pass of
+# up to GEMV_ROWS_PER_READ tokens reads each weight once (two reads up to 16), so by default a
+# pass is the last decided token + at most DEFAULT_MAX_DRAFT drafts = 8 tokens, and a pass holds
+# at most max_draft + 1 tokens (fewer drafts when tokens from a rejected round are pending).
 MAX_PASS_TOKENS = GEMV_MAX_ROWS
+DEFAULT_MAX_DRAFT = GEMV_ROWS_PER_READ - 1
 
 
 @dataclass
@@ -286,7 +291,9 @@ class SpeculativeRow:
     last decided token at least).
     """
 
-    def __init__(self, drafter: Drafter, sampler: Sampler, context: Sequence[int], max_draft: int = 8, stats=None):
+    def __init__(
+        self, drafter: Drafter, sampler: Sampler, context: Sequence[int], max_draft: int = DEFAULT_MAX_DRAFT, stats=None
+    ):
         if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 1 <= max_draft < MAX_PASS_TOKENS:
             raise InputError(f"the draft length must be an integer in [1, {MAX_PASS_TOKENS - 1}], got {max_draft!r}")
         self.drafter, self.sampler = drafter, sampler
@@ -314,7 +321,7 @@ class SpeculativeRow:
     def plan(self, k: int | None = None) -> list[int]:
         """The tokens of the next pass: the pending ones, then up to k (default: the adaptive
         length) drafts."""
-        k = min(self.k if k is None else k, MAX_PASS_TOKENS - 1 - len(self.pending))
+        k = min(self.k if k is None else k, self.max_draft + 1 - len(self.pending))
         if self._skip > 0:
             self._skip -= 1
             k = 0
@@ -374,7 +381,7 @@ class SpeculativeDecoder:
         context: Sequence[int],
         state,
         logits: Tensor,
-        max_draft: int = 8,
+        max_draft: int = DEFAULT_MAX_DRAFT,
         stats: SpeculativeStats | None = None,
     ):
         self.model = model

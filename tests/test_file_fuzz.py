@@ -38,6 +38,11 @@ from rwkv_engine.testing import random_state_dict, save_pth
 
 VOCAB = 512
 MATRIX = "blocks.0.att.key.weight"
+# Variants whose values are finite and whose step may be computed in range: weights scaled by
+# 1e37 overflow the PyTorch modules' fp32 norms (NaN logits: an error at sampling), while the
+# fused native step, which sums its norms in fp64, gives the finite logits of those weights.
+# Either outcome is right; a traceback or a NaN turned finite is not.
+IN_RANGE = {"huge-weights"}
 
 
 @dataclass
@@ -81,7 +86,7 @@ def _weight_variants(save: Callable[[dict, Path], Path], ext: str) -> Callable[[
 
         put("nan", lambda sd: sd[MATRIX].__setitem__((0, 0), float("nan")))
         put("inf", lambda sd: sd[MATRIX].__setitem__((0, 0), float("inf")))
-        put("huge", lambda sd: sd[MATRIX].mul_(1e37))
+        put("huge-weights", lambda sd: sd[MATRIX].mul_(1e37))
         for dtype in (torch.int64, torch.bool, torch.complex64):
             put(
                 f"dtype-{str(dtype).removeprefix('torch.')}",
@@ -415,7 +420,7 @@ def test_damaged_files_give_one_clear_error(kind, tmp_path):
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     good = kind.write(tmp_path)
     kind.use(good)  # the good file works
-    cases = [(label, path, kind.variants_may_pass) for label, path in kind.variants(tmp_path)]
+    cases = [(label, path, kind.variants_may_pass or label in IN_RANGE) for label, path in kind.variants(tmp_path)]
     generic = tmp_path / "generic"
     generic.mkdir()
     cases += _generic(kind, good, generic)

@@ -13,6 +13,7 @@ import rwkv_engine
 from rwkv_engine import testing
 from rwkv_engine.kernels import native
 from rwkv_engine.kernels.native import GEMV_MAX_ROWS
+from rwkv_engine.models import native_step
 from rwkv_engine.quant.schemes import quantize_model
 
 from .conftest import rel_rms
@@ -121,7 +122,118 @@ def test_step_is_rebuilt_when_the_model_changes(checkpoints):
     assert model._native_step[1] is not before
 
 
-def test_wide_batches_and_multi_token_inputs_use_the_pytorch_path(checkpoints):
+# --- several tokens per row (speculative verify passes, short prompts) ----------------------
+
+# (dtype, scheme forced on every block matrix): the step's weight formats, each actually used.
+PASS_FORMATS = [("fp32", None), ("bf16", None), ("fp16", None), ("bf16", "q8"), ("fp32", "q8"), ("bf16", "q4")]
+
+
+def _pass_model(path, dtype, scheme):
+    model = rwkv_engine.load(path, dtype=dtype, progress=False)
+    if scheme is not None:
+        report = quantize_model(model, scheme, policy={"blocks.*": scheme})
+        assert report, "nothing was quantized"
+    return model
+
+
+def _one_token_steps(model, tokens, state):
+    """Logits [B, T, V] and the final state of T one-token forwards (the fused step's T = 1)."""
+    out = []
+    for t in range(tokens.shape[1]):
+        logits, state = model.forward(tokens[:, t : t + 1], state)
+        out.append(logits)
+    return torch.stack(out, 1), state
+
+
+@pytest.mark.parametrize("fmt", PASS_FORMATS, ids=lambda f: f"{f[0]}-{f[1] or 'dense'}")
+@pytest.mark.parametrize("version", testing.SUPPORTED_RANDOM_VERSIONS)
+def test_a_token_pass_gives_the_bits_of_one_token_steps(checkpoints, version, fmt):
+    """A forward of T tokens per row (one read of the weights) gives every position the logits,
+    and the end the state, of T one-token steps, bit for bit: what speculative exactness rests on."""
+    model = _pass_model(checkpoints[version], *fmt)
+    g = torch.Generator().manual_seed(11)
+    _, state = model.forward(torch.randint(0, VOCAB, (2, 20), generator=g))
+    before = {k: v.clone() for k, v in state.items()}
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=g)
+    calls = []
+    step = model._decode_step()
+    model._native_step = (model._native_step[0], _Spy(step, calls))
+    logits, after = model.forward(tokens, state, all_logits=True)
+    assert calls == [(2, 6)], "the pass did not run the fused step"
+    ref_logits, ref_after = _one_token_steps(model, tokens, state)
+    assert torch.equal(logits, ref_logits)
+    for name in state.fields:
+        assert torch.equal(getattr(after, name), getattr(ref_after, name)), name
+    last, _ = model.forward(tokens, state)  # without all_logits: each row's last position
+    assert torch.equal(last, ref_logits[:, -1])
+    for name, t in state.items():  # the state given in is never modified
+        assert torch.equal(t, before[name]), name
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: f"{f[0]}-{f[1] or 'dense'}")
+@pytest.mark.parametrize("version", testing.SUPPORTED_RANDOM_VERSIONS)
+def test_a_token_pass_matches_the_pytorch_modules(checkpoints, version, fmt):
+    dtype, quantization = fmt
+    model = rwkv_engine.load(checkpoints[version], dtype=dtype, quantization=quantization, progress=False)
+    g = torch.Generator().manual_seed(13)
+    _, state = model.forward(torch.randint(0, VOCAB, (2, 9), generator=g))
+    tokens = torch.randint(0, VOCAB, (2, 5), generator=g)
+    logits, after = model.forward(tokens, state, all_logits=True)
+    model.native_decode = False
+    ref, ref_after = model.forward(tokens, state, all_logits=True)
+    model.native_decode = True
+    tol = FORMATS[fmt]
+    assert rel_rms(logits, ref) < tol
+    for name in state.fields:
+        assert rel_rms(getattr(after, name), getattr(ref_after, name)) < tol, name
+
+
+class _Spy:
+    """A DecodeStep stand-in that records (B, T) of each call and runs the real one."""
+
+    def __init__(self, step, calls):
+        self.step, self.calls = step, calls
+
+    def __call__(self, x, state_in, state_out, all_logits=False):
+        self.calls.append((x.shape[0], x.shape[1] if x.dim() == 3 else 1))
+        return self.step(x, state_in, state_out, all_logits)
+
+
+def test_rows_of_a_token_pass_are_independent(checkpoints):
+    # Row i of a [B, T] pass gets the bits of its own [1, T] pass, and of its one-token steps.
+    model = _pass_model(checkpoints["7"], "bf16", "q4")
+    g = torch.Generator().manual_seed(17)
+    states = [model.forward(torch.randint(0, VOCAB, (5,), generator=g))[1] for _ in range(3)]
+    tokens = torch.randint(0, VOCAB, (3, 4), generator=g)
+    batched, bst = model.forward(tokens, rwkv_engine.State.cat(states), all_logits=True)
+    for i, st in enumerate(states):
+        alone, ast = model.forward(tokens[i : i + 1], st, all_logits=True)
+        assert torch.equal(batched[i], alone[0])
+        assert torch.equal(bst.att_kv[i], ast.att_kv[0])
+
+
+def test_a_nan_state_gives_nan_logits_at_every_position_of_a_pass(checkpoints):
+    model = rwkv_engine.load(checkpoints["6.0"], dtype="bf16", progress=False)
+    _, state = model.forward(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    state = state.clone()
+    state.att_kv[0] = float("nan")
+    logits, _ = model.forward(torch.tensor([[7, 8, 9], [7, 8, 9]]), state, all_logits=True)
+    assert torch.isnan(logits[0]).any(dim=-1).all() and torch.isfinite(logits[1]).all()
+
+
+def test_wider_passes_use_the_pytorch_path(checkpoints):
+    """More than GEMV_MAX_ROWS rows x tokens take the block loop (the batched GEMM)."""
+    model = rwkv_engine.load(checkpoints["5.2"], progress=False)
+    calls = []
+    model._native_step = (native_step.generation(), _Spy(model._decode_step(), calls))
+    state = model.new_state(3)
+    model.forward(torch.ones(3, GEMV_MAX_ROWS // 3, dtype=torch.long), state)
+    assert calls == [(3, GEMV_MAX_ROWS // 3)]
+    model.forward(torch.ones(3, GEMV_MAX_ROWS // 3 + 1, dtype=torch.long), state)
+    assert len(calls) == 1
+
+
+def test_wide_batches_use_the_pytorch_path(checkpoints):
     model = rwkv_engine.load(checkpoints["6.0"], progress=False)
     B = GEMV_MAX_ROWS + 1
     g = torch.Generator().manual_seed(5)

@@ -7,6 +7,8 @@ enumerated from the target's own `forward` and `Sampler`, against many seeded ru
 deterministic, it cannot flake).
 """
 
+import argparse
+
 import pytest
 import torch
 
@@ -365,6 +367,41 @@ def test_engine_mixes_speculating_and_plain_rows(model, tok, version, make_pth):
     assert sp.accepted < sp.drafted  # drafts were verified in the batch and rejected (accepted: below)
     gauges = engine.gauges()
     assert gauges["speculative_tokens_per_pass"] >= 1 and 0 <= gauges["speculative_acceptance_rate"] < 1
+
+
+def test_engine_verify_passes_are_cut_to_the_native_step(model):
+    """A verify pass of B rows x T tokens over GEMV_MAX_ROWS runs in groups (serve/engine.py
+    decode_rows): each row's logits and state are those of its own pass, bit for bit."""
+    from rwkv_engine.kernels.native import GEMV_MAX_ROWS
+    from rwkv_engine.serve.engine import decode_rows
+    from rwkv_engine.state import State
+
+    g = torch.Generator().manual_seed(9)
+    B, T = 5, GEMV_MAX_ROWS // 4  # 4 rows a group
+    states = [model.forward(torch.randint(0, 65536, (3,), generator=g))[1] for _ in range(B)]
+    tokens = torch.randint(0, 65536, (B, T), generator=g)
+    logits, after = decode_rows(model, tokens, State.cat(states), all_logits=True)
+    assert logits.shape == (B, T, 65536)
+    for i, st in enumerate(states):
+        alone, ast = model.forward(tokens[i : i + 1], st, all_logits=True)
+        assert torch.equal(logits[i], alone[0])
+        states_equal(after[i], ast)
+
+
+def test_default_draft_length_fills_one_read_of_the_weights():
+    from rwkv_engine.cli.common import add_speculative_args
+    from rwkv_engine.kernels.native import GEMV_ROWS_PER_READ
+    from rwkv_engine.speculative import DEFAULT_MAX_DRAFT
+
+    ap = argparse.ArgumentParser()
+    add_speculative_args(ap)
+    assert ap.parse_args([]).max_draft == DEFAULT_MAX_DRAFT == GEMV_ROWS_PER_READ - 1
+    row = SpeculativeRow(PromptLookup(), Sampler(SamplingParams(), 65536), list(range(5, 20)) + [5])
+    row.k = DEFAULT_MAX_DRAFT
+    row.take(6)  # "5 6" occurred before, followed by 7, 8, ...
+    assert len(row.plan()) == GEMV_ROWS_PER_READ  # the last token + 7 drafts
+    row.pending = [1, 2, 3, 1, 2]  # after a rejection: fewer drafts, the pass stays in one read
+    assert len(row.plan()) == GEMV_ROWS_PER_READ
 
 
 def test_engine_draft_rows(model, tok, version, make_pth):

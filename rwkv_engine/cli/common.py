@@ -297,7 +297,11 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         help="quantization of the twin draft when no --draft is given (default: q4)",
     )
     g.add_argument(
-        "--max-draft", type=int, default=8, metavar="N", help="most tokens drafted per pass, 1-15 (default: 8)"
+        "--max-draft",
+        type=int,
+        default=7,  # speculative.DEFAULT_MAX_DRAFT (this module stays free of torch)
+        metavar="N",
+        help="most tokens drafted per pass, 1-15 (default: 7: with the last token, 8 rows, one read of each weight)",
     )
 
 

@@ -136,8 +136,9 @@ class RWKV(nn.Module):
         }
         # Learned starting values [L, ...] of some state fields (a state-tuned checkpoint's time_state).
         self.initial_state: dict[str, Tensor] = {}
-        # One-token steps of at most GEMV_MAX_ROWS rows on the CPU go through the fused native
-        # step (models/native_step.py) where it can run; False: always the PyTorch modules.
+        # Forwards of at most GEMV_MAX_ROWS rows x tokens on the CPU (decode steps, speculative
+        # verify passes, short prompts) go through the fused native step (models/native_step.py)
+        # where it can run; False: always the PyTorch modules.
         self.native_decode = True
         self._native_step: tuple[int, DecodeStep | None] | None = None  # (generation, step)
         # One-token steps as CUDA graph replays (models/cuda_graph.py): None = on CUDA only,
@@ -238,7 +239,7 @@ class RWKV(nn.Module):
             logits, new_state = self._decode_graphs()(ids[:, 0], state)
             logits = logits[:, None] if all_logits else logits
             return (logits[0] if one_d else logits), new_state
-        if T == 1 and B <= GEMV_MAX_ROWS and native and self.device.type == "cpu":
+        if B * T <= GEMV_MAX_ROWS and native and self.device.type == "cpu":
             step = self._decode_step()
             if step is not None:
                 return self._forward_native(step, ids, state, all_logits, one_d)
@@ -321,12 +322,13 @@ class RWKV(nn.Module):
         return super()._apply(*args, **kwargs)
 
     def _forward_native(self, step: DecodeStep, ids: Tensor, state: State, all_logits: bool, one_d: bool):
-        """forward() for one token per row through `step`; the same results as the block loop."""
-        x = self.emb(ids[:, 0]).float().contiguous()
+        """forward() of a few tokens per row through `step`; the same results as the block loop."""
+        T = ids.shape[1]
+        x = self.emb(ids if T > 1 else ids[:, 0]).float().contiguous()
         fields = state.fields
         ins = [t.contiguous() for _, t in state.items()]
         outs = [torch.empty_like(t) for t in ins]
-        logits = step(x, ins, outs)
-        if all_logits:
+        logits = step(x, ins, outs, all_logits)
+        if all_logits and T == 1:
             logits = logits[:, None]
         return (logits[0] if one_d else logits), State(dict(zip(fields, outs)), state.signature)

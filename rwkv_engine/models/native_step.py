@@ -1,4 +1,4 @@
-"""The fused decode step: one token per sequence through every block in one native call.
+"""The fused decode step: a few tokens per sequence through every block in one native call.
 
 Decode is memory-bound: a step reads each weight once, and everything else (LayerNorms, mixes,
 the WKV state update, a few hundred small tensor ops per step in PyTorch) should cost next to
@@ -7,9 +7,15 @@ same math as the PyTorch modules in this package (they stay the specification; t
 compare the two) with the big matrices through the native GEMVs.
 
     step = DecodeStep.build(model)      # None where the native kernels or the model's layers don't allow it
-    logits = step(x, state_fields_in, state_fields_out)
+    logits = step(x, state_fields_in, state_fields_out)                  # x [B, C]: one token per row
+    logits = step(x, state_fields_in, state_fields_out, all_logits=True)  # x [B, T, C]: [B, T, V]
 
-`RWKV.forward` uses it for one-token inputs of at most GEMV_MAX_ROWS rows on the CPU. The step
+With T tokens per row (a speculative verify pass, a short prompt) every linear runs the B x T
+rows as one GEMV, so each weight is read once for all of them (8 rows per read), while each
+row's recurrence steps through its tokens; every token gets the bits of a one-token step from
+the state before it, so a verify pass decides exactly what plain decoding would.
+
+`RWKV.forward` uses it for inputs of at most GEMV_MAX_ROWS rows x tokens on the CPU. The step
 points into the model's own tensors, so in-place changes (`load_state_dict`) show at once; when
 a module, parameter or buffer is replaced (a quantization swap, `.to()`), `generation()` changes
 and the model builds a new step. (Rebinding `param.data` directly is not seen: call
@@ -203,7 +209,9 @@ class DecodeStep:
         )
         return cls(plan)
 
-    def __call__(self, x: Tensor, state_in: list[Tensor], state_out: list[Tensor]) -> Tensor:
-        """x [B, C] fp32 embedded tokens (overwritten) -> logits [B, V] fp32; the state fields in
-        the State's order, read from state_in and written to state_out."""
-        return self.plan.step(x, state_in, state_out)
+    def __call__(self, x: Tensor, state_in: list[Tensor], state_out: list[Tensor], all_logits: bool = False) -> Tensor:
+        """x [B, C] or [B, T, C] fp32 embedded tokens (overwritten) -> logits fp32: [B, V] of each
+        row's last token, or [B, T, V] with all_logits and x [B, T, C]. The state fields in the
+        State's order, read from state_in (before the first token) and written to state_out
+        (after the last)."""
+        return self.plan.step(x, state_in, state_out, all_logits)

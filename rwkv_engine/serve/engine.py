@@ -25,6 +25,9 @@ Batched = alone, bit for bit (on the CPU, with the native kernels): a request ge
   logits and state of that sequence stepped alone. A larger batch is stepped in groups of
   GEMV_MAX_ROWS rows for that reason (a [B, 1] forward of more rows would take the batched
   GEMM, whose rounding depends on the batch).
+* Speculative verify passes (a row's pending tokens and drafts, [B, T]) go through the same
+  native step in groups of at most GEMV_MAX_ROWS rows x tokens (`decode_rows`); each token gets
+  the bits of a one-token step, so a speculating row decides what it decides alone.
 * Sampling: `Sampler.sample_batch` samples row by row, each with the request's own counts and
   generator, as `generate` does for one sequence.
 * Prefill: a prompt is read in pieces of `prefill_chunk` tokens and `generate` reads it in one
@@ -80,7 +83,7 @@ from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
 from ..models.model import prefill_end
 from ..sampling import Sampler, SamplingParams
-from ..speculative import KINDS, PromptLookup, SpeculativeRow, SpeculativeStats, make_drafter
+from ..speculative import DEFAULT_MAX_DRAFT, KINDS, PromptLookup, SpeculativeRow, SpeculativeStats, make_drafter
 from ..state import State
 from ..structured import Constraint, grammar_for
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
@@ -96,7 +99,7 @@ class EngineConfig:
     speculative: str | None = None  # the requests' default: "lookup", "draft" or None (plain decoding)
     draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
     draft_quantization: str = "q4"  # of the twin draft
-    max_draft: int = 8  # most tokens drafted per pass
+    max_draft: int = DEFAULT_MAX_DRAFT  # most tokens drafted per pass
     name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
 
     def __post_init__(self):
@@ -169,14 +172,16 @@ class EngineStopped(RWKVEngineError):
     """The engine is not running (not started yet, or shutting down)."""
 
 
-def decode_rows(model, tokens: torch.Tensor, batch: State) -> tuple[torch.Tensor, State]:
-    """`model.forward(tokens [B, 1], batch)`, on the CPU in groups of at most GEMV_MAX_ROWS rows:
-    each group runs the per-row native step, so every row's logits and state are those of its
-    sequence stepped alone (one forward of more rows would take the batched GEMM)."""
-    B, G = tokens.shape[0], GEMV_MAX_ROWS
+def decode_rows(model, tokens: torch.Tensor, batch: State, all_logits: bool = False) -> tuple[torch.Tensor, State]:
+    """`model.forward(tokens [B, T], batch, all_logits)`, on the CPU in groups of at most
+    GEMV_MAX_ROWS rows x tokens: each group runs the native step, so every row's logits and
+    state are those of its sequence alone (one forward of more rows would take the batched GEMM).
+    T > 1: a speculative verify pass of the rows' pending tokens and drafts."""
+    B, T = tokens.shape
+    G = max(1, GEMV_MAX_ROWS // T)
     if B <= G or model.device.type != "cpu":
-        return model.forward(tokens, state=batch)
-    parts = [model.forward(tokens[i : i + G], state=batch[i : i + G]) for i in range(0, B, G)]
+        return model.forward(tokens, state=batch, all_logits=all_logits)
+    parts = [model.forward(tokens[i : i + G], state=batch[i : i + G], all_logits=all_logits) for i in range(0, B, G)]
     return torch.cat([p[0] for p in parts]), State.cat([p[1] for p in parts])
 
 
@@ -665,7 +670,7 @@ class Engine:
             for members in passes.values():
                 idx = [i for i, _ in members]
                 feed = torch.tensor([f for _, f in members], dtype=torch.long)
-                logits, after = self.model.forward(feed, state=batch[idx], all_logits=True)
+                logits, after = decode_rows(self.model, feed, batch[idx], all_logits=True)
                 verified.append((idx, logits, after))
         except Exception as e:
             self._decoding, self._batch = [], None

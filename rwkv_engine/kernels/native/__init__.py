@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 # models and the server split batches at it to keep each row's bits independent of its batch.
 # 16: the crossover of benchmarks/bench_kernels.py for bf16, int8 and int4 (docs/performance.md).
 GEMV_MAX_ROWS = 16
+# Rows of x the GEMVs carry per pass over a weight (kMaxB of kernels.cpp): a forward of up to this
+# many rows x tokens reads each weight once; up to GEMV_MAX_ROWS, twice. Speculative passes aim at it.
+GEMV_ROWS_PER_READ = 8
 
 
 @functools.cache
@@ -141,6 +144,7 @@ __all__ = [
     "AMX_MIN_ROWS",
     "ENV",
     "GEMV_MAX_ROWS",
+    "GEMV_ROWS_PER_READ",
     "LEVELS",
     "OPTIONS",
     "TUNINGS",

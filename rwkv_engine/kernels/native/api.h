@@ -12,7 +12,7 @@
 namespace rwkv_native {
 
 // Bumped whenever Api changes, so that a library and bindings of different versions never meet.
-inline constexpr int kApiVersion = 4;
+inline constexpr int kApiVersion = 5;
 
 struct Api {
   int version;

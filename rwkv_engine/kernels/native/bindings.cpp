@@ -273,14 +273,18 @@ class DecodePlan {
 
   int64_t n_layer() const { return static_cast<int64_t>(p_.blocks.size()); }
 
-  // x [B, C] fp32 (in: embedded tokens; out: the residual stream after the last block).
-  // state_in / state_out: the State's fields in order, each [B, L, ...] fp32 contiguous.
-  // Returns the logits [B, V] fp32.
+  // x [B, C] (one token per sequence) or [B, T, C] (T tokens per sequence) fp32, in: the embedded
+  // tokens; out: the residual stream after the last block. state_in / state_out: the State's
+  // fields in order, each [B, L, ...] fp32 contiguous (the state before the first token / after
+  // the last). Returns the logits fp32: [B, T, V] with all_logits (x 3-D), else [B, V] of each
+  // sequence's last token.
   at::Tensor step(const at::Tensor& x, const std::vector<at::Tensor>& state_in,
-                  const std::vector<at::Tensor>& state_out) {
+                  const std::vector<at::Tensor>& state_out, bool all_logits) {
     check_cpu_contiguous(x, "x");
-    TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == p_.C, "x must be float32 [B, ", p_.C, "]");
-    const int64_t B = x.size(0), L = n_layer();
+    TORCH_CHECK(x.scalar_type() == at::kFloat && (x.dim() == 2 || x.dim() == 3) && x.size(-1) == p_.C,
+                "x must be float32 [B, ", p_.C, "] or [B, T, ", p_.C, "]");
+    const int64_t B = x.size(0), T = x.dim() == 3 ? x.size(1) : 1, L = n_layer();
+    TORCH_CHECK(B > 0 && T > 0, "x has no tokens");
     const std::vector<int64_t> widths = p_.family == 4 ? std::vector<int64_t>{p_.C, p_.A, p_.A, p_.A, p_.C}
                                                        : std::vector<int64_t>{p_.C, p_.H * p_.N * p_.N, p_.C};
     TORCH_CHECK(state_in.size() == widths.size() && state_out.size() == widths.size(), "the state has ",
@@ -297,11 +301,12 @@ class DecodePlan {
       st.out[f] = state_out[f].data_ptr<float>();
     }
     float* xp = x.data_ptr<float>();
-    at::Tensor logits = at::empty({B, p_.head.N}, x.options());
+    at::Tensor logits = all_logits && x.dim() == 3 ? at::empty({B, T, p_.head.N}, x.options())
+                                                   : at::empty({B, p_.head.N}, x.options());
     float* lp = logits.data_ptr<float>();
     {
       py::gil_scoped_release nogil;
-      api().decode_step(p_, B, xp, st, lp);
+      api().decode_step(p_, B, T, xp, st, lp, all_logits && x.dim() == 3);
     }
     return logits;
   }
@@ -476,12 +481,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RWKV-7 WKV over a sequence, token by token: (y [B,T,H,N], new state [B,H,N,N]) from r, k, v, w = exp(log_w), "
         "a, b [B,T,H,N] and state, all fp32 (kernels/wkv7.py wkv7_naive)",
         py::arg("r"), py::arg("k"), py::arg("v"), py::arg("w"), py::arg("a"), py::arg("b"), py::arg("state"));
-  py::class_<DecodePlan>(m, "DecodePlan", "one-token forward of every block of a model (see models/native_step.py)")
+  py::class_<DecodePlan>(m, "DecodePlan", "a forward of a few tokens per sequence through every block of a model (see models/native_step.py)")
       .def(py::init<int64_t, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t,
                     const std::vector<py::dict>&, const py::dict&>(),
            py::arg("family"), py::arg("gated"), py::arg("C"), py::arg("A"), py::arg("H"), py::arg("N"), py::arg("F"),
            py::arg("V"), py::arg("dtype"), py::arg("rescale_every"), py::arg("blocks"), py::arg("out"))
       .def_property_readonly("n_layer", &DecodePlan::n_layer)
-      .def("step", &DecodePlan::step, "x [B, C] fp32 in place; state_in -> state_out (field lists); returns logits [B, V]", py::arg("x"),
-           py::arg("state_in"), py::arg("state_out"));
+      .def("step", &DecodePlan::step,
+           "x [B, C] or [B, T, C] fp32 in place; state_in -> state_out (field lists); returns logits [B, V] "
+           "(each sequence's last token) or, all_logits with x [B, T, C], [B, T, V]",
+           py::arg("x"), py::arg("state_in"), py::arg("state_out"), py::arg("all_logits") = false);
 }

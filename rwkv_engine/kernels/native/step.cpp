@@ -1,10 +1,12 @@
-// One decode step of a whole RWKV model: see step.h. The per-token formulas are those of
-// rwkv_engine/models (docs/formats.md A.2-A.8); the comments name the PyTorch line each loop repeats.
+// One decode step of a whole RWKV model, one or a few tokens per sequence: see step.h. The
+// per-token formulas are those of rwkv_engine/models (docs/formats.md A.2-A.8); the comments name
+// the PyTorch line each loop repeats.
 //
 // The GEMVs split their weight rows over all threads themselves. The rest is a few thousand
 // floats per row and layer, but at batch 8 it was a sixth of the step on one thread: it runs
-// a row per work item (parallel_for over rows; with one row, on the calling thread), the
-// matrix-state updates a head per item, and the elementwise passes are vectorized.
+// a sequence per work item (parallel_for; with one sequence, on the calling thread), the
+// matrix-state updates a head per item (its tokens in order), and the elementwise passes are
+// vectorized.
 
 #include "step.h"
 
@@ -322,9 +324,9 @@ void wkv5_head_simd(const float* r, const float* k, const float* v, const float*
 }
 
 void wkv5_head(const float* r, const float* k, const float* v, const float* log_w, const float* u, const float* S,
-               float* So, float* y, int64_t N) {
+               float* So, float* y, int64_t N, bool stream) {
   auto simd = [&]<int NB>() {
-    if (aligned(So)) wkv5_head_simd<NB, true>(r, k, v, log_w, u, S, So, y);
+    if (stream && aligned(So)) wkv5_head_simd<NB, true>(r, k, v, log_w, u, S, So, y);
     else wkv5_head_simd<NB, false>(r, k, v, log_w, u, S, So, y);
   };
   switch (N) {
@@ -417,6 +419,20 @@ void wkv7_head(const float* r, const float* k, const float* v, const float* w, c
   std::copy(acc.begin(), acc.end(), y);
 }
 
+// One sequence's head through the T tokens of a pass: step(t, S, So, stream) runs token t from
+// the state S to So. One token goes straight from `in` to `out` (which may alias it), streaming
+// the new state; more go through a copy of the head's state in this thread's scratch (in the
+// cache), updated in place, and only the last state is written out. The same arithmetic either
+// way: each token's bits are those of a one-token step.
+template <class Fn>
+void head_tokens(int64_t T, int64_t NN, const float* in, float* out, const Fn& step) {
+  if (T == 1) return step(0, in, out, true);
+  thread_local std::vector<float> S;
+  S.assign(in, in + NN);
+  for (int64_t t = 0; t < T; ++t) step(t, S.data(), S.data(), false);
+  std::copy(S.begin(), S.end(), out);
+}
+
 // Row-major scratch for B rows, not initialized: every value read is written first (zeroing
 // a step's scratch was some 30 MB of stores at batch 8).
 struct Rows {
@@ -427,7 +443,7 @@ struct Rows {
   float* data() { return buf.get(); }
 };
 
-// fn(b) for every row b of the batch, a row per work item.
+// fn(b) for every sequence b of the batch, a sequence per work item.
 template <class Fn>
 void for_batch(int64_t B, const Fn& fn) {
   parallel_for(B, fn);
@@ -437,229 +453,256 @@ void for_batch(int64_t B, const Fn& fn) {
 inline const float* at(const float* base, int64_t b, int64_t i, int64_t L, int64_t n) { return base + (b * L + i) * n; }
 inline float* at(float* base, int64_t b, int64_t i, int64_t L, int64_t n) { return base + (b * L + i) * n; }
 
+// A pass: B sequences of T tokens each, as R = B T rows (row b T + t is token t of sequence b)
+// for everything but the token shift and the recurrences, which go through a sequence's tokens
+// in order. T = 1 is the decode step; T > 1 a verify pass (or a short prompt).
+struct Pass {
+  int64_t B, T;
+  int64_t rows() const { return B * T; }
+};
+
+// The token shift of a block's sub-layer for every sequence: xx[r] = LayerNorm(x[r]) for its
+// tokens in order, mix(r, prev) with prev the previous token's xx (the state's x_prev for the
+// first), then the last token's xx becomes the new x_prev (field `f` of the state, [B, L, C]).
+template <class Fn>
+void token_shift(const Pass& ps, int64_t C, int64_t layer, int64_t L, const float* x, const float* ln_w,
+                 const float* ln_b, Rows& xx, const StateRef& st, int f, const Fn& mix) {
+  for_batch(ps.B, [&](int64_t b) {
+    const float* prev = at(st.in[f], b, layer, L, C);
+    for (int64_t t = 0; t < ps.T; ++t) {
+      const int64_t r = b * ps.T + t;
+      layer_norm(x + r * C, ln_w, ln_b, C, xx[r]);
+      mix(r, prev);
+      prev = xx[r];
+    }
+    std::copy(prev, prev + C, at(st.out[f], b, layer, L, C));  // after the last read of x_prev, which it may alias
+  });
+}
+
 // The channel mix (layers.py ChannelMix): x += sigmoid(rx Wr) * (relu(kx Wk)^2 Wv), no gate in RWKV-7.
-void channel_mix(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st,
-                 int prev_field) {
-  const int64_t C = p.C, F = p.F, L = static_cast<int64_t>(p.blocks.size());
+void channel_mix(const ModelParams& p, const BlockParams& q, const Pass& ps, int64_t layer, float* x,
+                 const StateRef& st, int prev_field) {
+  const int64_t C = p.C, F = p.F, L = static_cast<int64_t>(p.blocks.size()), R = ps.rows();
   const DType dt = p.dt;
   const bool gated = q.ffn_r.kind != Linear::Kind::kNone;
-  Rows xx(B, C), kx(B, C), rx(B, C), k(B, F), v(B, C), r(B, C);
-  for_batch(B, [&](int64_t b) {
-    layer_norm(x + b * C, q.ln2_w, q.ln2_b, C, xx[b]);
-    const float* prev = at(st.in[prev_field], b, layer, L, C);
-    mix_to(xx[b], prev, q.ffn_mix_k, C, dt, kx[b]);
-    if (gated) mix_to(xx[b], prev, q.ffn_mix_r, C, dt, rx[b]);
-    std::copy(xx[b], xx[b] + C, at(st.out[prev_field], b, layer, L, C));
+  Rows xx(R, C), kx(R, C), rx(R, C), k(R, F), v(R, C), r(R, C);
+  token_shift(ps, C, layer, L, x, q.ln2_w, q.ln2_b, xx, st, prev_field, [&](int64_t i, const float* prev) {
+    mix_to(xx[i], prev, q.ffn_mix_k, C, dt, kx[i]);
+    if (gated) mix_to(xx[i], prev, q.ffn_mix_r, C, dt, rx[i]);
   });
-  linears_dt({{q.ffn_k, kx.data(), k.data()}, {q.ffn_r, rx.data(), r.data()}}, B, dt);
-  for (int64_t i = 0; i < B * F; ++i) {  // torch.relu(...).square() in dt
+  linears_dt({{q.ffn_k, kx.data(), k.data()}, {q.ffn_r, rx.data(), r.data()}}, R, dt);
+  for (int64_t i = 0; i < R * F; ++i) {  // torch.relu(...).square() in dt
     const float h = std::max(k.data()[i], 0.0f);
     k.data()[i] = h * h;
   }
-  round_all(dt, k.data(), B * F);
-  linear_dt(q.ffn_v, k.data(), B, dt, v.data());
-  for_batch(B, [&](int64_t b) {
-    float *xb = x + b * C, *vb = v[b], *rb = r[b];
+  round_all(dt, k.data(), R * F);
+  linear_dt(q.ffn_v, k.data(), R, dt, v.data());
+  for_batch(R, [&](int64_t i) {
+    float *xi = x + i * C, *vi = v[i], *ri = r[i];
     if (gated) {
-      for (int64_t c = 0; c < C; ++c) xb[c] += sigmoid(rb[c]) * vb[c];
+      for (int64_t c = 0; c < C; ++c) xi[c] += sigmoid(ri[c]) * vi[c];
     } else {
-      for (int64_t c = 0; c < C; ++c) xb[c] += vb[c];
+      for (int64_t c = 0; c < C; ++c) xi[c] += vi[c];
     }
   });
 }
 
 // RWKV-4 time mix (models/rwkv4.py) with the log-space WKV (kernels/wkv4.py).
-void time_mix4(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st) {
-  const int64_t C = p.C, A = p.A, L = static_cast<int64_t>(p.blocks.size());
+void time_mix4(const ModelParams& p, const BlockParams& q, const Pass& ps, int64_t layer, float* x,
+               const StateRef& st) {
+  const int64_t C = p.C, A = p.A, L = static_cast<int64_t>(p.blocks.size()), R = ps.rows();
   const DType dt = p.dt;
-  Rows xx(B, C), xk(B, C), xv(B, C), xr(B, C), k(B, A), v(B, A), r(B, A), y(B, A), out(B, C);
-  for_batch(B, [&](int64_t b) {
-    layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
-    const float* prev = at(st.in[0], b, layer, L, C);
-    mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
-    mix_to(xx[b], prev, q.mix_v, C, dt, xv[b]);
-    mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
-    std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
+  Rows xx(R, C), xk(R, C), xv(R, C), xr(R, C), k(R, A), v(R, A), r(R, A), y(R, A), out(R, C);
+  token_shift(ps, C, layer, L, x, q.ln1_w, q.ln1_b, xx, st, 0, [&](int64_t i, const float* prev) {
+    mix_to(xx[i], prev, q.mix_k, C, dt, xk[i]);
+    mix_to(xx[i], prev, q.mix_v, C, dt, xv[i]);
+    mix_to(xx[i], prev, q.mix_r, C, dt, xr[i]);
   });
-  linears_dt({{q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()}, {q.att_r, xr.data(), r.data()}}, B, dt);
-  for_batch(B, [&](int64_t b) {
-    const float *num = at(st.in[1], b, layer, L, A), *den = at(st.in[2], b, layer, L, A);
-    const float* mx = at(st.in[3], b, layer, L, A);
+  linears_dt({{q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()}, {q.att_r, xr.data(), r.data()}}, R, dt);
+  for_batch(ps.B, [&](int64_t b) {
     float *num_o = at(st.out[1], b, layer, L, A), *den_o = at(st.out[2], b, layer, L, A);
     float* mx_o = at(st.out[3], b, layer, L, A);
-    for (int64_t c = 0; c < A; ++c) {
-      const float kt = k[b][c], vt = v[b][c], n0 = num[c], d0 = den[c], m0 = mx[c];
-      float ww = q.bonus[c] + kt;
-      float pm = std::max(m0, ww);
-      float e1 = std::exp(m0 - pm), e2 = std::exp(ww - pm);
-      const float wkv = (e1 * n0 + e2 * vt) / (e1 * d0 + e2);
-      ww = q.decay[c] + m0;
-      pm = std::max(ww, kt);
-      e1 = std::exp(ww - pm);
-      e2 = std::exp(kt - pm);
-      num_o[c] = e1 * n0 + e2 * vt;
-      den_o[c] = e1 * d0 + e2;
-      mx_o[c] = pm;
-      y[b][c] = round_to(dt, sigmoid(r[b][c]) * wkv);  // (r * y).to(dt)
+    for (int64_t t = 0; t < ps.T; ++t) {  // the state from the one token to the next, through st.out
+      const float *num = t ? num_o : at(st.in[1], b, layer, L, A), *den = t ? den_o : at(st.in[2], b, layer, L, A);
+      const float* mx = t ? mx_o : at(st.in[3], b, layer, L, A);
+      const int64_t i = b * ps.T + t;
+      for (int64_t c = 0; c < A; ++c) {
+        const float kt = k[i][c], vt = v[i][c], n0 = num[c], d0 = den[c], m0 = mx[c];
+        float ww = q.bonus[c] + kt;
+        float pm = std::max(m0, ww);
+        float e1 = std::exp(m0 - pm), e2 = std::exp(ww - pm);
+        const float wkv = (e1 * n0 + e2 * vt) / (e1 * d0 + e2);
+        ww = q.decay[c] + m0;
+        pm = std::max(ww, kt);
+        e1 = std::exp(ww - pm);
+        e2 = std::exp(kt - pm);
+        num_o[c] = e1 * n0 + e2 * vt;
+        den_o[c] = e1 * d0 + e2;
+        mx_o[c] = pm;
+        y[i][c] = round_to(dt, sigmoid(r[i][c]) * wkv);  // (r * y).to(dt)
+      }
     }
   });
-  linear_dt(q.att_o, y.data(), B, dt, out.data());
-  for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
+  linear_dt(q.att_o, y.data(), R, dt, out.data());
+  for (int64_t i = 0; i < R * C; ++i) x[i] += out.data()[i];
 }
 
 // RWKV-5.x and 6.0 time mix (models/rwkv5.py, rwkv6.py): multi-head WKV with a matrix state.
-void time_mix56(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st) {
-  const int64_t C = p.C, A = p.A, H = p.H, N = p.N, L = static_cast<int64_t>(p.blocks.size());
+void time_mix56(const ModelParams& p, const BlockParams& q, const Pass& ps, int64_t layer, float* x,
+                const StateRef& st) {
+  const int64_t C = p.C, A = p.A, H = p.H, N = p.N, L = static_cast<int64_t>(p.blocks.size()), R = ps.rows();
   const DType dt = p.dt;
   const bool v6 = p.family == 6;
-  Rows xx(B, C), xr(B, C), xk(B, C), xv(B, C), xg(B, C), r(B, A), k(B, A), v(B, A), g(B, A), y(B, A), out(B, C);
-  Rows log_w(v6 ? B : 0, A), sx(v6 ? B : 0, C), xxx(v6 ? B : 0, C);
-  for_batch(B, [&](int64_t b) {
-    layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
-    const float* prev = at(st.in[0], b, layer, L, C);
-    float* prev_out = at(st.out[0], b, layer, L, C);
+  Rows xx(R, C), xr(R, C), xk(R, C), xv(R, C), xg(R, C), r(R, A), k(R, A), v(R, A), g(R, A), y(R, A), out(R, C);
+  Rows log_w(v6 ? R : 0, A), sx(v6 ? R : 0, C), xxx(v6 ? R : 0, C);
+  token_shift(ps, C, layer, L, x, q.ln1_w, q.ln1_b, xx, st, 0, [&](int64_t i, const float* prev) {
     if (!v6) {
-      mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
-      mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
-      mix_to(xx[b], prev, q.mix_v, C, dt, xv[b]);
-      if (p.gated) mix_to(xx[b], prev, q.mix_g, C, dt, xg[b]);
+      mix_to(xx[i], prev, q.mix_r, C, dt, xr[i]);
+      mix_to(xx[i], prev, q.mix_k, C, dt, xk[i]);
+      mix_to(xx[i], prev, q.mix_v, C, dt, xv[i]);
+      if (p.gated) mix_to(xx[i], prev, q.mix_g, C, dt, xg[i]);
     } else {  // the LoRA below still needs prev: a copy
-      std::copy(prev, prev + C, sx[b]);
-      mix_to(xx[b], prev, q.mix_x, C, DType::kF32, xxx[b]);
+      std::copy(prev, prev + C, sx[i]);
+      mix_to(xx[i], prev, q.mix_x, C, DType::kF32, xxx[i]);
     }
-    std::copy(xx[b], xx[b] + C, prev_out);  // after the last read of prev, which it may alias
   });
   if (v6) {
     // RWKV-6: each mix coefficient gets a per-token offset from a LoRA of xxx = mix(xx, sx, mix_x):
     // offsets [5, C] = tanh(xxx @ maa_w1) (as [5, D]) @ maa_w2 (5 slabs [D, C]).
     const int64_t D = q.maa_w1.cols / 5, Dd = q.decay_w1.cols;
-    Rows lora(B, 5 * D), off(B, 5 * C), wx(B, C), dec(B, Dd);
-    lora_products({{q.maa_w1, xxx.data(), C, lora.data(), 5 * D}}, B);
-    for (int64_t i = 0; i < B * 5 * D; ++i) lora.data()[i] = std::tanh(lora.data()[i]);
+    Rows lora(R, 5 * D), off(R, 5 * C), wx(R, C), dec(R, Dd);
+    lora_products({{q.maa_w1, xxx.data(), C, lora.data(), 5 * D}}, R);
+    for (int64_t i = 0; i < R * 5 * D; ++i) lora.data()[i] = std::tanh(lora.data()[i]);
     const LoraMatrix w2[5] = {q.maa_w2.slab(0, D), q.maa_w2.slab(1, D), q.maa_w2.slab(2, D), q.maa_w2.slab(3, D),
                               q.maa_w2.slab(4, D)};
     lora_products({{w2[0], lora.data(), 5 * D, off.data(), 5 * C},
                    {w2[1], lora.data() + D, 5 * D, off.data() + C, 5 * C},
                    {w2[2], lora.data() + 2 * D, 5 * D, off.data() + 2 * C, 5 * C},
                    {w2[3], lora.data() + 3 * D, 5 * D, off.data() + 3 * C, 5 * C},
-                   {w2[4], lora.data() + 4 * D, 5 * D, off.data() + 4 * C, 5 * C}}, B);
+                   {w2[4], lora.data() + 4 * D, 5 * D, off.data() + 4 * C, 5 * C}}, R);
     const float* mixes[5] = {q.mix_w, q.mix_k, q.mix_v, q.mix_r, q.mix_g};  // the LoRA's output order
-    for_batch(B, [&](int64_t b) {
-      const float *prev = sx[b], *xb = xx[b];
-      float* dests[5] = {wx[b], xk[b], xv[b], xr[b], xg[b]};
+    for_batch(R, [&](int64_t i) {
+      const float *prev = sx[i], *xi = xx[i];
+      float* dests[5] = {wx[i], xk[i], xv[i], xr[i], xg[i]};
       for (int f = 0; f < 5; ++f) {
-        const float* o = off[b] + f * C;
+        const float* o = off[i] + f * C;
         for (int64_t c = 0; c < C; ++c) {
-          const float m = prev[c] + (xb[c] - prev[c]) * (mixes[f][c] - o[c]);
+          const float m = prev[c] + (xi[c] - prev[c]) * (mixes[f][c] - o[c]);
           dests[f][c] = f == 0 ? m : round_to(dt, m);  // wx stays fp32 (it feeds the fp32 decay LoRA)
         }
       }
     });
     // log w = -exp(decay_base + tanh(wx @ decay_w1) @ decay_w2)
-    lora_products({{q.decay_w1, wx.data(), C, dec.data(), Dd}}, B);
-    for (int64_t i = 0; i < B * Dd; ++i) dec.data()[i] = std::tanh(dec.data()[i]);
-    lora_products({{q.decay_w2, dec.data(), Dd, log_w.data(), A}}, B);  // + decay_base, per head below
+    lora_products({{q.decay_w1, wx.data(), C, dec.data(), Dd}}, R);
+    for (int64_t i = 0; i < R * Dd; ++i) dec.data()[i] = std::tanh(dec.data()[i]);
+    lora_products({{q.decay_w2, dec.data(), Dd, log_w.data(), A}}, R);  // + decay_base, per head below
   }
   linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv.data(), v.data()},
-              {q.att_g, xg.data(), g.data()}}, B, dt);  // (att_g is absent in RWKV-5.0)
-  // Per head: (RWKV-6) log w = -exp(decay_base + the decay LoRA), the WKV, the head's GroupNorm,
-  // the gate y * silu(gate(xg)), rounded to dt.
-  for_heads(B, H, [&](int64_t b, int64_t h) {
+              {q.att_g, xg.data(), g.data()}}, R, dt);  // (att_g is absent in RWKV-5.0)
+  // Per head, token by token: (RWKV-6) log w = -exp(decay_base + the decay LoRA), the WKV, the
+  // head's GroupNorm, the gate y * silu(gate(xg)), rounded to dt.
+  const int64_t NN = N * N;
+  for_heads(ps.B, H, [&](int64_t b, int64_t h) {
     const int64_t o = h * N;
-    if (v6)
-      for (int64_t c = o; c < o + N; ++c) log_w[b][c] = -std::exp(q.decay_base[c] + log_w[b][c]);
-    const float* wb = v6 ? log_w[b] + o : q.decay + o;
-    float* yh = y[b] + o;
-    wkv5_head(r[b] + o, k[b] + o, v[b] + o, wb, q.bonus + o, at(st.in[1], b, layer, L, H * N * N) + h * N * N,
-              at(st.out[1], b, layer, L, H * N * N) + h * N * N, yh, N);
-    normalize(yh, q.lnx_w + o, q.lnx_b + o, N, kGroupNormEps, yh);
-    if (p.gated) {
-      const float* gh = g[b] + o;
-      for (int64_t j = 0; j < N; ++j) yh[j] *= gh[j] * sigmoid(gh[j]);
-    }
-    round_all(dt, yh, N);
+    head_tokens(ps.T, NN, at(st.in[1], b, layer, L, H * NN) + h * NN, at(st.out[1], b, layer, L, H * NN) + h * NN,
+                [&](int64_t t, const float* S, float* So, bool stream) {
+                  const int64_t i = b * ps.T + t;
+                  if (v6)
+                    for (int64_t c = o; c < o + N; ++c) log_w[i][c] = -std::exp(q.decay_base[c] + log_w[i][c]);
+                  const float* wi = v6 ? log_w[i] + o : q.decay + o;
+                  float* yh = y[i] + o;
+                  wkv5_head(r[i] + o, k[i] + o, v[i] + o, wi, q.bonus + o, S, So, yh, N, stream);
+                  normalize(yh, q.lnx_w + o, q.lnx_b + o, N, kGroupNormEps, yh);
+                  if (p.gated) {
+                    const float* gh = g[i] + o;
+                    for (int64_t j = 0; j < N; ++j) yh[j] *= gh[j] * sigmoid(gh[j]);
+                  }
+                  round_all(dt, yh, N);
+                });
   });
-  linear_dt(q.att_o, y.data(), B, dt, out.data());
-  for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
+  linear_dt(q.att_o, y.data(), R, dt, out.data());
+  for (int64_t i = 0; i < R * C; ++i) x[i] += out.data()[i];
 }
 
-// RWKV-7 time mix (models/rwkv7.py). v_first [B, C]: layer 0's values, read by the later layers.
-void time_mix7(const ModelParams& p, const BlockParams& q, int64_t B, int64_t layer, float* x, const StateRef& st,
-               float* v_first) {
-  const int64_t C = p.C, H = p.H, N = p.N, L = static_cast<int64_t>(p.blocks.size());
+// RWKV-7 time mix (models/rwkv7.py). v_first [R, C]: layer 0's values, read by the later layers.
+void time_mix7(const ModelParams& p, const BlockParams& q, const Pass& ps, int64_t layer, float* x,
+               const StateRef& st, float* v_first) {
+  const int64_t C = p.C, H = p.H, N = p.N, L = static_cast<int64_t>(p.blocks.size()), R = ps.rows();
   const DType dt = p.dt;
-  Rows xx(B, C), xr(B, C), xw(B, C), xk(B, C), xv(B, C), xa(B, C), xg(B, C);
-  Rows r(B, C), k(B, C), v(B, C), w(B, C), iclr(B, C), g(B, C), kk(B, C), ka(B, C), y(B, C), out(B, C);
-  Rows xv_dt(B, C);
-  for_batch(B, [&](int64_t b) {
-    layer_norm(x + b * C, q.ln1_w, q.ln1_b, C, xx[b]);
-    const float* prev = at(st.in[0], b, layer, L, C);
+  Rows xx(R, C), xr(R, C), xw(R, C), xk(R, C), xv(R, C), xa(R, C), xg(R, C);
+  Rows r(R, C), k(R, C), v(R, C), w(R, C), iclr(R, C), g(R, C), kk(R, C), ka(R, C), y(R, C), out(R, C);
+  Rows xv_dt(R, C);
+  token_shift(ps, C, layer, L, x, q.ln1_w, q.ln1_b, xx, st, 0, [&](int64_t i, const float* prev) {
     // The LoRA inputs (xw, xa, xg, and xv for the value residual) stay fp32; r, k, v's are in dt.
-    mix_to(xx[b], prev, q.mix_r, C, dt, xr[b]);
-    mix_to(xx[b], prev, q.mix_w, C, DType::kF32, xw[b]);
-    mix_to(xx[b], prev, q.mix_k, C, dt, xk[b]);
-    mix_to(xx[b], prev, q.mix_v, C, DType::kF32, xv[b]);
-    mix_to(xx[b], prev, q.mix_a, C, DType::kF32, xa[b]);
-    mix_to(xx[b], prev, q.mix_g, C, DType::kF32, xg[b]);
-    std::copy(xx[b], xx[b] + C, at(st.out[0], b, layer, L, C));
-    std::copy(xv[b], xv[b] + C, xv_dt[b]);
-    round_all(dt, xv_dt[b], C);
+    mix_to(xx[i], prev, q.mix_r, C, dt, xr[i]);
+    mix_to(xx[i], prev, q.mix_w, C, DType::kF32, xw[i]);
+    mix_to(xx[i], prev, q.mix_k, C, dt, xk[i]);
+    mix_to(xx[i], prev, q.mix_v, C, DType::kF32, xv[i]);
+    mix_to(xx[i], prev, q.mix_a, C, DType::kF32, xa[i]);
+    mix_to(xx[i], prev, q.mix_g, C, DType::kF32, xg[i]);
+    std::copy(xv[i], xv[i] + C, xv_dt[i]);
+    round_all(dt, xv_dt[i], C);
   });
-  linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv_dt.data(), v.data()}}, B,
+  linears_dt({{q.att_r, xr.data(), r.data()}, {q.att_k, xk.data(), k.data()}, {q.att_v, xv_dt.data(), v.data()}}, R,
              dt);
   // The LoRAs, each as a parallel job over all rows: the C -> D products, their activations,
   // the D -> C ones. lw = tanh(xw @ w1) @ w2, la = (xa @ a1) @ a2, g = sigmoid(xg @ g1) @ g2,
   // lv = (xv @ v1) @ v2 (not in layer 0).
   const bool residual = layer > 0;
   const int64_t Dw = q.w1.cols, Da = q.a1.cols, Dg = q.g1.cols, Dv = residual ? q.v1.cols : 0;
-  Rows low_w(B, Dw), low_a(B, Da), low_g(B, Dg), low_v(B, Dv), lw(B, C), la(B, C), lv(residual ? B : 0, C);
+  Rows low_w(R, Dw), low_a(R, Da), low_g(R, Dg), low_v(R, Dv), lw(R, C), la(R, C), lv(residual ? R : 0, C);
   const LoraCall down[4] = {{q.w1, xw.data(), C, low_w.data(), Dw}, {q.a1, xa.data(), C, low_a.data(), Da},
                             {q.g1, xg.data(), C, low_g.data(), Dg}, {q.v1, xv.data(), C, low_v.data(), Dv}};
-  lora_products(down, residual ? 4 : 3, B);
-  for (int64_t i = 0; i < B * Dw; ++i) low_w.data()[i] = std::tanh(low_w.data()[i]);
-  for (int64_t i = 0; i < B * Dg; ++i) low_g.data()[i] = sigmoid(low_g.data()[i]);
+  lora_products(down, residual ? 4 : 3, R);
+  for (int64_t i = 0; i < R * Dw; ++i) low_w.data()[i] = std::tanh(low_w.data()[i]);
+  for (int64_t i = 0; i < R * Dg; ++i) low_g.data()[i] = sigmoid(low_g.data()[i]);
   const LoraCall up[4] = {{q.w2, low_w.data(), Dw, lw.data(), C}, {q.a2, low_a.data(), Da, la.data(), C},
                           {q.g2, low_g.data(), Dg, g.data(), C}, {q.v2, low_v.data(), Dv, lv.data(), C}};
-  lora_products(up, residual ? 4 : 3, B);
-  // Per head (everything from here to the output GEMV works on one head's channels): the decay,
-  // iclr, kk, the value residual, the WKV, the head's GroupNorm, + (r . (k * r_k)) v (the
-  // current token's own term), times the gate, rounded to dt.
-  for_heads(B, H, [&](int64_t b, int64_t h) {
+  lora_products(up, residual ? 4 : 3, R);
+  // Per head, token by token (everything from here to the output GEMV works on one head's
+  // channels): the decay, iclr, kk, the value residual, the WKV, the head's GroupNorm,
+  // + (r . (k * r_k)) v (the current token's own term), times the gate, rounded to dt.
+  const int64_t NN = N * N;
+  for_heads(ps.B, H, [&](int64_t b, int64_t h) {
     const int64_t o = h * N, e = o + N;
-    // log w = -e^-0.5 sigmoid(w0 + lw); the WKV takes w = exp(log w). iclr = sigmoid(a0 + la).
-    for (int64_t c = o; c < e; ++c) w[b][c] = std::exp(-kDecayScale7 * sigmoid(q.w0[c] + lw[b][c]));
-    for (int64_t c = o; c < e; ++c) iclr[b][c] = sigmoid(q.a0[c] + la[b][c]);
-    // kk = normalize(k * k_k) over the head (F.normalize: / max(norm, 1e-12))
-    double ss = 0;
-    for (int64_t c = o; c < e; ++c) {
-      const float t = k[b][c] * q.k_k[c];
-      kk[b][c] = t;
-      ss += static_cast<double>(t) * t;
-    }
-    const float inv = 1.0f / std::max(static_cast<float>(std::sqrt(ss)), 1e-12f);
-    for (int64_t c = o; c < e; ++c) kk[b][c] *= inv;
-    // k = k * (1 + (iclr - 1) * k_a); a = -kk, b = kk * iclr
-    for (int64_t c = o; c < e; ++c) {
-      k[b][c] = k[b][c] * (1 + (iclr[b][c] - 1) * q.k_a[c]);
-      ka[b][c] = kk[b][c] * iclr[b][c];
-      kk[b][c] = -kk[b][c];
-    }
-    if (layer == 0) {
-      std::copy(v[b] + o, v[b] + e, v_first + b * C + o);
-    } else {  // v = v + (v_first - v) * sigmoid(v0 + lv)
-      for (int64_t c = o; c < e; ++c) v[b][c] += (v_first[b * C + c] - v[b][c]) * sigmoid(q.v0[c] + lv[b][c]);
-    }
-    float* yh = y[b] + o;
-    const float *rh = r[b] + o, *kh = k[b] + o, *vh = v[b] + o, *gh = g[b] + o;
-    wkv7_head(rh, kh, vh, w[b] + o, kk[b] + o, ka[b] + o, at(st.in[1], b, layer, L, H * N * N) + h * N * N,
-              at(st.out[1], b, layer, L, H * N * N) + h * N * N, yh, N);
-    normalize(yh, q.lnx_w + o, q.lnx_b + o, N, kGroupNormEps, yh);
-    float dot = 0;
-    for (int64_t j = 0; j < N; ++j) dot += rh[j] * kh[j] * q.r_k[o + j];
-    for (int64_t j = 0; j < N; ++j) yh[j] = round_to(dt, (yh[j] + dot * vh[j]) * gh[j]);
+    head_tokens(ps.T, NN, at(st.in[1], b, layer, L, H * NN) + h * NN, at(st.out[1], b, layer, L, H * NN) + h * NN,
+                [&](int64_t t, const float* S, float* So, bool stream) {
+                  const int64_t i = b * ps.T + t;
+                  // log w = -e^-0.5 sigmoid(w0 + lw); the WKV takes w = exp(log w). iclr = sigmoid(a0 + la).
+                  for (int64_t c = o; c < e; ++c) w[i][c] = std::exp(-kDecayScale7 * sigmoid(q.w0[c] + lw[i][c]));
+                  for (int64_t c = o; c < e; ++c) iclr[i][c] = sigmoid(q.a0[c] + la[i][c]);
+                  // kk = normalize(k * k_k) over the head (F.normalize: / max(norm, 1e-12))
+                  double ss = 0;
+                  for (int64_t c = o; c < e; ++c) {
+                    const float u = k[i][c] * q.k_k[c];
+                    kk[i][c] = u;
+                    ss += static_cast<double>(u) * u;
+                  }
+                  const float inv = 1.0f / std::max(static_cast<float>(std::sqrt(ss)), 1e-12f);
+                  for (int64_t c = o; c < e; ++c) kk[i][c] *= inv;
+                  // k = k * (1 + (iclr - 1) * k_a); a = -kk, b = kk * iclr
+                  for (int64_t c = o; c < e; ++c) {
+                    k[i][c] = k[i][c] * (1 + (iclr[i][c] - 1) * q.k_a[c]);
+                    ka[i][c] = kk[i][c] * iclr[i][c];
+                    kk[i][c] = -kk[i][c];
+                  }
+                  if (layer == 0) {
+                    std::copy(v[i] + o, v[i] + e, v_first + i * C + o);
+                  } else {  // v = v + (v_first - v) * sigmoid(v0 + lv)
+                    for (int64_t c = o; c < e; ++c)
+                      v[i][c] += (v_first[i * C + c] - v[i][c]) * sigmoid(q.v0[c] + lv[i][c]);
+                  }
+                  float* yh = y[i] + o;
+                  const float *rh = r[i] + o, *kh = k[i] + o, *vh = v[i] + o, *gh = g[i] + o;
+                  wkv7_head(rh, kh, vh, w[i] + o, kk[i] + o, ka[i] + o, S, So, yh, N, stream);
+                  normalize(yh, q.lnx_w + o, q.lnx_b + o, N, kGroupNormEps, yh);
+                  float dot = 0;
+                  for (int64_t j = 0; j < N; ++j) dot += rh[j] * kh[j] * q.r_k[o + j];
+                  for (int64_t j = 0; j < N; ++j) yh[j] = round_to(dt, (yh[j] + dot * vh[j]) * gh[j]);
+                });
   });
-  linear_dt(q.att_o, y.data(), B, dt, out.data());
-  for (int64_t i = 0; i < B * C; ++i) x[i] += out.data()[i];
+  linear_dt(q.att_o, y.data(), R, dt, out.data());
+  for (int64_t i = 0; i < R * C; ++i) x[i] += out.data()[i];
 }
 
 }  // namespace
@@ -683,29 +726,34 @@ void lora_product(const LoraMatrix& W, const float* x, int64_t B, float* y) {
   lora_products({{W, x, W.rows, y, W.cols}}, B);
 }
 
-void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits) {
+void decode_step(const ModelParams& p, int64_t B, int64_t T, float* x, const StateRef& st, float* logits,
+                 bool all_logits) {
   const int64_t L = static_cast<int64_t>(p.blocks.size());
+  const Pass ps{B, T};
+  const int64_t R = ps.rows();
   const int ffn_field = p.family == 4 ? 4 : 2;
-  std::vector<float> v_first(p.family == 7 ? B * p.C : 0);
+  std::vector<float> v_first(p.family == 7 ? R * p.C : 0);
   for (int64_t i = 0; i < L; ++i) {
     const BlockParams& q = p.blocks[i];
     switch (p.family) {
-      case 4: time_mix4(p, q, B, i, x, st); break;
-      case 7: time_mix7(p, q, B, i, x, st, v_first.data()); break;
-      default: time_mix56(p, q, B, i, x, st); break;
+      case 4: time_mix4(p, q, ps, i, x, st); break;
+      case 7: time_mix7(p, q, ps, i, x, st, v_first.data()); break;
+      default: time_mix56(p, q, ps, i, x, st); break;
     }
-    channel_mix(p, q, B, i, x, st, ffn_field);
+    channel_mix(p, q, ps, i, x, st, ffn_field);
     if (p.rescale_every > 0 && (i + 1) % p.rescale_every == 0) {
-      for (int64_t j = 0; j < B * p.C; ++j) x[j] *= 0.5f;
+      for (int64_t j = 0; j < R * p.C; ++j) x[j] *= 0.5f;
     }
   }
-  // The head (RWKV._logits): head(ln_out(x).to(dt)).float()
-  Rows xo(B, p.C);
-  for_batch(B, [&](int64_t b) {
-    layer_norm(x + b * p.C, p.ln_out_w, p.ln_out_b, p.C, xo[b]);
-    round_all(p.dt, xo[b], p.C);
+  // The head (RWKV._logits): head(ln_out(x).to(dt)).float(), of every row or of each sequence's last.
+  const int64_t n = all_logits ? R : B;
+  Rows xo(n, p.C);
+  for_batch(n, [&](int64_t i) {
+    const int64_t row = all_logits ? i : i * T + T - 1;
+    layer_norm(x + row * p.C, p.ln_out_w, p.ln_out_b, p.C, xo[i]);
+    round_all(p.dt, xo[i], p.C);
   });
-  linear_dt(p.head, xo.data(), B, p.dt, logits);
+  linear_dt(p.head, xo.data(), n, p.dt, logits);
 }
 
 }  // namespace rwkv_native

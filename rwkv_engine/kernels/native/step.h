@@ -1,5 +1,6 @@
-// One decode step of a whole RWKV model (every block, one token per sequence) in plain C++:
-// the fused path behind rwkv_engine/models/native_step.py. No torch headers (see kernels.h).
+// One decode step of a whole RWKV model (every block; one token per sequence, or a few for a
+// speculative verify pass) in plain C++: the fused path behind rwkv_engine/models/native_step.py.
+// No torch headers (see kernels.h).
 //
 // The math is that of rwkv_engine/models (the PyTorch modules are the specification and the
 // tests compare the two): fp32 residual stream, LayerNorms, mixes and recurrent state; each
@@ -81,8 +82,14 @@ void lora_product(const LoraMatrix& W, const float* x, int64_t B, float* y);
 void wkv7_sequence(int64_t B, int64_t T, int64_t H, int64_t N, const float* r, const float* k, const float* v,
                    const float* w, const float* a, const float* b, const float* state_in, float* state_out, float* y);
 
-// x [B, C] fp32: the embedded tokens in, the residual stream after the last block out;
-// logits [B, V] fp32: head(ln_out(x)), rounded to the model dtype as the PyTorch path holds it.
-void decode_step(const ModelParams& p, int64_t B, float* x, const StateRef& st, float* logits);
+// B sequences of T tokens each from the state `st.in` to the state after their last tokens
+// (`st.out`). x [B, T, C] fp32: the embedded tokens in, the residual stream after the last block
+// out; logits fp32, head(ln_out(x)) rounded to the model dtype as the PyTorch path holds it:
+// [B, T, V] with all_logits, else [B, V] of each sequence's last token.
+// T = 1 is the decode step. T > 1 (a speculative verify pass) runs every linear as B T rows of
+// one GEMV, so the weights are read once for all of them, and steps each sequence's recurrence
+// through its tokens; each token gets the bits it gets in a one-token step from the state before it.
+void decode_step(const ModelParams& p, int64_t B, int64_t T, float* x, const StateRef& st, float* logits,
+                 bool all_logits);
 
 }  // namespace rwkv_native

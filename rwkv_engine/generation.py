@@ -296,7 +296,7 @@ def _drafter(speculative, model, params: SamplingParams) -> Drafter | None:
     if isinstance(speculative, DraftModel):
         if speculative.model.config.vocab_size != model.config.vocab_size:
             raise InputError("the draft model's vocabulary is not the target's")
-        speculative = speculative.for_params(params)
+        speculative = speculative.for_params(params).priced(model)
     return speculative
 
 

@@ -29,8 +29,11 @@ no second pass over the weights). `SpeculativeDecoder.state` feeds P when asked.
 
 Drafts (`Drafter`): `PromptLookup` (n-gram match over the prompt and the text so far) and
 `DraftModel` (a smaller RWKV sharing the vocabulary, or the target's own quantized twin:
-`quantized_twin`). The draft length adapts: +2 after a fully accepted round, -1 after a rejection;
-a rejected one-token draft pauses drafting for 1, 2, 4 ... 32 passes.
+`quantized_twin`). The draft length follows a cost model (`SpeculativeRow.draft_length`): the
+row's acceptance rate, what a draft token costs (nothing for prompt lookup, the draft model's
+bytes for a model) and what verifying it costs pick the length that decides the most tokens per
+unit of time; where no length beats plain decoding, drafting pauses for 1, 2, 4 ... 32 passes
+between one-token probes.
 """
 
 from __future__ import annotations
@@ -68,6 +71,19 @@ KINDS = ("lookup", "draft")
 MAX_PASS_TOKENS = GEMV_MAX_ROWS
 DEFAULT_MAX_DRAFT = GEMV_ROWS_PER_READ - 1
 
+# The cost model that picks a row's draft length (`SpeculativeRow`), in decode steps: a pass of k
+# drafts costs 1 + k VERIFY_COST (bench_speculative.py, batch 1: a pass of 8 tokens costs 1.1-1.4
+# steps of a bf16 target, more of a q8 one) + k times the drafter's `cost` (0 for prompt lookup;
+# for a draft model, the bytes it reads a step over the target's: `step_bytes`).
+VERIFY_COST = 0.1
+# The acceptance rate is estimated from the row's passes, older ones counting ACCEPTANCE_DECAY
+# times less each pass, starting from PRIOR_ACCEPTANCE with the weight of PRIOR_DRAFTS drafts.
+ACCEPTANCE_DECAY = 0.9
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_DRAFTS = 2.0
+# A model draft whose cost is unknown (no target to compare it with) is taken to cost this.
+UNKNOWN_DRAFT_COST = 0.5
+
 
 @dataclass
 class SpeculativeStats:
@@ -100,8 +116,11 @@ class Drafter:
     """Proposes up to k next tokens of a context (prompt + tokens so far).
 
     `propose(context, k)` returns (tokens, q): q is None for a deterministic draft (a point mass
-    at each token), else a list of [V] distributions the tokens were drawn from.
+    at each token), else a list of [V] distributions the tokens were drawn from. `cost`: what
+    drafting one token costs, in decode steps of the target (None: unknown).
     """
+
+    cost: float | None = 0.0
 
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], list[Tensor] | None]:
         raise NotImplementedError
@@ -139,8 +158,15 @@ class DraftModel(Drafter):
     draw from the draft's own sampling distribution (same bias, temperature, top-p, top-k).
     """
 
-    def __init__(self, model, params: SamplingParams | None = None, generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        model,
+        params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+        cost: float | None = None,
+    ):
         self.model = model
+        self.cost = cost  # see Drafter; `priced` sets it from a target
         self.params = params or SamplingParams(temperature=0.0)
         self._bias = bias_vector(self.params, model.config.vocab_size)
         self.generator = generator
@@ -151,7 +177,13 @@ class DraftModel(Drafter):
 
     def for_params(self, params: SamplingParams, generator: torch.Generator | None = None) -> DraftModel:
         """A fresh draft over the same model for another sequence."""
-        return DraftModel(self.model, params, generator)
+        return DraftModel(self.model, params, generator, self.cost)
+
+    def priced(self, target) -> DraftModel:
+        """This draft with its cost per token measured against `target` (when not known yet)."""
+        if self.cost is None:
+            self.cost = step_bytes(self.model) / max(1, step_bytes(target))
+        return self
 
     def _follow(self, context: list[int]) -> tuple[object, Tensor | None, list[int]]:
         """(state, logits after it or None, tokens of context after it) from what is kept."""
@@ -195,6 +227,11 @@ class DraftModel(Drafter):
         return tokens, (None if greedy else qs)
 
 
+def step_bytes(model) -> int:
+    """Bytes a decode step of `model` reads: every tensor but the embedding (one row a token)."""
+    return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if not name.startswith("emb."))
+
+
 def quantized_twin(model, quantization: str = "q4"):
     """The target loaded again from its own checkpoint with `quantization` (the default draft)."""
     import rwkv_engine
@@ -222,7 +259,7 @@ def make_drafter(kind: str, target=None, draft=None, draft_quantization: str = "
                 f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
                 f"({target.config.vocab_size})"
             )
-        return DraftModel(draft)
+        return DraftModel(draft).priced(target) if target is not None else DraftModel(draft)
     raise InputError(f"speculative must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
@@ -300,16 +337,54 @@ class SpeculativeRow:
         self.context = list(context)
         self.pending: list[int] = []
         self.max_draft = max_draft
-        self.k = min(4, max_draft)
         self.stats = stats if stats is not None else SpeculativeStats()
         self.limit: int | None = None  # most tokens still wanted (None: unbounded); caps the drafts
         self.committed_all = False
-        # After a one-token draft is rejected, this many passes draft nothing (doubling while the
-        # drafts keep failing): a draft that is rarely right costs more than it saves.
+        cost = drafter.cost
+        self.cost = UNKNOWN_DRAFT_COST if cost is None else cost
+        # The row's acceptance estimate: accepted / drafted over its passes, decayed (see above).
+        self._accepted, self._drafted = PRIOR_ACCEPTANCE * PRIOR_DRAFTS, PRIOR_DRAFTS
+        # When no draft length pays, drafting pauses for this many passes (doubling while it keeps
+        # not paying), then one probe of a one-token draft refreshes the estimate.
         self._backoff = 0
         self._skip = 0
+        self._probe = False
         self._drafts: list[int] = []
         self._qs: list[Tensor] | None = None
+
+    @property
+    def acceptance(self) -> float:
+        """The row's estimated probability that a draft token is accepted."""
+        return self._accepted / self._drafted
+
+    def draft_length(self) -> int:
+        """The number of drafts for the next pass: the k that maximizes the expected tokens a pass
+        decides, 1 + a + ... + a^k for acceptance a (each draft taken as accepted with
+        probability a once its predecessors were), per unit of the pass's cost (see
+        VERIFY_COST); 0 when no k beats plain decoding (1 token per step)."""
+        if self._skip > 0:
+            self._skip -= 1
+            self._probe = self._skip == 0
+            return 0
+        if self._probe:
+            self._probe = False
+            return 1
+        a = min(self.acceptance, 0.99)
+        best_k, best = 0, 1.0
+        expected = term = 1.0
+        for k in range(1, self.max_draft + 1):
+            term *= a
+            expected += term
+            gain = expected / (1.0 + k * (VERIFY_COST + self.cost))
+            if gain > best:
+                best_k, best = k, gain
+        if best_k == 0:
+            self._backoff = min(32, 2 * self._backoff or 1)
+            self._skip = self._backoff - 1
+            self._probe = self._skip == 0
+        else:
+            self._backoff = 0
+        return best_k
 
     def take(self, t: int) -> None:
         """Record a decided token (fed by the next pass)."""
@@ -319,12 +394,9 @@ class SpeculativeRow:
             self.limit -= 1
 
     def plan(self, k: int | None = None) -> list[int]:
-        """The tokens of the next pass: the pending ones, then up to k (default: the adaptive
-        length) drafts."""
-        k = min(self.k if k is None else k, self.max_draft + 1 - len(self.pending))
-        if self._skip > 0:
-            self._skip -= 1
-            k = 0
+        """The tokens of the next pass: the pending ones, then up to k (default: `draft_length`)
+        drafts, at most max_draft + 1 tokens in all."""
+        k = min(self.draft_length() if k is None else k, self.max_draft + 1 - len(self.pending))
         if self.limit is not None:
             k = min(k, self.limit - 1)
         drafts, qs = self.drafter.propose(self.context, k) if k > 0 else ([], None)
@@ -352,16 +424,10 @@ class SpeculativeRow:
             yield t
             if not ok:
                 break
-        if drafts:  # adapt: longer after a fully accepted round, shorter after a rejection
-            if self.committed_all:
-                self.k = min(self.max_draft, self.k + 2)
-            elif i == 0 and self.k == 1:
-                self._backoff = min(32, 2 * self._backoff or 1)
-                self._skip = self._backoff
-            else:
-                self.k = max(1, self.k - 1)
-            if i > 0:
-                self._backoff = 0
+        if drafts:  # the acceptance estimate learns from this pass
+            accepted = len(drafts) if self.committed_all else i
+            self._accepted = self._accepted * ACCEPTANCE_DECAY + accepted
+            self._drafted = self._drafted * ACCEPTANCE_DECAY + len(drafts)
 
 
 class SpeculativeDecoder:

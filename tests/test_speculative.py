@@ -18,6 +18,7 @@ from rwkv_engine.errors import InputError
 from rwkv_engine.generation import generate
 from rwkv_engine.sampling import Sampler, SamplingParams, rwkv_probs
 from rwkv_engine.speculative import (
+    DEFAULT_MAX_DRAFT,
     Drafter,
     DraftModel,
     PromptLookup,
@@ -391,17 +392,55 @@ def test_engine_verify_passes_are_cut_to_the_native_step(model):
 def test_default_draft_length_fills_one_read_of_the_weights():
     from rwkv_engine.cli.common import add_speculative_args
     from rwkv_engine.kernels.native import GEMV_ROWS_PER_READ
-    from rwkv_engine.speculative import DEFAULT_MAX_DRAFT
 
     ap = argparse.ArgumentParser()
     add_speculative_args(ap)
     assert ap.parse_args([]).max_draft == DEFAULT_MAX_DRAFT == GEMV_ROWS_PER_READ - 1
     row = SpeculativeRow(PromptLookup(), Sampler(SamplingParams(), 65536), list(range(5, 20)) + [5])
-    row.k = DEFAULT_MAX_DRAFT
+    row._accepted = row._drafted  # drafts that were always right: the longest draft pays
     row.take(6)  # "5 6" occurred before, followed by 7, 8, ...
     assert len(row.plan()) == GEMV_ROWS_PER_READ  # the last token + 7 drafts
     row.pending = [1, 2, 3, 1, 2]  # after a rejection: fewer drafts, the pass stays in one read
     assert len(row.plan()) == GEMV_ROWS_PER_READ
+
+
+def _row(drafter, acceptance, max_draft=DEFAULT_MAX_DRAFT):
+    row = SpeculativeRow(drafter, Sampler(SamplingParams(), 65536), [1, 2, 3], max_draft)
+    row._accepted, row._drafted = acceptance * 100, 100.0
+    return row
+
+
+def test_the_draft_length_follows_acceptance_and_cost():
+    # Free drafts (prompt lookup): the better they are, the longer; even poor ones are worth one.
+    lengths = [_row(PromptLookup(), a).draft_length() for a in (0.15, 0.4, 0.7, 0.99)]
+    assert lengths == sorted(lengths) and lengths[0] >= 1 and lengths[-1] == DEFAULT_MAX_DRAFT
+    # A draft model that reads a third of the target's bytes: a poor one pays less than plain
+    # decoding (no drafts; the bench's random q4 twin agreed on 27%), a good one pays.
+    twin = Drafter()
+    twin.cost = 0.35
+    assert _row(twin, 0.27).draft_length() == 0
+    assert _row(twin, 0.8).draft_length() >= 2
+
+
+def test_drafting_pauses_then_probes():
+    twin = Drafter()
+    twin.cost = 0.35
+    row = _row(twin, 0.1)
+    seen = [row.draft_length() for _ in range(1 + 1 + 2 + 1 + 4 + 1)]
+    # no length pays: 0 (pause 1, probe), 0 0 (pause 2, probe), 0 0 0 0 (pause 4, probe) ...
+    assert seen == [0, 1, 0, 0, 1, 0, 0, 0, 0, 1]
+
+
+def test_a_model_draft_is_priced_by_the_bytes_it_reads(model, version, make_pth):
+    small = rwkv_engine.load(make_pth(version, **{**WORLD, "n_layer": 1, "seed": 5}))
+    drafter = make_drafter("draft", model, small)
+
+    def nbytes(m):  # what a step reads: the blocks and the head, one row of the embedding
+        return sum(t.numel() * t.element_size() for t in [*m.blocks.state_dict().values(), m.head.weight])
+
+    assert drafter.cost == pytest.approx(nbytes(small) / nbytes(model), abs=1e-3) and drafter.cost < 1
+    assert drafter.for_params(SamplingParams()).cost == drafter.cost
+    assert DraftModel(small).cost is None and DraftModel(small).priced(model).cost == drafter.cost
 
 
 def test_engine_draft_rows(model, tok, version, make_pth):

@@ -234,6 +234,8 @@ class Generation:
         t0 = time.perf_counter()
         logits, state = self.model.forward(self.prompt_tokens, state=self.state)
         self.state = self.prompt_state = state
+        if self._drafter is not None and self.params.max_tokens != 0:  # a draft model reads the prompt: prefill
+            self._drafter.prepare(self.prompt_tokens)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
         if self.params.max_tokens == 0:

@@ -125,6 +125,9 @@ class Drafter:
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], list[Tensor] | None]:
         raise NotImplementedError
 
+    def prepare(self, context: Sequence[int]) -> None:
+        """Read the context ahead of the first `propose` (with the target's prompt: prefill)."""
+
 
 class PromptLookup(Drafter):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
@@ -184,6 +187,10 @@ class DraftModel(Drafter):
         if self.cost is None:
             self.cost = step_bytes(self.model) / max(1, step_bytes(target))
         return self
+
+    def prepare(self, context: Sequence[int]) -> None:
+        """The draft's own prefill of the prompt, so that the first pass drafts at once."""
+        self.propose(context, 0)
 
     def _follow(self, context: list[int]) -> tuple[object, Tensor | None, list[int]]:
         """(state, logits after it or None, tokens of context after it) from what is kept."""

@@ -443,6 +443,27 @@ def test_a_model_draft_is_priced_by_the_bytes_it_reads(model, version, make_pth)
     assert DraftModel(small).cost is None and DraftModel(small).priced(model).cost == drafter.cost
 
 
+def test_a_draft_model_reads_the_prompt_during_prefill(model, tok):
+    fed = []
+
+    class Counting(torch.nn.Module):  # the draft model, recording what each forward reads
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, tokens, state=None):
+            fed.append(len(tokens))
+            return self.inner.forward(tokens, state=state)
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=[])
+    gen = generate(model, tok, PROMPT, params, speculative=DraftModel(Counting(model)))
+    gen.read()
+    # the prompt alone, in the prefill (the first draft would read it with the first token), then
+    # only the decided tokens
+    assert fed[0] == len(gen.prompt_tokens) and max(fed[1:]) <= DEFAULT_MAX_DRAFT + 1
+    assert gen.text == generate(model, tok, PROMPT, params).read()
+
+
 def test_engine_draft_rows(model, tok, version, make_pth):
     from rwkv_engine.serve.engine import EngineConfig
 

@@ -72,7 +72,7 @@ def config(args):
     from ..serve.server import Config, ServerSettings
 
     return Config(
-        serve.model_spec(args),
+        common.model_spec(args),
         dataclasses.replace(serve.engine_config(args), name="rwkv-engine batch"),
         serve.limits(args),
         ServerSettings(served_model_name=args.served_model_name),

@@ -254,23 +254,30 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
         raise InputError(msg) from None
 
 
+def model_spec(args: argparse.Namespace, huge_pages: str | None = None):
+    """The model flags as a `serve.server.ModelSpec` (what to load, for every command)."""
+    from ..serve.server import ModelSpec
+
+    return ModelSpec(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        group_size=args.group_size,
+        tokenizer=args.tokenizer,
+        huge_pages=huge_pages,
+    )
+
+
 def load_model(args: argparse.Namespace, progress: bool = True):
     """(model, tokenizer) from the model flags. progress: for a big model, a loading bar on stderr
     when it is a terminal, else one summary line there."""
     import rwkv_engine
 
-    model = rwkv_engine.load(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        progress=progress,
-        quantization=args.quantization,
-        group_size=args.group_size,
-    )
+    model, tokenizer = model_spec(args).load(progress)
     if getattr(args, "state", None) is not None:  # every sequence starts from it
         state = rwkv_engine.load_state(model, args.state)
         model.initial_state = {k: v[0] for k, v in state.items()}
-    tokenizer = rwkv_engine.load_tokenizer(model, args.tokenizer)
     return model, tokenizer
 
 

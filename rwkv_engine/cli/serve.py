@@ -278,21 +278,6 @@ def add_engine_arguments(parser) -> None:
     common.add_speculative_args(parser)
 
 
-def model_spec(args, huge_pages: str | None = None):
-    """The model flags as a `ModelSpec`."""
-    from ..serve.server import ModelSpec
-
-    return ModelSpec(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        group_size=args.group_size,
-        tokenizer=args.tokenizer,
-        huge_pages=huge_pages,
-    )
-
-
 def engine_config(args):
     """The engine flags (`add_engine_arguments`) as an `EngineConfig`."""
     from ..serve.server import EngineConfig
@@ -342,7 +327,7 @@ def config(args, environ=None):
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
-    return Config(model_spec(args), engine_config(args), limits(args), server)
+    return Config(common.model_spec(args), engine_config(args), limits(args), server)
 
 
 def parse(argv: list[str]):

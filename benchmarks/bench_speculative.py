@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_engine import SHAPES, make_checkpoint  # noqa: E402
 
-from rwkv_engine.speculative import Drafter  # noqa: E402
+from rwkv_engine.testing import KnownContinuation  # noqa: E402
 
 
 def cpu_name() -> str:
@@ -93,17 +93,6 @@ def verify_curve(model, ks, batches, repeats) -> list[str]:
     return lines
 
 
-class Oracle(Drafter):
-    """Proposes the target's own greedy continuation, known beforehand."""
-
-    def __init__(self, prompt, continuation):
-        self.n, self.cont = len(prompt), continuation
-
-    def propose(self, context, k):
-        done = len(context) - self.n
-        return self.cont[done : done + k], None
-
-
 def llama_decode(work: Path, ckpt: Path, target: str, args) -> float | None:
     """llama.cpp's decode tok/s (llama-bench, its own process) of ckpt in the GGUF type beside
     `target`; None (with the reason on stderr) where it cannot be built."""
@@ -117,8 +106,9 @@ def llama_decode(work: Path, ckpt: Path, target: str, args) -> float | None:
     tree = bench_peers.llama_tree(work)
     bins = bench_peers.build_llama(tree, args.threads)
     gguf = bench_peers.gguf_files(work, ckpt, tree, bins, [gtype], args.threads)[gtype]
-    run = argparse.Namespace(prompt_len=16, decode=args.decode, threads=args.threads, repeats=args.repeats)
-    run.llama_load_mode = "auto"
+    run = argparse.Namespace(
+        prompt_len=16, decode=args.decode, threads=args.threads, repeats=args.repeats, llama_load_mode="auto"
+    )
     result = bench_peers.run_llama(bins, gguf, run)
     return result["decode_tok_s"]
 
@@ -148,7 +138,7 @@ def decode_rows(model, tok, n, twin_quant, max_draft) -> list[tuple[str, float, 
     run("plain (warm-up)", None)
     rows.clear()
     plain = run("plain", None)
-    assert run("oracle draft", Oracle(prompt, plain)) == plain
+    assert run("oracle draft", KnownContinuation(prompt, plain)) == plain
     assert run("prompt lookup", "lookup") == plain
     if twin_quant:
         twin = make_drafter("draft", model, draft_quantization=twin_quant)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .speculative import Drafter
+
 Tensor = torch.Tensor
 
 SUPPORTED_RANDOM_VERSIONS = ("4", "5.0", "5.1", "5.2", "6.0", "7")
@@ -418,3 +420,16 @@ def logits_along(model, prompt: list[int], steps: list[int]) -> Tensor:
         lg, state = model.forward([t], state)
         out.append(lg[None])
     return torch.cat(out)
+
+
+class KnownContinuation(Drafter):
+    """A speculative drafter that proposes `continuation`, the tokens known to follow `prompt`
+    (e.g. the target's own greedy output computed beforehand): every draft is accepted, the
+    upper bound of speculative decoding (tests, benchmarks/bench_speculative.py)."""
+
+    def __init__(self, prompt: list[int], continuation: list[int]):
+        self.n, self.continuation = len(prompt), continuation
+
+    def propose(self, context, k):
+        done = len(context) - self.n
+        return self.continuation[done : done + k], None

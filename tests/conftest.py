@@ -28,6 +28,46 @@ def states_equal(a, b, tol=1e-5):
         assert err < tol, f"{name}: relative RMS difference {err:.2e}"
 
 
+def run_engine(model, tok, requests, config):
+    """Every `serve.engine.Request` through one Engine at once; ([(text, Finished)] per request,
+    the engine, stopped)."""
+    import threading
+
+    from rwkv_engine.serve.engine import Delta, Engine
+
+    engine = Engine(model, tok, config)
+    engine.start()
+    results = [None] * len(requests)
+    done = threading.Semaphore(0)
+    try:
+        for i, request in enumerate(requests):
+            parts = []
+
+            def sink(event, i=i, parts=parts):
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                else:
+                    results[i] = ("".join(parts), event)
+                    done.release()
+
+            engine.submit(request, sink)
+        for _ in requests:
+            assert done.acquire(timeout=300)
+    finally:
+        engine.stop()
+    return results, engine
+
+
+async def read_body(receive) -> bytes:
+    """An ASGI request's whole body (test servers)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("ckpt")

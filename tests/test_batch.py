@@ -19,6 +19,8 @@ import rwkv_engine
 from rwkv_engine import SamplingParams, testing
 from rwkv_engine.chat_format import render_chat
 
+from .conftest import read_body
+
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
@@ -194,13 +196,7 @@ def test_a_line_busy_for_good_gets_an_error_line_not_endless_retries():
     tries = []
 
     async def app(scope, receive, send):  # a server always busy for the first prompt, fine for others
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        busy = json.loads(body)["prompt"] == "busy"
+        busy = json.loads(await read_body(receive))["prompt"] == "busy"
         tries.append(busy)
         status, payload = (429, {"error": {"message": "busy", "code": "queue_full"}}) if busy else (200, {"ok": 1})
         headers = [(b"content-type", b"application/json"), (b"retry-after", b"0")]

@@ -37,11 +37,15 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def _decode_both(model, tokens, state, steps=3):
-    """(native, pytorch) results of `steps` one-token forwards from the same state."""
+def _decode_both(model, tokens, state, steps=3, one_pass=False):
+    """(native, pytorch) results of `steps` one-token forwards from the same state, or with
+    one_pass of one forward of the tokens [B, T] (all logits)."""
     out = {}
     for native_decode in (True, False):
         model.native_decode = native_decode
+        if one_pass:
+            out[native_decode] = model.forward(tokens, state, all_logits=True)
+            continue
         st, logits_all = state, []
         for t in range(steps):
             logits, st = model.forward(tokens[:, t : t + 1], st)
@@ -60,12 +64,16 @@ def test_native_step_matches_pytorch_modules(checkpoints, version, fmt):
     prompt = torch.randint(0, VOCAB, (3, 6), generator=g)
     _, state = model.forward(prompt)  # a non-trivial state to start from
     before = {k: v.clone() for k, v in state.items()}
-    (ln, sn), (lt, stt) = _decode_both(model, torch.randint(0, VOCAB, (3, 3), generator=g), state)
+    tokens = torch.randint(0, VOCAB, (3, 3), generator=g)
+    (ln, sn), (lt, stt) = _decode_both(model, tokens, state)
     assert model._native_step[1] is not None, "the native step was not used"
+    # The same tokens as one pass (the step's several-tokens mode against the modules' multi-token forward)
+    (pn, psn), (pt, pst) = _decode_both(model, tokens, state, one_pass=True)
     tol = FORMATS[fmt]
-    assert rel_rms(ln, lt) < tol
-    for name in state.fields:
-        assert rel_rms(getattr(sn, name), getattr(stt, name)) < tol, name
+    for (logits, st), (ref, ref_st) in (((ln, sn), (lt, stt)), ((pn, psn), (pt, pst))):
+        assert rel_rms(logits, ref) < tol
+        for name in state.fields:
+            assert rel_rms(getattr(st, name), getattr(ref_st, name)) < tol, name
     for name, t in state.items():  # the state given in is never modified
         assert torch.equal(t, before[name]), name
 
@@ -168,24 +176,6 @@ def test_a_token_pass_gives_the_bits_of_one_token_steps(checkpoints, version, fm
     assert torch.equal(last, ref_logits[:, -1])
     for name, t in state.items():  # the state given in is never modified
         assert torch.equal(t, before[name]), name
-
-
-@pytest.mark.parametrize("fmt", list(FORMATS), ids=lambda f: f"{f[0]}-{f[1] or 'dense'}")
-@pytest.mark.parametrize("version", testing.SUPPORTED_RANDOM_VERSIONS)
-def test_a_token_pass_matches_the_pytorch_modules(checkpoints, version, fmt):
-    dtype, quantization = fmt
-    model = rwkv_engine.load(checkpoints[version], dtype=dtype, quantization=quantization, progress=False)
-    g = torch.Generator().manual_seed(13)
-    _, state = model.forward(torch.randint(0, VOCAB, (2, 9), generator=g))
-    tokens = torch.randint(0, VOCAB, (2, 5), generator=g)
-    logits, after = model.forward(tokens, state, all_logits=True)
-    model.native_decode = False
-    ref, ref_after = model.forward(tokens, state, all_logits=True)
-    model.native_decode = True
-    tol = FORMATS[fmt]
-    assert rel_rms(logits, ref) < tol
-    for name in state.fields:
-        assert rel_rms(getattr(after, name), getattr(ref_after, name)) < tol, name
 
 
 class _Spy:

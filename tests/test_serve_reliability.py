@@ -17,6 +17,8 @@ import torch
 
 from tests.test_serve import COMPLETIONS, MODEL, Server, files  # noqa: F401 (files: the fixture)
 
+from .conftest import read_body
+
 httpx = pytest.importorskip("httpx")
 
 WRITE_TIMEOUT = 2
@@ -98,12 +100,7 @@ BIG = 8 << 20  # bytes: more than the socket buffers of both ends hold (about 3 
 
 async def echo_app(scope, receive, send):
     """GET /big: BIG bytes; anything else: its body back."""
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await read_body(receive)
     if scope["path"] == "/big":
         body = b"x" * BIG
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})

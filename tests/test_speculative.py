@@ -28,9 +28,10 @@ from rwkv_engine.speculative import (
     decide,
     make_drafter,
 )
+from rwkv_engine.testing import KnownContinuation
 from rwkv_engine.tokenizer import WorldTokenizer
 
-from .conftest import states_equal
+from .conftest import run_engine, states_equal
 
 WORLD = dict(n_layer=2, n_embd=64, vocab_size=65536, head_size=16)
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return"
@@ -54,17 +55,6 @@ def model(version, make_pth):
 @pytest.fixture(scope="module")
 def draft(version, make_pth):
     return DraftModel(rwkv_engine.load(make_pth(version, **{**WORLD, "n_layer": 1, "seed": 5})))
-
-
-class Repeat(Drafter):
-    """A draft that proposes the target's own greedy continuation (known beforehand): all accepted."""
-
-    def __init__(self, prompt, continuation):
-        self.n, self.cont = len(prompt), continuation
-
-    def propose(self, context, k):
-        done = len(context) - self.n
-        return self.cont[done : done + k], None
 
 
 def plain_and_spec(model, tok, prompt, spec, **kw):
@@ -118,7 +108,7 @@ def test_greedy_draft_model_equals_plain(model, tok, draft):
 def test_greedy_full_acceptance_takes_few_passes(model, tok):
     ids = tok.encode(PROMPT)
     cont = rwkv_engine.testing.greedy_tokens(model, ids, 33)
-    a, b = plain_and_spec(model, tok, ids, Repeat(ids, cont), max_tokens=33, stop_token_ids=[])
+    a, b = plain_and_spec(model, tok, ids, KnownContinuation(ids, cont), max_tokens=33, stop_token_ids=[])
     same(a, b)
     st = b.stats.speculative
     assert st.accepted == st.drafted and st.tokens_per_pass > 3
@@ -317,33 +307,11 @@ def test_cli_generate_speculative_matches_plain(make_pth, capsys):
 # --- the serving engine: speculating and plain rows in one batch ------------------------------
 
 
-def run_engine(model, tok, requests, config):
-    """Every (prompt, params, speculative) through one Engine at once; (text, Finished) per request."""
-    import threading
+def spec_requests(tok, requests):
+    """(prompt, params, speculative) -> engine Requests."""
+    from rwkv_engine.serve.engine import Request
 
-    from rwkv_engine.serve.engine import Delta, Engine, Request
-
-    engine = Engine(model, tok, config)
-    engine.start()
-    results = [None] * len(requests)
-    done = threading.Semaphore(0)
-    try:
-        for i, (prompt, params, spec) in enumerate(requests):
-            parts = []
-
-            def sink(event, i=i, parts=parts):
-                if isinstance(event, Delta):
-                    parts.append(event.text)
-                else:
-                    results[i] = ("".join(parts), event)
-                    done.release()
-
-            engine.submit(Request(tok.encode(prompt), params, speculative=spec), sink)
-        for _ in requests:
-            assert done.acquire(timeout=300)
-    finally:
-        engine.stop()
-    return results, engine
+    return [Request(tok.encode(prompt), params, speculative=spec) for prompt, params, spec in requests]
 
 
 def test_engine_mixes_speculating_and_plain_rows(model, tok, version, make_pth):
@@ -360,7 +328,7 @@ def test_engine_mixes_speculating_and_plain_rows(model, tok, version, make_pth):
         (PROMPT, greedy.replace(stop=["b"], max_tokens=24), "draft"),
     ]
     config = EngineConfig(max_batch=5, speculative="lookup", draft=small, max_draft=4)
-    results, engine = run_engine(model, tok, requests, config)
+    results, engine = run_engine(model, tok, spec_requests(tok, requests), config)
     for (prompt, params, spec), (text, fin) in zip(requests, results):
         want = generate(model, tok, prompt, params)
         assert text == want.read() and fin.reason == want.finish_reason, (prompt, spec)
@@ -470,7 +438,7 @@ def test_engine_draft_rows(model, tok, version, make_pth):
     greedy = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[])
     path = str(make_pth(version, **WORLD))  # the target itself as the draft: every draft accepted
     requests = [(PROMPT, greedy, "draft"), ("Hello", greedy, "draft"), ("Hello", greedy, None)]
-    results, engine = run_engine(model, tok, requests, EngineConfig(max_batch=3, draft=path))
+    results, engine = run_engine(model, tok, spec_requests(tok, requests), EngineConfig(max_batch=3, draft=path))
     for (prompt, params, _), (text, _) in zip(requests, results):
         assert text == generate(model, tok, prompt, params).read()
     assert engine.speculative.acceptance_rate == 1.0

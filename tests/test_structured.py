@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 
 import pytest
 import torch
@@ -19,9 +18,11 @@ import torch
 import rwkv_engine
 from rwkv_engine import SamplingParams
 from rwkv_engine.errors import InputError
-from rwkv_engine.serve.engine import Delta, Engine, EngineConfig, Finished, Request
+from rwkv_engine.serve.engine import EngineConfig, Finished, Request
 from rwkv_engine.structured import TOOL_CALL_MARKER, ToolCallTrigger, call_grammar, pack_bits, parse_call, unpack_bits
 from rwkv_engine.testing import random_state_dict, save_pth
+
+from .conftest import run_engine
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -75,27 +76,8 @@ def tiny(tmp_path_factory):
 def run_batch(tiny, requests: list[tuple[str, SamplingParams]]) -> list[tuple[str, Finished]]:
     """Every request through one Engine at once (one batch); (text, Finished) per request."""
     model, tok = tiny
-    engine = Engine(model, tok, EngineConfig(max_batch=len(requests), state_cache_bytes=0))
-    engine.start()
-    results: list = [None] * len(requests)
-    done = threading.Semaphore(0)
-    try:
-        for i, (prompt, params) in enumerate(requests):
-            parts: list[str] = []
-
-            def sink(event, i=i, parts=parts):
-                if isinstance(event, Delta):
-                    parts.append(event.text)
-                else:
-                    results[i] = ("".join(parts), event)
-                    done.release()
-
-            engine.submit(Request(tok.encode(prompt), params), sink)
-        for _ in requests:
-            assert done.acquire(timeout=300)
-    finally:
-        engine.stop()
-    return results
+    config = EngineConfig(max_batch=len(requests), state_cache_bytes=0)
+    return run_engine(model, tok, [Request(tok.encode(prompt), params) for prompt, params in requests], config)[0]
 
 
 def wild(seed: int, **kw) -> SamplingParams:

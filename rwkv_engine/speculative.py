@@ -347,8 +347,6 @@ class SpeculativeRow:
         self.stats = stats if stats is not None else SpeculativeStats()
         self.limit: int | None = None  # most tokens still wanted (None: unbounded); caps the drafts
         self.committed_all = False
-        cost = drafter.cost
-        self.cost = UNKNOWN_DRAFT_COST if cost is None else cost
         # The row's acceptance estimate: accepted / drafted over its passes, decayed (see above).
         self._accepted, self._drafted = PRIOR_ACCEPTANCE * PRIOR_DRAFTS, PRIOR_DRAFTS
         # When no draft length pays, drafting pauses for this many passes (doubling while it keeps
@@ -358,6 +356,11 @@ class SpeculativeRow:
         self._probe = False
         self._drafts: list[int] = []
         self._qs: list[Tensor] | None = None
+
+    @property
+    def cost(self) -> float:
+        """What drafting a token costs, in target decode steps (the drafter's, when known)."""
+        return UNKNOWN_DRAFT_COST if self.drafter.cost is None else self.drafter.cost
 
     @property
     def acceptance(self) -> float:

@@ -4,13 +4,10 @@ import triton
 import triton.language as tl
 
 
+# This program's row, head, key offsets, value offsets and their masks: a [BK, BV] tile of one
+# head's [key][value] state.
 @triton.jit
-def wkv7_step_kernel(
-    r, k, v, w, a, b, s_in, y, s_out,
-    H, K, V,
-    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, sa_b, sa_h, sb_b, sb_h, sy_b, sy_h, ss_b, ss_h, so_b, so_h,
-    BK: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+def _head_tile(H, K, V, BK: tl.constexpr, BV: tl.constexpr):
     i_bh = tl.program_id(0).to(tl.int64)  # offsets past 2**31 at large B x H x K x V
     i_v = tl.program_id(1)
     i_b = i_bh // H
@@ -19,14 +16,29 @@ def wkv7_step_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
+    return i_b, i_h, o_k, o_v, m_k, m_v, m_k[:, None] & m_v[None, :]
 
-    b_r = tl.load(r + i_b * sr_b + i_h * sr_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_b * sk_b + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_lw = tl.load(w + i_b * sw_b + i_h * sw_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_a = tl.load(a + i_b * sa_b + i_h * sa_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_b = tl.load(b + i_b * sb_b + i_h * sb_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_b * sv_b + i_h * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+
+# A row's head's slice of a [B, H, N] tensor at any strides, as fp32.
+@triton.jit
+def _head_vector(p, i_b, i_h, s_b, s_h, o, m):
+    return tl.load(p + i_b * s_b + i_h * s_h + o, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def wkv7_step_kernel(
+    r, k, v, w, a, b, s_in, y, s_out,
+    H, K, V,
+    sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, sa_b, sa_h, sb_b, sb_h, sy_b, sy_h, ss_b, ss_h, so_b, so_h,
+    BK: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    i_b, i_h, o_k, o_v, m_k, m_v, m_s = _head_tile(H, K, V, BK, BV)
+    b_r = _head_vector(r, i_b, i_h, sr_b, sr_h, o_k, m_k)
+    b_k = _head_vector(k, i_b, i_h, sk_b, sk_h, o_k, m_k)
+    b_lw = _head_vector(w, i_b, i_h, sw_b, sw_h, o_k, m_k)
+    b_a = _head_vector(a, i_b, i_h, sa_b, sa_h, o_k, m_k)
+    b_b = _head_vector(b, i_b, i_h, sb_b, sb_h, o_k, m_k)
+    b_v = _head_vector(v, i_b, i_h, sv_b, sv_h, o_v, m_v)
 
     p_s = o_k[:, None] * V + o_v[None, :]  # [key][value] tiles, rows and heads at any stride
     b_s = tl.load(s_in + i_b * ss_b + i_h * ss_h + p_s, mask=m_s, other=0.0)
@@ -45,21 +57,12 @@ def wkv5_step_kernel(
     sr_b, sr_h, sk_b, sk_h, sv_b, sv_h, sw_b, sw_h, su_h, sy_b, sy_h, ss_b, ss_h, so_b, so_h,
     BK: tl.constexpr, BV: tl.constexpr,
 ):  # fmt: skip
-    i_bh = tl.program_id(0).to(tl.int64)  # offsets past 2**31 at large B x H x K x V
-    i_v = tl.program_id(1)
-    i_b = i_bh // H
-    i_h = i_bh % H
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < K
-    m_v = o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-
-    b_r = tl.load(r + i_b * sr_b + i_h * sr_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_b * sk_b + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_lw = tl.load(w + i_b * sw_b + i_h * sw_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_u = tl.load(u + i_h * su_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_v = tl.load(v + i_b * sv_b + i_h * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+    i_b, i_h, o_k, o_v, m_k, m_v, m_s = _head_tile(H, K, V, BK, BV)
+    b_r = _head_vector(r, i_b, i_h, sr_b, sr_h, o_k, m_k)
+    b_k = _head_vector(k, i_b, i_h, sk_b, sk_h, o_k, m_k)
+    b_lw = _head_vector(w, i_b, i_h, sw_b, sw_h, o_k, m_k)
+    b_u = _head_vector(u, 0, i_h, 0, su_h, o_k, m_k)  # the bonus: one per head, for every row
+    b_v = _head_vector(v, i_b, i_h, sv_b, sv_h, o_v, m_v)
 
     p_s = o_k[:, None] * V + o_v[None, :]  # [key][value] tiles, rows and heads at any stride
     b_s = tl.load(s_in + i_b * ss_b + i_h * ss_h + p_s, mask=m_s, other=0.0)

@@ -85,6 +85,12 @@ PRIOR_DRAFTS = 2.0
 UNKNOWN_DRAFT_COST = 0.5
 
 
+def check_max_draft(value, name: str = "the draft length") -> None:
+    """InputError unless `value` is a draft length a pass can carry: an integer in [1, MAX_PASS_TOKENS - 1]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < MAX_PASS_TOKENS:
+        raise InputError(f"{name} must be an integer in [1, {MAX_PASS_TOKENS - 1}], got {value!r}")
+
+
 @dataclass
 class SpeculativeStats:
     """What the speculation did: passes over the weights, tokens drafted and accepted."""
@@ -338,8 +344,7 @@ class SpeculativeRow:
     def __init__(
         self, drafter: Drafter, sampler: Sampler, context: Sequence[int], max_draft: int = DEFAULT_MAX_DRAFT, stats=None
     ):
-        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 1 <= max_draft < MAX_PASS_TOKENS:
-            raise InputError(f"the draft length must be an integer in [1, {MAX_PASS_TOKENS - 1}], got {max_draft!r}")
+        check_max_draft(max_draft)
         self.drafter, self.sampler = drafter, sampler
         self.context = list(context)
         self.pending: list[int] = []

@@ -83,7 +83,15 @@ from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
 from ..models.model import prefill_end
 from ..sampling import Sampler, SamplingParams
-from ..speculative import DEFAULT_MAX_DRAFT, KINDS, PromptLookup, SpeculativeRow, SpeculativeStats, make_drafter
+from ..speculative import (
+    DEFAULT_MAX_DRAFT,
+    KINDS,
+    PromptLookup,
+    SpeculativeRow,
+    SpeculativeStats,
+    check_max_draft,
+    make_drafter,
+)
 from ..state import State
 from ..structured import Constraint, grammar_for
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
@@ -111,8 +119,7 @@ class EngineConfig:
             raise InputError(f"state_cache_bytes must be >= 0, got {self.state_cache_bytes!r}")
         if self.speculative not in (None, *KINDS):
             raise InputError(f"speculative must be one of {', '.join(KINDS)} or None, got {self.speculative!r}")
-        if not isinstance(self.max_draft, int) or not 1 <= self.max_draft <= 15:
-            raise InputError(f"max_draft must be an integer in [1, 15], got {self.max_draft!r}")
+        check_max_draft(self.max_draft, "max_draft")
 
 
 @dataclass

@@ -323,12 +323,9 @@ class RWKV(nn.Module):
 
     def _forward_native(self, step: DecodeStep, ids: Tensor, state: State, all_logits: bool, one_d: bool):
         """forward() of a few tokens per row through `step`; the same results as the block loop."""
-        T = ids.shape[1]
-        x = self.emb(ids if T > 1 else ids[:, 0]).float().contiguous()
+        x = self.emb(ids).float().contiguous()  # [B, T, C]
         fields = state.fields
         ins = [t.contiguous() for _, t in state.items()]
         outs = [torch.empty_like(t) for t in ins]
-        logits = step(x, ins, outs, all_logits)
-        if all_logits and T == 1:
-            logits = logits[:, None]
+        logits = step(x, ins, outs, all_logits)  # [B, T, V] or [B, V]
         return (logits[0] if one_d else logits), State(dict(zip(fields, outs)), state.signature)

@@ -30,7 +30,7 @@ class GgmlTensors:
     types: dict[str, str] = field(default_factory=dict)
 
     def quantized_types(self) -> list[str]:
-        from .ggml_quants import QUANTIZED
+        from ..quant.ggml_quants import QUANTIZED
 
         return sorted({t for t in self.types.values() if t in QUANTIZED})
 

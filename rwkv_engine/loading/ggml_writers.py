@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .ggml_quants import BY_NAME, QK_K
+from ..quant.ggml_quants import BY_NAME, QK_K
 
 Tensor = torch.Tensor
 

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
+from ..quant.ggml_quants import BY_NAME, TYPES, dequantize, q8_0_split
 from .ggml import GgmlTensors
-from .ggml_quants import BY_NAME, TYPES, dequantize, q8_0_split
 
 _ARCHS = ("rwkv6", "rwkv7")
 

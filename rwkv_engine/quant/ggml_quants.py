@@ -1,4 +1,5 @@
-"""ggml's tensor types: block layouts and dequantization, shared by the GGUF and rwkv.cpp readers.
+"""ggml's tensor types: block layouts and dequantization, shared by the GGUF and rwkv.cpp readers
+(loading/) and by KQuantLinear (kquant_linear.py: the K-quant blocks run as they are stored).
 
 A quantized ggml row is a run of blocks; each block codes `block_size` consecutive values of the
 row in `type_size` bytes (little-endian). The layouts (ggml-common.h; the `gguf` package's

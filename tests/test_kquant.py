@@ -16,6 +16,7 @@ from rwkv_engine.errors import InputError
 from rwkv_engine.kernels import native
 from rwkv_engine.quant import primitives as P
 from rwkv_engine.quant.kquant_linear import KQUANT_TYPES, KQuantLinear, block_bytes, ktype_id
+from rwkv_engine.quant.linear import prefill_dtype
 
 from .conftest import rel_rms
 
@@ -174,7 +175,9 @@ def test_module_paths_agree(qtype, monkeypatch):
         y = m(x)
         assert y.shape == (*shape[:-1], N)
         x2 = x.reshape(-1, K)
-        want = spec(x2, w / c.float(), c) if x2.shape[0] <= native.GEMV_MAX_ROWS else x2.double() @ w.double().T
+        # prefill where the GEMM would be fp32: the decode kernel's math (kquant_linear docstring)
+        rounded = x2.shape[0] <= native.GEMV_MAX_ROWS or prefill_dtype(torch.bfloat16) == torch.float32
+        want = spec(x2, w / c.float(), c) if rounded else x2.double() @ w.double().T
         assert rel_rms(y.reshape(-1, N), want) < 2e-5, shape
         with monkeypatch.context() as mp:  # the plain path
             mp.setattr(native, "load", lambda *a, **k: None)

@@ -22,10 +22,15 @@ own alike:
 Decode (at most GEMV_MAX_ROWS rows of x on the CPU) runs the native K-quant GEMV
 (kernels/native/kernels.cpp, KQuantKernel): x rounded to int8 per 32 columns
 (primitives.round_activations_int8, as for Int4Linear), exact integer sums per 16 columns, one
-float scaling per group. Prefill dequantizes tiles of rows with the native decoder (ggml's values
-bit for bit) into the dense GEMM. Without the native kernels, the plain path below is the
-specification: the blocks dequantized by quant/ggml_quants.py (gguf.quants' values), with x so
-rounded for decode-sized inputs on the CPU.
+float scaling per group. Prefill (more rows) runs the same integer kernel, 8 rows of x per pass
+over the weight, where the CPU's GEMM would be fp32 (`prefill_dtype`: no bf16 matrix
+instructions); with AVX512-BF16 / AMX it dequantizes tiles of rows with the native decoder
+(ggml's values bit for bit) into the bf16 GEMM, as Int4Linear does. On a Zen 3 (AVX2, one
+thread, thread CPU time, best of 40 alternating calls; benchmarks/bench_kernels.py --only
+kprefill) the integer kernel took 0.43-0.58x the time of tiles + fp32 GEMM at 64 rows and
+0.74-1.02x at 512. Without the native kernels, the plain path below is the specification: the
+blocks dequantized by quant/ggml_quants.py (gguf.quants' values), with x rounded as above for
+decode-sized inputs on the CPU.
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ from __future__ import annotations
 import torch
 
 from rwkv_engine.errors import InputError
-from rwkv_engine.quant.ggml_quants import BY_NAME, QK_K, TYPES, dequantize
-from rwkv_engine.quant.linear import _int8_x_reference, _QuantLinearBase
+from rwkv_engine.kernels.native import GEMV_MAX_ROWS
+from rwkv_engine.quant.ggml_quants import BY_NAME, KQUANT, QK_K, TYPES, dequantize
+from rwkv_engine.quant.linear import _int8_x_reference, _QuantLinearBase, prefill_dtype
 
 Tensor = torch.Tensor
 
-KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+KQUANT_TYPES = KQUANT
 
 
 def ktype_id(qtype: str | int) -> int:
@@ -52,6 +58,12 @@ def ktype_id(qtype: str | int) -> int:
 def block_bytes(qtype: str | int) -> int:
     """Bytes of one block of 256 values of a K-quant type."""
     return TYPES[ktype_id(qtype)][2]
+
+
+def _integer_prefill() -> bool:
+    """Whether prefill runs the integer kernel (x rounded as in decode): where the CPU has no
+    bf16 matrix instructions, so that the dense GEMM would be fp32."""
+    return prefill_dtype(torch.bfloat16) == torch.float32
 
 
 class KQuantLinear(_QuantLinearBase):
@@ -106,11 +118,16 @@ class KQuantLinear(_QuantLinearBase):
     def _gemv(self, ops, x2: Tensor) -> Tensor:
         return ops.gemv_kq(x2, self.qweight, self.type_id, self.in_features, self.col_scales)
 
+    def _prefill(self, ops, x2: Tensor) -> Tensor:
+        """Many rows of x: the integer kernel where the GEMM would run in fp32, else dequantized
+        tiles and the 16-bit GEMM (see the module docstring)."""
+        return self._gemv(ops, x2) if _integer_prefill() else super()._prefill(ops, x2)
+
     def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
         return ops.dequant_kq(self.qweight, self.type_id, self.in_features, r0, r1, dtype, out)
 
     def _reference(self, x2: Tensor) -> Tensor:
-        return _int8_x_reference(self, x2)
+        return _int8_x_reference(self, x2, x2.shape[0] <= GEMV_MAX_ROWS or _integer_prefill())
 
     def _native_ok(self) -> bool:
         return self.qweight.dtype == torch.uint8 and self.qweight.is_contiguous()

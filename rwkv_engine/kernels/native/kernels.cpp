@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace rwkv_native {
@@ -735,34 +736,40 @@ struct XK {
   std::vector<float> sm;   // [B, K / 256, 16] sum of each group's rounded x, lane order
 };
 
-XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs) {
-  std::vector<float> xf(static_cast<size_t>(B * K)), xh(64);
-  to_float(x, xt, 0, B * K, xf.data());
+// rows_parallel: the rows on all threads (a call that is the job's only one: prefill).
+XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs, bool rows_parallel) {
+  std::vector<float> c;
   if (cs != nullptr) {
-    std::vector<float> c(static_cast<size_t>(K));
+    c.resize(static_cast<size_t>(K));
     to_float(cs, DType::kF16, 0, K, c.data());
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t k = 0; k < K; ++k) xf[b * K + k] *= c[k];
   }
   XK r;
   const int64_t nb = K / 256;
   r.q.resize(static_cast<size_t>(B * K));
   r.st.resize(static_cast<size_t>(B * nb * 16));
   r.sm.resize(static_cast<size_t>(B * nb * 16));
-  for (int64_t b = 0; b < B; ++b)
+  auto row = [&](int64_t b) {
+    std::vector<float> xf(static_cast<size_t>(K));
+    float xh[32];
+    to_float(x, xt, b * K, K, xf.data());
+    if (cs != nullptr)
+      for (int64_t k = 0; k < K; ++k) xf[k] *= c[k];
     for (int64_t blk = 0; blk < nb; ++blk) {
       float* st = r.st.data() + (b * nb + blk) * 16;
       float* sm = r.sm.data() + (b * nb + blk) * 16;
       for (int h = 0; h < 8; ++h) {  // 32-column x blocks
-        const int64_t k = b * K + blk * 256 + 32 * h;
-        const float dx = round_block(xf.data() + k, 32, 127.f, r.q.data() + k, xh.data());
-        for (int g = 2 * h; g < 2 * h + 2; ++g) {
-          float s = 0.f;
-          for (int i = 0; i < 16; ++i) s += xh[16 * (g - 2 * h) + i];
-          st[kq::kq_lane(g)] = dx, sm[kq::kq_lane(g)] = s;
+        const int64_t k = blk * 256 + 32 * h;
+        const float dx = round_block(xf.data() + k, 32, 127.f, r.q.data() + b * K + k, xh);
+        for (int j = 0; j < 2; ++j) {  // its two groups
+          float sum = 0.f;
+          for (int i = 0; i < 16; ++i) sum += xh[16 * j + i];
+          st[kq::kq_lane(2 * h + j)] = dx, sm[kq::kq_lane(2 * h + j)] = sum;
         }
       }
     }
+  };
+  if (rows_parallel && B > kMaxB) parallel_for(B, row);
+  else for (int64_t b = 0; b < B; ++b) row(b);
   return r;
 }
 
@@ -1011,7 +1018,8 @@ struct Prepared {
   std::vector<float> xsum;  // int4: sum of the rounded x over each group (the bias term)
 };
 
-Prepared prepare(const GemvCall& c, int64_t B) {
+// rows_parallel: see prepare_xk.
+Prepared prepare(const GemvCall& c, int64_t B, bool rows_parallel) {
   const Linear& l = *c.l;
   Prepared p{&c, {}, {}, {}, {}, {}, {}};
   switch (l.kind) {
@@ -1029,7 +1037,7 @@ Prepared prepare(const GemvCall& c, int64_t B) {
       else p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16);
       break;
     case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
-    case Linear::Kind::kKQuant: p.xk = prepare_xk(c.x, c.xt, B, l.K, l.cs); break;
+    case Linear::Kind::kKQuant: p.xk = prepare_xk(c.x, c.xt, B, l.K, l.cs, rows_parallel); break;
     default: {
       p.xq = prepare_xq(c.x, c.xt, B, l.K, true, l.cs);
       // xsum[b, g] = sum of the rounded x[b] over the columns of group g, so that the result
@@ -1130,7 +1138,7 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
   // Each GEMV's x on its own work item: at batch 8 the x preparations of a decode step are a
   // few ms (int8 / int4: quantizing x), and the GEMVs of one gemv_many take x of the same size.
   std::vector<Prepared> prep(n);
-  auto prepare_one = [&](int64_t i) { prep[i] = prepare(calls[i], B); };
+  auto prepare_one = [&](int64_t i) { prep[i] = prepare(calls[i], B, n == 1 && parallel); };
   if (parallel) parallel_for(n, prepare_one);
   else for (int i = 0; i < n; ++i) prepare_one(i);
   // Work items: (call, pass of x rows, rows [r0, r1)), taken in this order. An item is at most
@@ -1139,31 +1147,34 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
   // equal items a thread waited for the other's last one, 2.4 ms of a 41 ms q4 decode step
   // (Zen 4, 2 threads), though the step got only 1-3% faster (one thread alone draws most of
   // the memory bandwidth that two do).
+  // With more than kMaxB rows of x (several passes), an item runs every pass over its rows, so
+  // that they are read from memory once and stay in cache while the passes go by (rows of a
+  // K-quant prefill, batches of 9-16 rows); its rows are a multiple of every pass's row block.
   struct Item {
     int call;
-    int64_t b0, r0, r1;
+    int64_t r0, r1;
   };
-  int64_t left = 0;  // weights of the job not yet in an item (each pass of x rows reads them all)
-  for (int i = 0; i < n; ++i) left += (B + kMaxB - 1) / kMaxB * calls[i].l->N * calls[i].l->K;
+  const int64_t passes = (B + kMaxB - 1) / kMaxB;
+  int64_t left = 0;  // weights of the job not yet in an item, times the passes that read them
+  for (int i = 0; i < n; ++i) left += passes * calls[i].l->N * calls[i].l->K;
   std::vector<Item> items;
   for (int i = 0; i < n; ++i) {
     const Linear& l = *calls[i].l;
-    for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
-      const int64_t R = block_rows(prep[i], std::min<int64_t>(kMaxB, B - b0));
-      const int64_t nblocks = (l.N + R - 1) / R;
-      const int64_t step = blocks_per_item(nblocks, l.N * l.K, T), block = R * l.K;
-      for (int64_t k = 0; k < nblocks;) {
-        const int64_t guided = std::max(left / (2 * T), kMinItem) / block;
-        const int64_t take = std::min(nblocks - k, std::clamp<int64_t>(guided, 1, step));
-        items.push_back({i, b0, k * R, std::min(l.N, (k + take) * R)});
-        left -= take * block;
-        k += take;
-      }
+    int64_t R = 1;
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxB) R = std::lcm(R, block_rows(prep[i], std::min<int64_t>(kMaxB, B - b0)));
+    const int64_t nblocks = (l.N + R - 1) / R;
+    const int64_t step = blocks_per_item(nblocks, l.N * l.K, T), block = passes * R * l.K;
+    for (int64_t k = 0; k < nblocks;) {
+      const int64_t guided = std::max(left / (2 * T), kMinItem) / block;
+      const int64_t take = std::min(nblocks - k, std::clamp<int64_t>(guided, 1, step));
+      items.push_back({i, k * R, std::min(l.N, (k + take) * R)});
+      left -= take * block;
+      k += take;
     }
   }
   auto run_item = [&](int64_t j) {
     const Item& it = items[j];
-    run_part(prep[it.call], B, it.b0, it.r0, it.r1);
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxB) run_part(prep[it.call], B, b0, it.r0, it.r1);
   };
   if (!parallel) {
     for (size_t j = 0; j < items.size(); ++j) run_item(static_cast<int64_t>(j));

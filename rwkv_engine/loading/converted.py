@@ -247,8 +247,8 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
         raise CheckpointError(f"{weights}: cannot read ({str(e).splitlines()[0][:200]})") from None
     initial = {k[len(_INITIAL) :]: tensors.pop(k) for k in list(tensors) if k.startswith(_INITIAL)}
     # The LoRA matrices are in the source checkpoint's 16-bit type, or fp32 (every directory
-    # written before they kept it): the type they have in the file.
-    model.set_lora_dtype(lora_dtype({tensors[k].dtype for k in model.lora_names() if k in tensors}))
+    # written before they kept it): each the type it has in the file.
+    model.set_lora_dtype({k: lora_dtype(tensors[k].dtype) for k in model.lora_names() if k in tensors})
     _check_tensors(weights, tensors, model.state_dict())
     for k, t in tensors.items():  # the weights a decode step streams, to huge pages (memory.py)
         if k != "emb.weight" and (moved := to_huge_pages(t, mapped=True)) is not t:

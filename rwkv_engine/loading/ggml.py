@@ -13,6 +13,28 @@ Tensor = torch.Tensor
 
 
 @dataclass
+class RowSource:
+    """A quantized 2-D tensor read by rows (the embedding, whose fp32 copy is then never whole in
+    memory): `src[r0:r1]` dequantizes those rows' blocks only; shape, numel and element_size as
+    the fp32 tensor it stands for, so that the loader's embedding transform takes it as a tensor."""
+
+    shape: tuple[int, int]
+    rows: Callable[[int, int], Tensor]  # (r0, r1) -> fp32 [r1 - r0, shape[1]]
+    source: Callable[[], Tensor] | None = None  # the mapped bytes read, whose pages can be dropped after
+    dtype: torch.dtype = torch.float32
+
+    def __getitem__(self, s: slice) -> Tensor:
+        r0, r1, _ = s.indices(self.shape[0])
+        return self.rows(r0, r1)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def element_size(self) -> int:
+        return 4
+
+
+@dataclass
 class GgmlTensors:
     """What a reader found: BlinkDL-named tensors, each read (and dequantized) only when asked.
 
@@ -23,6 +45,7 @@ class GgmlTensors:
     blocks:  name -> getter of the K-quant matrices' blocks (uint8 [N, K/256 * block bytes],
              KQuantLinear's layout): a view of the file's mapping (`file_bytes`), or a copy where
              the reader changes them (a power-of-two rescale of the block scales).
+    rows:    name -> RowSource of a quantized embedding (dequantized a few rows at a time).
     types:   name -> the ggml type it is stored in ("F16", "Q4_K", ...).
     """
 
@@ -31,6 +54,7 @@ class GgmlTensors:
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[], Tensor]]] = field(default_factory=dict)
     q8: dict[str, Callable[[], tuple[Tensor, Tensor]]] = field(default_factory=dict)
     blocks: dict[str, Callable[[], Tensor]] = field(default_factory=dict)
+    rows: dict[str, RowSource] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
     _mapping: Tensor | None = None
 

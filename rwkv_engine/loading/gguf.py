@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
-from ..quant.ggml_quants import BY_NAME, KQUANT, TYPES, dequantize, q8_0_split, scale_blocks
-from .ggml import GgmlTensors
+from ..memory import release_pages
+from ..quant.ggml_quants import BY_NAME, KQUANT, QUANTIZED, TYPES, dequantize, nbytes, q8_0_split, scale_blocks
+from .ggml import GgmlTensors, RowSource
 
 _ARCHS = ("rwkv6", "rwkv7")
 
@@ -151,7 +152,6 @@ def read(path: Path) -> GgmlTensors:
     out = GgmlTensors(path, "GGUF")
     head_size = _field(reader, f"{arch}.wkv.head_size")
     rescale = int(_field(reader, f"{arch}.rescale_every_n_layers") or 0) if arch == "rwkv6" else 0
-    base = reader.data
     for t in reader.tensors:
         tid = int(t.tensor_type)
         if tid not in TYPES:
@@ -169,7 +169,10 @@ def read(path: Path) -> GgmlTensors:
             shape = shape[1:]
 
         def raw(off=t.data_offset, n=t.n_bytes) -> torch.Tensor:
-            return torch.from_numpy(np.array(base[off : off + n], dtype=np.uint8, copy=True))
+            view = out.file_bytes(off, n)
+            copy = view.clone()
+            release_pages(view)  # read once: the file's pages need not stay in this process
+            return copy
 
         def mapped(off=t.data_offset, n=t.n_bytes) -> torch.Tensor:
             return out.file_bytes(off, n)
@@ -209,6 +212,13 @@ def _add(
             out.q8[_TOP[name]] = lambda: q8_0_split(raw(), shape)
         if tname in KQUANT and len(shape) == 2:
             out.blocks[_TOP[name]] = blocks()
+        if tname in QUANTIZED and len(shape) == 2 and name == "token_embd.weight":
+            row_bytes = nbytes(tid, shape[1])
+
+            def rows(r0, r1):
+                return dequantize(mapped()[r0 * row_bytes : r1 * row_bytes], tid, (r1 - r0, shape[1]))
+
+            out.rows[_TOP[name]] = RowSource(shape, rows, mapped)
         return
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if not m:

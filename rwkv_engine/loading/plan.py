@@ -97,7 +97,7 @@ class Plan:
         # The LoRA matrices keep a 16-bit checkpoint's type: their values exactly, in half the
         # memory of fp32 (770 MB at the 7B shape); the modules upcast them where they are used.
         self.lora = set(self.model.lora_names())
-        self.lora_dtype = lora_dtype({ck.dtype(k) for k, t in self.mapping.items() if t in self.lora})
+        self.lora_dtype = {t: lora_dtype(ck.dtype(k)) for k, t in self.mapping.items() if t in self.lora}
         self.model.set_lora_dtype(self.lora_dtype)
         self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict().items()}
         if scheme is None:
@@ -167,6 +167,7 @@ class Plan:
             blocks = ck.ggml.blocks.get(name) if ck.ggml is not None and linear is not None else None
             if blocks is not None and linear.weights == "kquant":
                 out = self._blocks_as_is(name, module, blocks)  # K-quants run from their blocks
+                release_free_memory()  # (the embedding's transients, when it came just before)
                 yield out
                 if progress is not None:
                     progress.update(out[f"{module}.qweight"].numel())
@@ -178,7 +179,9 @@ class Plan:
                 if progress is not None:
                     progress.update(sum(v.numel() * v.element_size() for v in out.values()))
                 continue
-            src = ck.get(name)
+            # a quantized GGUF embedding is read a few rows at a time (no whole fp32 copy)
+            lazy = ck.ggml.rows.get(name) if ck.ggml is not None and name == "emb.weight" else None
+            src = lazy if lazy is not None else ck.get(name)
             nbytes = src.numel() * src.element_size()
             dt = dtype
             if linear is not None and linear.weights != "dense" and src.dtype.itemsize < dtype.itemsize:
@@ -188,7 +191,7 @@ class Plan:
             elif name.endswith(".ffn.s_emb.weight"):
                 t = deep_embed_table(src, ck, name.replace(".s_emb.", ".s_emb_x."), dtype)
             elif target in self.lora:
-                t = src.to(self.lora_dtype)
+                t = src.to(self.lora_dtype[target])
             else:
                 t = transform(name, src, cfg, dt, self.rescale_every, real_bonus)
             want = self.expected[target][0]
@@ -207,6 +210,8 @@ class Plan:
                 v.untyped_storage().data_ptr() != src.untyped_storage().data_ptr() for v in out.values()
             ):
                 release_pages(src)  # consumed: its file pages need not stay resident
+            elif lazy is not None and lazy.source is not None:
+                release_pages(lazy.source())
             del src, t
             release_free_memory()  # the transients' pages, before the next tensor's
             yield out

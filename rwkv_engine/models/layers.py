@@ -12,12 +12,10 @@ Tensor = torch.Tensor
 LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def lora_dtype(stored: set[torch.dtype]) -> torch.dtype:
-    """The type the LoRA matrices are kept in, given their types in a file: a 16-bit type they all
-    share, else fp32 (which holds bf16 and fp16 values exactly)."""
-    if len(stored) == 1 and next(iter(stored)) in (torch.bfloat16, torch.float16):
-        return next(iter(stored))
-    return torch.float32
+def lora_dtype(stored: torch.dtype) -> torch.dtype:
+    """The type a LoRA matrix is kept in, given its type in a file: its own 16-bit type, else fp32
+    (which holds any other float type's values exactly, or as close as they come)."""
+    return stored if stored in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def token_shift(xx: Tensor, x_prev: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ matrices by 2**(layer // rescale_every) and the forward halves the residual ever
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -165,15 +165,17 @@ class RWKV(nn.Module):
             if getattr(m, leaf, None) is not None
         ]
 
-    def set_lora_dtype(self, dtype: torch.dtype) -> None:
-        """Store the LoRA matrices in `dtype` (fp32, bf16 or fp16; the loaders pick the checkpoint's)."""
-        if dtype not in LORA_DTYPES:
-            raise ValueError(f"LoRA matrices are fp32, bf16 or fp16, not {dtype}")
+    def set_lora_dtype(self, dtype: torch.dtype | Mapping[str, torch.dtype]) -> None:
+        """Store the LoRA matrices in `dtype` (fp32, bf16 or fp16), or each in its own ({name:
+        dtype}, names as `lora_names`; the loaders give each the type it has in the file)."""
         for name in self.lora_names():
+            dt = dtype.get(name, torch.float32) if isinstance(dtype, Mapping) else dtype
+            if dt not in LORA_DTYPES:
+                raise ValueError(f"LoRA matrices are fp32, bf16 or fp16, not {dt}")
             module, _, leaf = name.rpartition(".")
             m = self.get_submodule(module)
-            if getattr(m, leaf).dtype != dtype:
-                setattr(m, leaf, nn.Parameter(getattr(m, leaf).to(dtype), requires_grad=False))
+            if getattr(m, leaf).dtype != dt:
+                setattr(m, leaf, nn.Parameter(getattr(m, leaf).to(dt), requires_grad=False))
 
     def __repr__(self) -> str:
         c = self.config

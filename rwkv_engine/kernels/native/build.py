@@ -25,8 +25,8 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
 Within a level, choices per CPU family are made at load from cpuid's vendor and family
 (`tuning`, `TUNINGS`): the AVX-512 levels build their int8 / int4 GEMVs on 512-bit vectors where
 the core runs 512-bit instructions at full width and it pays (Intel: "int512") and on 256-bit
-ones elsewhere ("int256": Zen 4 splits them; on Zen 5 "int8_512" won at batch 4-8 and lost 2-3%
-at batch 1, see TUNINGS). The same sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
+ones elsewhere ("int256": Zen 4 splits them, and on Zen 5 the 512-bit int8 GEMV lost at batch 1;
+docs/performance.md, kernel tuning). The same sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
 bench_kernels.py `--baseline isa:avx512_bf16/int256` run another one, and `+OPTION`s (OPTIONS:
 the AMX path off, or emulated) are for tests and A/B runs.
 """
@@ -190,10 +190,9 @@ def cpu_family() -> tuple[str, int] | None:
 # Per-CPU-family choices within a level, made at load from cpuid (the same sources, compiled with
 # these defines; the library's name says which): the int8 / int4 GEMVs on 512-bit vectors (simd.h
 # v512) or 256-bit ones. Intel's AVX-512 cores run 512-bit instructions at full width: both at
-# 512 bits there. AMD Zen 5 (family 26) does too, but measured there against 256-bit (2 threads,
-# decode steps of a 0.4B q8 model, A/B every step): int8 at 512 bits 1.09-1.10x at batch 4 and 8
-# but 0.965-0.98x at batch 1, and int4 at 512 bits 0.76-0.93x at batch 8 (1 thread, in cache);
-# batch 1 decides: 256-bit, as on Zen 4 and older, which split 512-bit instructions (simd.h).
+# 512 bits there. AMD Zen 5 (family 26) does too, but there the 512-bit int8 GEMV won at batch
+# 4-8 and lost at batch 1, and the int4 one lost (docs/performance.md, kernel tuning); batch 1
+# decides: 256-bit, as on Zen 4 and older, which split 512-bit instructions (simd.h).
 TUNINGS = {
     "int256": (),
     "int8_512": ("-DRWKV_INT8_512",),

@@ -307,8 +307,8 @@ struct DenseKernel {
 struct DenseBF16DotKernel {
   static constexpr int64_t kStepBytes = 32 * 2;  // prepared x per step and row of x
   // R x Bt accumulators + R weights + one x vector within AVX-512's 32 registers; R divides
-  // kPanel. One row at a time at B = 1, one sequential stream per thread (as kIntRows): 1.0-1.17x
-  // of R = 8 streamed on Zen 4, 2 threads.
+  // kPanel. One row at a time at B = 1, one sequential stream per thread (as kIntRows), which
+  // streamed faster than R = 8 (docs/performance.md, kernel tuning).
   template <int B> static constexpr int kRows = B == 1 ? 1 : B <= 2 ? 8 : B == 3 ? 6 : B <= 6 ? 4 : 3;
   template <int B> static constexpr int kXRows = B;
   using Acc = F;
@@ -512,8 +512,8 @@ template <int B> constexpr int kIntXRows = B;
 
 // Quantized rows are short (1-4 KB) and read R at a time, which the hardware prefetcher follows
 // poorly, so while a block of rows is read the next block's rows are prefetched at the same
-// pace: measured int4 single-thread streaming 12 -> 20 G weights/s. Longer rows (dense weights,
-// or any row over kPrefetchMaxRow bytes) stream well on their own and got slower with it.
+// pace (docs/performance.md, kernel tuning). Longer rows (dense weights, or any row over
+// kPrefetchMaxRow bytes) stream well on their own and got slower with it.
 constexpr int64_t kPrefetchMaxRow = 4096;
 
 template <typename Fmt>
@@ -582,7 +582,7 @@ struct IntKernel {
 // Group 32 (ggml's Q8_0 layout): a chunk's pieces 0-1 are one group and pieces 2-3 the next, and
 // the halves' sums are kept apart (kSplit) and joined into one vector (iv8::join_halves) whose
 // lanes take each their group's scale (iv8::pair_scales). kSplit is a template parameter: a run-time
-// flag tested in the inner loop measured 15% slower at B = 8.
+// flag tested in the inner loop was slower (docs/performance.md, kernel tuning).
 template <bool kSplit>
 struct Q8Format {
   static constexpr int64_t kChunkBytes = 64;
@@ -1141,12 +1141,10 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
   auto prepare_one = [&](int64_t i) { prep[i] = prepare(calls[i], B, n == 1 && parallel); };
   if (parallel) parallel_for(n, prepare_one);
   else for (int i = 0; i < n; ++i) prepare_one(i);
-  // Work items: (call, pass of x rows, rows [r0, r1)), taken in this order. An item is at most
+  // Work items: (call, rows [r0, r1)), taken in this order. An item is at most
   // blocks_per_item, and towards the end of the job ever smaller (guided: about 1 / (2T) of
-  // the weights left, down to kMinItem weights), so that the threads finish together: with
-  // equal items a thread waited for the other's last one, 2.4 ms of a 41 ms q4 decode step
-  // (Zen 4, 2 threads), though the step got only 1-3% faster (one thread alone draws most of
-  // the memory bandwidth that two do).
+  // the weights left, down to kMinItem weights), so that the threads finish together instead of
+  // one waiting for the other's last item (docs/performance.md, where a decode step's time goes).
   // With more than kMaxB rows of x (several passes), an item runs every pass over its rows, so
   // that they are read from memory once and stay in cache while the passes go by (rows of a
   // K-quant prefill, batches of 9-16 rows); its rows are a multiple of every pass's row block.
@@ -1258,8 +1256,8 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
   for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
     // 32 columns at a time, the even ones (low nibbles) and the odd ones (high nibbles) apart: fixed
-    // loops over 16 bytes that the compiler vectorizes (the interleaved loop over a group was
-    // scalar: 1.2 G weights/s on Zen 4).
+    // loops over 16 bytes that the compiler vectorizes (the interleaved loop over a group stayed
+    // scalar).
     float lo[16], hi[16];
     for (int64_t i = a; i < b; ++i) {
       const int64_t n = r0 + i;

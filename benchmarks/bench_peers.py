@@ -4,10 +4,13 @@ RWKV-7 weights, in one run.
     python benchmarks/bench_peers.py                       # RWKV-7 1.5B shape (24 x 2048, vocab 65536)
     python benchmarks/bench_peers.py --small               # 0.1B shape (12 x 768), prompt 128, decode 16
     python benchmarks/bench_peers.py --formats 8,4 --rounds 3 --threads 2
+    python benchmarks/bench_peers.py --formats q4_k_m,q6_k       # llama.cpp's own K-quant files, both sides
 
 Each format compares our scheme with llama.cpp's of the same width: 16-bit is our bf16 (the .pth,
 --dtype bf16) against GGUF F16, 8-bit our q8 (a converted directory) against Q8_0, 4-bit our q4
-against Q4_0 (plain `llama-quantize`, as a llama.cpp user would make it).
+against Q4_0 (plain `llama-quantize`, as a llama.cpp user would make it). The K-quant formats run
+one file on both sides: `llama-quantize`'s Q4_K_M or Q6_K GGUF, which rwkv-engine loads as it is
+(its K-quant matrices run from their blocks; --dtype auto).
 
 llama.cpp is a peer for this script only, never a dependency of the engine. The first run fetches
 the sdist of llama-cpp-python (pip download; it carries llama.cpp under vendor/llama.cpp),
@@ -54,8 +57,14 @@ from bench_engine import SHAPES, converted_dir, make_checkpoint
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI sdist whose vendor/llama.cpp is the peer
 VOCAB = "rwkv_vocab_v20230424.txt"  # convert_hf_to_gguf.py reads the World vocabulary from the model dir
-# width: (our scheme, llama.cpp type)
-FORMATS = {"16": ("bf16", "F16"), "8": ("q8", "Q8_0"), "4": ("q4", "Q4_0")}
+# width: (our scheme, llama.cpp type); "gguf": ours runs llama.cpp's file itself
+FORMATS = {
+    "16": ("bf16", "F16"),
+    "8": ("q8", "Q8_0"),
+    "4": ("q4", "Q4_0"),
+    "q4_k_m": ("gguf", "Q4_K_M"),
+    "q6_k": ("gguf", "Q6_K"),
+}
 # ISA extensions worth naming beside a CPU benchmark (x86 /proc/cpuinfo "flags", ARM64 "Features")
 ISA_FLAGS = (
     "avx",
@@ -119,6 +128,12 @@ def parse_llama_bench(text: str) -> dict:
     }
 
 
+def our_label(width: str) -> str:
+    """Our side of a format: our scheme, or for llama.cpp's own file "the same file"."""
+    ours, theirs = FORMATS[width]
+    return f"{theirs} (same file)" if ours == "gguf" else ours
+
+
 def summarize(runs: list[dict]) -> dict:
     """Medians of the speeds over rounds, the largest peak RSS."""
     return {
@@ -153,12 +168,13 @@ def table(rows: list[tuple[str, str, str, dict | None, dict | None]]) -> str:
         return f"{a[key] / b[key]:.2f}" if a and b else "-"
 
     lines = [
-        "| width | rwkv-engine / llama.cpp | prefill tok/s | x | decode tok/s | x | peak RSS MB | x |",
+        "| format | rwkv-engine / llama.cpp | prefill tok/s | x | decode tok/s | x | peak RSS MB | x |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for width, ours_name, their_name, ours, theirs in rows:
+        label = f"{width}-bit" if width.isdigit() else width
         lines.append(
-            f"| {width}-bit | {ours_name} / {their_name} "
+            f"| {label} | {ours_name} / {their_name} "
             f"| {cell(ours, 'prefill_tok_s', '.1f')} / {cell(theirs, 'prefill_tok_s', '.1f')} "
             f"| {ratio(ours, theirs, 'prefill_tok_s')} "
             f"| {cell(ours, 'decode_tok_s', '.2f')} / {cell(theirs, 'decode_tok_s', '.2f')} "
@@ -331,7 +347,7 @@ def run_ours(model: Path, args) -> dict:
         "--threads",
         str(args.threads),
     ]
-    if not model.is_dir():
+    if model.suffix == ".pth":
         cmd += ["--dtype", "bf16"]
     # `python -m` puts the working directory first on sys.path: the tree of this script is measured.
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -393,7 +409,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1.5B", choices=sorted(SHAPES))
     ap.add_argument("--small", action="store_true", help="shortcut for --shape 0.1B --prompt-len 128 --decode 16")
-    ap.add_argument("--formats", default="16,8,4", help="widths to compare, of 16, 8, 4 (default: %(default)s)")
+    ap.add_argument(
+        "--formats", default="16,8,4", help="formats to compare, of 16, 8, 4, q4_k_m, q6_k (default: %(default)s)"
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode", type=int, default=64, help="decode tokens timed per pass (default: %(default)s)")
     ap.add_argument(
@@ -439,8 +457,8 @@ def main() -> None:
     configs = []
     for w in widths:
         ours, theirs = FORMATS[w]
-        model = ckpt if ours == "bf16" else converted_dir(work, ckpt, ours)
-        configs.append((f"rwkv-engine {ours}", w, lambda m=model: run_ours(m, args)))
+        model = {"bf16": ckpt, "gguf": ggufs[theirs]}.get(ours) or converted_dir(work, ckpt, ours)
+        configs.append((f"rwkv-engine {our_label(w)}", w, lambda m=model: run_ours(m, args)))
         configs.append((f"llama.cpp {theirs}", w, lambda m=ggufs[theirs]: run_llama(bins, m, args)))
 
     runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
@@ -474,8 +492,8 @@ def main() -> None:
     got = {label: summarize(rs) for label, rs in runs.items() if rs}
     rows = []
     for w in widths:
-        ours, theirs = FORMATS[w]
-        rows.append((w, ours, theirs, got.get(f"rwkv-engine {ours}"), got.get(f"llama.cpp {theirs}")))
+        theirs = FORMATS[w][1]
+        rows.append((w, our_label(w), theirs, got.get(f"rwkv-engine {our_label(w)}"), got.get(f"llama.cpp {theirs}")))
     print(table(rows))
     print(
         "\nBy round (the probe reads memory allocated as our weights are; on a VM the same machine can give a"

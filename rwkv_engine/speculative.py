@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
-from .kernels.native import GEMV_MAX_ROWS, GEMV_ROWS_PER_READ
 from .sampling import Sampler, SamplingParams, bias_vector, rwkv_probs, sample_rows
+from .settings import DEFAULT_DRAFT_QUANTIZATION, DEFAULT_MAX_DRAFT, MAX_PASS_TOKENS, SPECULATIVE_KINDS, check_max_draft
 
 Tensor = torch.Tensor
 
@@ -56,20 +56,19 @@ __all__ = [
     "SpeculativeDecoder",
     "SpeculativeStats",
     "make_drafter",
+    "drafter_for",
     "DEFAULT_MAX_DRAFT",
     "quantized_twin",
     "decide",
     "KINDS",
+    "MAX_PASS_TOKENS",
+    "check_max_draft",
 ]
 
-KINDS = ("lookup", "draft")
-
-# Most tokens one pass carries (not-yet-fed tokens + drafts): the per-row GEMV's limit. A pass of
-# up to GEMV_ROWS_PER_READ tokens reads each weight once (two reads up to 16), so by default a
-# pass is the last decided token + at most DEFAULT_MAX_DRAFT drafts = 8 tokens, and a pass holds
-# at most max_draft + 1 tokens (fewer drafts when tokens from a rejected round are pending).
-MAX_PASS_TOKENS = GEMV_MAX_ROWS
-DEFAULT_MAX_DRAFT = GEMV_ROWS_PER_READ - 1
+# The kinds, the longest pass (MAX_PASS_TOKENS), the default draft length and its check are
+# settings (rwkv_engine/settings.py, free of torch for the command line). A pass holds at most
+# max_draft + 1 tokens (fewer drafts when tokens from a rejected round are pending).
+KINDS = SPECULATIVE_KINDS
 
 # The cost model that picks a row's draft length (`SpeculativeRow`), in decode steps: a pass of k
 # drafts costs 1 + k VERIFY_COST (bench_speculative.py, batch 1: a pass of 8 tokens costs 1.1-1.4
@@ -83,12 +82,6 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_DRAFTS = 2.0
 # A model draft whose cost is unknown (no target to compare it with) is taken to cost this.
 UNKNOWN_DRAFT_COST = 0.5
-
-
-def check_max_draft(value, name: str = "the draft length") -> None:
-    """InputError unless `value` is a draft length a pass can carry: an integer in [1, MAX_PASS_TOKENS - 1]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < MAX_PASS_TOKENS:
-        raise InputError(f"{name} must be an integer in [1, {MAX_PASS_TOKENS - 1}], got {value!r}")
 
 
 @dataclass
@@ -194,6 +187,13 @@ class DraftModel(Drafter):
             self.cost = step_bytes(self.model) / max(1, step_bytes(target))
         return self
 
+    def checked(self, target) -> DraftModel:
+        """This draft, priced, once its vocabulary is found to be the target's (InputError if not)."""
+        mine, theirs = self.model.config.vocab_size, target.config.vocab_size
+        if mine != theirs:
+            raise InputError(f"the draft model's vocabulary ({mine}) is not the target's ({theirs})")
+        return self.priced(target)
+
     def prepare(self, context: Sequence[int]) -> None:
         """The draft's own prefill of the prompt, so that the first pass drafts at once."""
         self.propose(context, 0)
@@ -245,7 +245,7 @@ def step_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if not name.startswith("emb."))
 
 
-def quantized_twin(model, quantization: str = "q4"):
+def quantized_twin(model, quantization: str = DEFAULT_DRAFT_QUANTIZATION):
     """The target loaded again from its own checkpoint with `quantization` (the default draft)."""
     import rwkv_engine
 
@@ -255,9 +255,9 @@ def quantized_twin(model, quantization: str = "q4"):
     return rwkv_engine.load(model.path, device=model.device, dtype=dtype, quantization=quantization, progress=False)
 
 
-def make_drafter(kind: str, target=None, draft=None, draft_quantization: str = "q4") -> Drafter:
-    """A drafter by name: "lookup", or "draft" (`draft`, a model or a path, else the target's
-    quantized twin)."""
+def make_drafter(kind: str, target=None, draft=None, draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION) -> Drafter:
+    """A drafter by name, to share between sequences (`drafter_for` gives each its own): "lookup",
+    or "draft" (`draft`, a model or a path, else the target's quantized twin)."""
     if kind == "lookup":
         return PromptLookup()
     if kind == "draft":
@@ -267,13 +267,22 @@ def make_drafter(kind: str, target=None, draft=None, draft_quantization: str = "
             draft = quantized_twin(target, draft_quantization)
         elif not isinstance(draft, torch.nn.Module):
             draft = rwkv_engine.load(draft, progress=False)
-        if target is not None and draft.config.vocab_size != target.config.vocab_size:
-            raise InputError(
-                f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
-                f"({target.config.vocab_size})"
-            )
-        return DraftModel(draft).priced(target) if target is not None else DraftModel(draft)
+        return DraftModel(draft) if target is None else DraftModel(draft).checked(target)
     raise InputError(f"speculative must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def drafter_for(drafter: str | Drafter, target, params: SamplingParams) -> Drafter:
+    """The drafter of one sequence decoding with `params` on `target` (`generate` and the serving
+    engine both take theirs from here): a name is built first (`make_drafter`); a `DraftModel`,
+    which keeps the sequence's draft state, is checked against the target and copied for these
+    params; any other drafter keeps no per-sequence state and serves as it is."""
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter, target)
+    if not isinstance(drafter, Drafter):
+        raise InputError(f"speculative must be 'lookup', 'draft' or a Drafter, got {drafter!r}")
+    if isinstance(drafter, DraftModel):
+        drafter = drafter.checked(target).for_params(params)
+    return drafter
 
 
 # --- deciding one position ------------------------------------------------------------------

@@ -216,11 +216,11 @@ def test_an_unexpected_route_error_is_logged_once(files, capfd):
     it, then Starlette re-raised it to uvicorn, which logged it again). Now once, with a 500."""
     import rwkv_engine
     from rwkv_engine.serve.app import create_app
-    from rwkv_engine.serve.context import AppSettings
     from rwkv_engine.serve.engine import Engine
+    from rwkv_engine.settings import Config, ModelSpec
 
     model = rwkv_engine.load(files["model"])
-    app = create_app(Engine(model, rwkv_engine.load_tokenizer(model)), AppSettings(model_name=MODEL))
+    app = create_app(Engine(model, rwkv_engine.load_tokenizer(model)), Config(ModelSpec(MODEL)))
 
     async def boom():
         raise ZeroDivisionError("a bug")

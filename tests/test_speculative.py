@@ -359,11 +359,14 @@ def test_engine_verify_passes_are_cut_to_the_native_step(model):
 
 def test_default_draft_length_fills_one_read_of_the_weights():
     from rwkv_engine.cli.common import add_speculative_args
-    from rwkv_engine.kernels.native import GEMV_ROWS_PER_READ
+    from rwkv_engine.kernels.native import GEMV_MAX_ROWS, GEMV_ROWS_PER_READ
+    from rwkv_engine.settings import MAX_PASS_TOKENS
 
     ap = argparse.ArgumentParser()
     add_speculative_args(ap)
     assert ap.parse_args([]).max_draft == DEFAULT_MAX_DRAFT == GEMV_ROWS_PER_READ - 1
+    # (settings.py writes the kernels' limits as numbers: it must not import torch)
+    assert MAX_PASS_TOKENS == GEMV_MAX_ROWS
     row = SpeculativeRow(PromptLookup(), Sampler(SamplingParams(), 65536), list(range(5, 20)) + [5])
     row._accepted = row._drafted  # drafts that were always right: the longest draft pays
     row.take(6)  # "5 6" occurred before, followed by 7, 8, ...

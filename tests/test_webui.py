@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 
-from rwkv_engine.serve.app import CHAT_DEFAULTS
+from rwkv_engine.settings import RequestDefaults
 from rwkv_engine.testing import random_state_dict, save_pth
 from rwkv_engine.tokenizer.world import load_vocab
 
@@ -31,6 +31,7 @@ from .test_serve import MODEL, Server
 httpx = pytest.importorskip("httpx")
 
 API_KEY = "page-key"
+CHAT_DEFAULTS = RequestDefaults().chat  # what the server's chat requests get for fields they omit
 CANCELLED = 'rwkv_engine_requests_total{outcome="cancelled"}'
 MARKUP_BOOST = 2.0  # the factor on the head rows of markup tokens (3 and more: every reply the same)
 

@@ -69,7 +69,7 @@ def add_arguments(parser) -> None:
 def config(args):
     """The flags as a server `Config`: requests come from this process, so the server settings
     are those of a loopback server with no key (`ServerSettings`'s defaults)."""
-    from ..serve.server import Config, ServerSettings
+    from ..settings import Config, ServerSettings
 
     return Config(
         common.model_spec(args),
@@ -137,10 +137,10 @@ def run(args) -> int:
         else:
             from ..serve.server import build
 
-            engine, app, settings = build(cfg)
+            engine, app = build(cfg)
             engine.start()
             try:
-                client = AppClient(app, settings.model_name)
+                client = AppClient(app, cfg.model_name)
                 asyncio.run(client.answer_all(lines, write, concurrency))
             finally:
                 engine.stop()

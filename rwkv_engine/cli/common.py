@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..errors import InputError
+from ..settings import (
+    DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_MAX_DRAFT,
+    MAX_PASS_TOKENS,
+    SPECULATIVE_KINDS,
+    ModelSpec,
+    check_max_draft,
+)
 
 # Nothing here imports torch: `--help` and flag errors stay instant. Sampling defaults are
 # plain dicts of SamplingParams fields, turned into a SamplingParams by `sampling_params`.
@@ -254,10 +262,8 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
         raise InputError(msg) from None
 
 
-def model_spec(args: argparse.Namespace, huge_pages: str | None = None):
-    """The model flags as a `serve.server.ModelSpec` (what to load, for every command)."""
-    from ..serve.server import ModelSpec
-
+def model_spec(args: argparse.Namespace, huge_pages: str | None = None) -> ModelSpec:
+    """The model flags as a `settings.ModelSpec` (what to load, for every command)."""
     return ModelSpec(
         model=args.model,
         device=args.device,
@@ -285,7 +291,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding (the same output, fewer passes over the weights)")
     g.add_argument(
         "--speculative",
-        choices=("lookup", "draft"),
+        choices=SPECULATIVE_KINDS,
         default=None,
         help="draft tokens by prompt lookup (n-gram match over the prompt and the text so far) or with a "
         "draft model, and verify them in one pass of the model",
@@ -299,23 +305,23 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--draft-quantization",
-        default="q4",
+        default=DEFAULT_DRAFT_QUANTIZATION,
         metavar="SCHEME",
-        help="quantization of the twin draft when no --draft is given (default: q4)",
+        help="quantization of the twin draft when no --draft is given (default: %(default)s)",
     )
     g.add_argument(
         "--max-draft",
         type=int,
-        default=7,  # speculative.DEFAULT_MAX_DRAFT (this module stays free of torch)
+        default=DEFAULT_MAX_DRAFT,
         metavar="N",
-        help="most tokens drafted per pass, 1-15 (default: 7: with the last token, 8 rows, one read of each weight)",
+        help=f"most tokens drafted per pass, 1-{MAX_PASS_TOKENS - 1} (default: %(default)s: with the last token, "
+        "8 rows, one read of each weight)",
     )
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
     """InputError on bad speculative flags (before the model load)."""
-    if not 1 <= args.max_draft <= 15:
-        raise InputError(f"--max-draft must be in [1, 15], got {args.max_draft}")
+    check_max_draft(args.max_draft, "--max-draft")
     if args.speculative != "draft" and args.draft is not None:
         raise InputError("--draft needs --speculative draft")
 

@@ -71,8 +71,7 @@ import sys
 import threading
 import time
 import traceback
-from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -81,45 +80,29 @@ import torch
 from ..errors import InputError, RWKVEngineError
 from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
-from ..models.model import prefill_end
+from ..models.model import decode_rows, prefill_end
 from ..sampling import Sampler, SamplingParams
-from ..speculative import (
-    DEFAULT_MAX_DRAFT,
-    KINDS,
-    PromptLookup,
-    SpeculativeRow,
-    SpeculativeStats,
-    check_max_draft,
-    make_drafter,
-)
+from ..settings import SPECULATIVE_KINDS, EngineConfig
+from ..speculative import SpeculativeRow, SpeculativeStats, drafter_for, make_drafter
 from ..state import State
 from ..structured import Constraint, grammar_for
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .metrics import Metrics
+from .prompt_cache import PromptCache
 
-
-@dataclass
-class EngineConfig:
-    max_batch: int = 8  # sequences decoded together (= batch slots)
-    max_queue: int = 64  # requests waiting for a slot; beyond: QueueFull
-    prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
-    state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
-    speculative: str | None = None  # the requests' default: "lookup", "draft" or None (plain decoding)
-    draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
-    draft_quantization: str = "q4"  # of the twin draft
-    max_draft: int = DEFAULT_MAX_DRAFT  # most tokens drafted per pass
-    name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
-
-    def __post_init__(self):
-        for name in ("max_batch", "max_queue", "prefill_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.state_cache_bytes, int) or self.state_cache_bytes < 0:
-            raise InputError(f"state_cache_bytes must be >= 0, got {self.state_cache_bytes!r}")
-        if self.speculative not in (None, *KINDS):
-            raise InputError(f"speculative must be one of {', '.join(KINDS)} or None, got {self.speculative!r}")
-        check_max_draft(self.max_draft, "max_draft")
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "EngineStopped",
+    "Finished",
+    "Handle",
+    "Prompt",
+    "PromptCache",
+    "QueueFull",
+    "Request",
+    "decode_rows",
+]
 
 
 @dataclass
@@ -177,79 +160,6 @@ class QueueFull(RWKVEngineError):
 
 class EngineStopped(RWKVEngineError):
     """The engine is not running (not started yet, or shutting down)."""
-
-
-def decode_rows(model, tokens: torch.Tensor, batch: State, all_logits: bool = False) -> tuple[torch.Tensor, State]:
-    """`model.forward(tokens [B, T], batch, all_logits)`, on the CPU in groups of at most
-    GEMV_MAX_ROWS rows x tokens: each group runs the native step, so every row's logits and
-    state are those of its sequence alone (one forward of more rows would take the batched GEMM).
-    T > 1: a speculative verify pass of the rows' pending tokens and drafts."""
-    B, T = tokens.shape
-    G = max(1, GEMV_MAX_ROWS // T)
-    if B <= G or model.device.type != "cpu":
-        return model.forward(tokens, state=batch, all_logits=all_logits)
-    parts = [model.forward(tokens[i : i + G], state=batch[i : i + G], all_logits=all_logits) for i in range(0, B, G)]
-    return torch.cat([p[0] for p in parts]), State.cat([p[1] for p in parts])
-
-
-def _host(state: State) -> State:
-    """A GPU state copied to pinned host memory (the cache lives in host RAM; `model.forward`
-    moves a state from there to its device, a DMA from pinned pages); other states as they are."""
-    if state.device.type != "cuda":
-        return state
-    pinned = {}
-    for k, v in state.items():
-        pinned[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
-    return State(pinned, state.signature)
-
-
-class PromptCache:
-    """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes."""
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity = capacity_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[tuple[str, bytes], State] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @staticmethod
-    def _size(key: tuple[str, bytes], state: State) -> int:
-        return state.nbytes + len(key[1]) + len(key[0])
-
-    def put(self, start_key: str, prefix: Sequence[int], state: State) -> None:
-        key = (start_key, array("q", prefix).tobytes())
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        size = self._size(key, state)
-        if size > self.capacity:
-            return
-        while self._entries and self.nbytes + size > self.capacity:
-            old_key, old = self._entries.popitem(last=False)
-            self.nbytes -= self._size(old_key, old)
-        self._entries[key] = _host(state)
-        self.nbytes += size
-
-    def lookup(self, start_key: str, ids: Sequence[int], chunk: int) -> tuple[int, State | None]:
-        """(k, state after ids[:k]) for the longest cached k at which a cold prefill of `ids` cuts
-        (a multiple of `chunk` with more than GEMV_MAX_ROWS tokens after it: `prefill_end`), or (0, None)."""
-        if not self._entries:
-            return 0, None
-        raw = array("q", ids).tobytes()
-        width = raw and len(raw) // len(ids)
-        for k in range((len(ids) - GEMV_MAX_ROWS - 1) // chunk * chunk, 0, -chunk):
-            key = (start_key, raw[: k * width])
-            state = self._entries.get(key)
-            if state is not None:
-                self._entries.move_to_end(key)
-                return k, state
-        return 0, None
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -394,8 +304,10 @@ class Engine:
         if request.start_state is not None and request.start_state.batch_size != 1:
             raise InputError(f"a start state must hold one sequence, got {request.start_state.batch_size}")
         self._check_choices(request)
-        if request.speculative not in (None, "off", *KINDS):
-            raise InputError(f"speculative must be one of {', '.join(KINDS)} or off, got {request.speculative!r}")
+        if request.speculative not in (None, "off", *SPECULATIVE_KINDS):
+            raise InputError(
+                f"speculative must be one of {', '.join(SPECULATIVE_KINDS)} or off, got {request.speculative!r}"
+            )
         params = [choice_params(request.params, i) for i in range(request.n)]
         constraint = request.constraint
         if constraint is None:
@@ -623,13 +535,10 @@ class Engine:
         kind = self.config.speculative if req.speculative is None else req.speculative
         if kind in (None, "off") or req.logprobs is not None:
             return
-        if kind == "lookup":
-            drafter = PromptLookup()
-        else:
-            if self._draft is None:
-                cfg = self.config
-                self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
-            drafter = self._draft.for_params(seq.sampler.params)
+        if kind == "draft" and self._draft is None:
+            cfg = self.config
+            self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
+        drafter = drafter_for(self._draft if kind == "draft" else kind, self.model, seq.sampler.params)
         row = SpeculativeRow(drafter, seq.sampler, req.prompt_ids, self.config.max_draft, self.speculative)
         row.limit = seq.sampler.params.max_tokens
         row.take(token)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
-from .sampling import Sampler, SamplingParams, bias_vector, rwkv_probs, sample_rows
+from .sampling import Sampler, SamplingParams, check_finite, rwkv_probs, sample_rows
 from .settings import DEFAULT_DRAFT_QUANTIZATION, DEFAULT_MAX_DRAFT, MAX_PASS_TOKENS, SPECULATIVE_KINDS, check_max_draft
 
 Tensor = torch.Tensor
@@ -157,7 +157,9 @@ class DraftModel(Drafter):
     It keeps its own state and the states after each token it drafted, so following what the
     target accepted costs no re-reading: the longest agreeing prefix's state is picked (O(1)
     rollback) and only the tokens after it are fed. Greedy targets draft greedily; sampled ones
-    draw from the draft's own sampling distribution (same bias, temperature, top-p, top-k).
+    draw from the draft's own sampling distribution (same bias, temperature, top-p, top-k; no
+    penalties or grammar, which the target's decision applies), prepared by `Sampler.prepare`
+    like every draw, with a generator of its own (seeded from the target's seed ^ 0x5EED).
     """
 
     def __init__(
@@ -170,8 +172,9 @@ class DraftModel(Drafter):
         self.model = model
         self.cost = cost  # see Drafter; `priced` sets it from a target
         self.params = params or SamplingParams(temperature=0.0)
-        self._bias = bias_vector(self.params, model.config.vocab_size)
-        self.generator = generator
+        seed = 0x5EED if self.params.seed is None else self.params.seed ^ 0x5EED
+        # (its counts stay empty: it never accepts a token, so no penalty applies)
+        self._sampler = Sampler(self.params.replace(seed=seed), model.config.vocab_size, generator)
         self._ctx: list[int] = []  # tokens its base state covers
         self._states: list = []  # state after _ctx + drafted[:j], j = 0..len(drafted)
         self._drafted: list[int] = []
@@ -218,18 +221,15 @@ class DraftModel(Drafter):
         self._ctx, self._states, self._logits, self._drafted = context, [state], [logits], []
         tokens: list[int] = []
         qs: list[Tensor] = []
-        greedy = self.params.greedy
+        greedy, p = self.params.greedy, self.params
         for i in range(k):
-            adj = logits.float() if self._bias is None else logits.float() + self._bias.to(logits.device)
+            check_finite(logits, "the draft model's logits")
+            adj = Sampler.prepare([self._sampler], logits[None])[0]
             if greedy:
                 t = int(adj.argmax())
             else:
-                if self.generator is None:
-                    self.generator = torch.Generator(device=logits.device)
-                    self.generator.manual_seed(0x5EED if self.params.seed is None else (self.params.seed ^ 0x5EED))
-                p = self.params
                 q = rwkv_probs(adj, p.temperature, p.top_p, p.top_k)
-                t = int(torch.multinomial(q, 1, generator=self.generator)[0])
+                t = int(torch.multinomial(q, 1, generator=self._sampler.generator)[0])
                 qs.append(q)
             tokens.append(t)
             if i + 1 < k:
@@ -288,25 +288,16 @@ def drafter_for(drafter: str | Drafter, target, params: SamplingParams) -> Draft
 # --- deciding one position ------------------------------------------------------------------
 
 
-def _adjusted(sampler: Sampler, logits: Tensor) -> Tensor:
-    """What `Sampler.sample_batch` samples from: bias, bans, penalties, then the grammar mask."""
-    adjusted = sampler.adjusted_logits(logits)[None]
-    c = sampler.constraint
-    if c is not None and c.active:
-        from .structured import apply_masks
-
-        apply_masks(adjusted, [(0, c)])
-    return adjusted
-
-
 def decide(sampler: Sampler, logits: Tensor, draft: int | None, q: Tensor | None = None) -> tuple[int, bool]:
     """The token at one verified position and whether it is the draft token; updates the sampler.
 
     logits [V]: the target's at this position. draft: the proposed token (None: no draft, as in
     plain decoding). q: the draft's distribution it came from (None: a point mass at `draft`).
+    What is decided from is what plain decoding draws from (`Sampler.prepare`: ModelOutputError
+    on NaN or infinite logits, bias, penalties, the grammar mask).
     """
     p_ = sampler.params
-    adjusted = _adjusted(sampler, logits)
+    adjusted = Sampler.prepare([sampler], logits[None])
     if p_.greedy:
         t = int(adjusted[0].argmax())
     elif draft is None:

@@ -304,6 +304,62 @@ def test_cli_generate_speculative_matches_plain(make_pth, capsys):
     assert "--max-draft" in capsys.readouterr().err
 
 
+# --- NaN and infinite logits: one error on every route ---------------------------------------
+
+
+class BadLogits(torch.nn.Module):
+    """The model, with `bad` (NaN or +inf) at token 5 of every logit row of a forward that starts
+    from a state: what a weight or state gone bad gives once decoding runs (the prompt's own
+    forward, from the fresh state, stays finite, so the first token is drawn as usual)."""
+
+    def __init__(self, inner, bad: float):
+        super().__init__()
+        self.inner, self.bad = inner, bad
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, tokens, state=None, all_logits=False):
+        logits, after = self.inner.forward(tokens, state=state, all_logits=all_logits)
+        if state is not None:
+            logits = logits.clone()
+            logits[..., 5] = self.bad
+        return logits, after
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nan_or_infinite_logits_fail_every_route(bad, make_pth, tok):
+    """The speculative route had its own copy of the sampling rule, without its finiteness check:
+    a 2 x 128 RWKV-7 with a NaN head gave no tokens and no error through
+    generate(speculative="lookup") at temperature 0, and a bare RuntimeError at temperature 1
+    (plain decoding raised ModelOutputError); a +inf logit was taken as the arg-max. Every route,
+    greedy and sampled, plain, prompt lookup and draft model, through `generate` and through the
+    server's engine, now ends in ModelOutputError (the engine: that request's error)."""
+    from rwkv_engine.errors import ModelOutputError
+    from rwkv_engine.serve.engine import EngineConfig, Request
+
+    path = make_pth("7", n_layer=2, n_embd=128, vocab_size=65536)
+    clean = rwkv_engine.load(path)
+    model = BadLogits(clean, bad)
+    prompt = "a b c a b c a b c a b"  # prompt lookup finds drafts in it
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[]),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=8, stop_token_ids=[]),
+    ]
+    for p in params:
+        for spec in (None, "lookup", DraftModel(clean), DraftModel(model)):
+            with pytest.raises(ModelOutputError, match="NaN or infinite"):
+                generate(model, tok, prompt, p, speculative=spec).read()
+    requests = [Request(tok.encode(prompt), p, speculative=s) for p in params for s in ("off", "lookup", "draft")]
+    config = EngineConfig(max_batch=6, draft=str(path), state_cache_bytes=0)
+    results, _ = run_engine(model, tok, requests, config)
+    for request, (_, fin) in zip(requests, results):
+        assert fin.reason == "error" and "NaN or infinite" in fin.message, (request.speculative, fin)
+
+
 # --- the serving engine: speculating and plain rows in one batch ------------------------------
 
 

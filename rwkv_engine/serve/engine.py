@@ -1,53 +1,48 @@
 """The serving engine: one model, many concurrent requests, continuous batching.
 
-One thread, the engine thread, owns the model. Each turn of its loop it
+One thread, the engine thread, owns the model and is the scheduler. Each turn of its loop
+(`Engine._turn`) it
 
-1. drops cancelled requests (their batch slot is free for the next turn) and admits waiting
-   requests while fewer than `max_batch` hold a slot;
-2. prefills up to `prefill_chunk` prompt tokens, round-robin over the admitted requests whose
-   prompt is not read yet: the next chunk of the first, which then goes to the back of the line,
-   then (if the budget is not spent) of the next one; a prompt that is done samples its first
-   token and joins the decoding batch. So a short prompt that arrives while a long one is
-   being read waits for about one chunk of it, not for the whole of it;
-3. runs one decode step for every decoding request together: their last tokens as [B, 1]
-   through `model.forward` (one call per GEMV_MAX_ROWS rows on the CPU, see below), their
-   states concatenated into one batch `State` [B, ...], then `Sampler.sample_batch`, each row
-   with the request's own parameters and random generator.
+1. drops cancelled requests (their batch slots are free for this turn) and admits waiting
+   requests while fewer than `max_batch` rows are held;
+2. prefills up to `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
+   piece of the first, which then goes to the back of the line, then (if the budget is not
+   spent) of the next one. A prompt that is done samples each choice's first token. So a short
+   prompt that arrives while a long one is being read waits for about one piece of it, not for
+   the whole of it;
+3. joins the rows that got their first token to the decoding batch (one `State` [B, ...]);
+4. runs one decode step for every decoding row together (`_decode_step`): each row's feed (its
+   last token, or a speculating row's pending tokens and drafts) goes through `model.forward`
+   in one pass per feed length (`decode_rows`: on the CPU, groups of GEMV_MAX_ROWS rows x
+   tokens), then each row decides its tokens: plain rows by `Sampler.sample_batch`, each with
+   the request's own parameters and random generator, speculating rows by speculative
+   acceptance (speculative.py), both drawing from `Sampler.prepare`.
 
-So new prompts delay the running requests by about one chunk of prefill per decode step;
-they are never paused for a whole prompt. A request leaves the batch when its `TextStream` ends (stop
-token, stop string, max_tokens) or when it is cancelled; the batch state drops its row.
+So new prompts delay the running requests by about one chunk of prefill per decode step; they
+are never paused for a whole prompt. A row leaves the batch when its `TextStream` ends (stop
+token, stop string, max_tokens) or when it is cancelled; the batch state drops it.
 
 Batched = alone, bit for bit (on the CPU, with the native kernels): a request gets the tokens
 `rwkv_engine.generate` gives it alone, greedy or sampled with a seed, whatever else is running.
-* Decode: a one-token forward of at most GEMV_MAX_ROWS rows runs the fused native step, whose
+* Decode: a forward of at most GEMV_MAX_ROWS rows x tokens runs the fused native step, whose
   kernels compute each row on its own (models/native_step.py), so row i of the batch has the
-  logits and state of that sequence stepped alone. A larger batch is stepped in groups of
-  GEMV_MAX_ROWS rows for that reason (a [B, 1] forward of more rows would take the batched
-  GEMM, whose rounding depends on the batch).
-* Speculative verify passes (a row's pending tokens and drafts, [B, T]) go through the same
-  native step in groups of at most GEMV_MAX_ROWS rows x tokens (`decode_rows`); each token gets
-  the bits of a one-token step, so a speculating row decides what it decides alone.
-* Sampling: `Sampler.sample_batch` samples row by row, each with the request's own counts and
-  generator, as `generate` does for one sequence.
+  logits and state of that sequence stepped alone; larger batches are stepped in groups of that
+  many (`models.model.decode_rows`). A speculative verify pass ([B, T]) gives each token the
+  bits of a one-token step, so a speculating row decides what it decides alone.
+* Sampling: row by row, each with the request's own counts and generator, as `generate` does.
 * Prefill: a prompt is read in pieces of `prefill_chunk` tokens and `generate` reads it in one
-  `forward` (pieces of PREFILL_CHUNK inside); both cut it with `models.model.prefill_end`,
-  which never leaves a last piece short enough for the GEMV, so every piece of either runs
-  the GEMM and the chunked WKV (RWKV-7 on the CPU: the native recurrence), whose results for a
-  token do not depend on where the prompt is cut: the logits and state are the same bit for bit (for a `prefill_chunk` that is a multiple
-  of 32, the WKV chunk; the default is 256).
+  `forward`; both cut it where `models.model.prefill_end` cuts, which never leaves a last piece
+  short enough for the GEMV, so every piece runs the GEMM and the chunked WKV, whose results for
+  a token do not depend on where the prompt is cut (for a `prefill_chunk` that is a multiple of
+  32, the WKV chunk; the default is 256).
 
-Prompt-state cache: prompts are prefilled in chunks aligned to multiples of `prefill_chunk`
-from their first token, and the state after every full chunk is kept in an LRU map keyed by
-(start state, token-id prefix), bounded in bytes. A new prompt resumes from the longest cached
-prefix at which its own cold prefill would cut (shorter than the prompt by more than
-GEMV_MAX_ROWS tokens: see `prefill_end`). Because the chunks are aligned, a resumed prefill runs
-the very same forward calls on the very same state as a cold one: the cache changes how fast
-an answer starts, never what it is.
+Prompt-state cache (prompt_cache.py): the state after every full chunk of a prompt is kept; a new
+prompt resumes from the longest cached prefix at which its own cold prefill would cut, so a
+resumed prefill runs the very same forward calls on the very same state as a cold one.
 
-Choices (`Request.n` > 1): the prompt is prefilled once; at its end the state is copied into n
-rows, each choice sampled with its own `Sampler` (choice i of a seeded request uses seed + i, so
-it equals the same request with n = 1 and that seed) and ending on its own.
+Choices (`Request.n` > 1): the prompt is prefilled once; each choice is sampled with its own
+`Sampler` (choice i of a seeded request uses seed + i, so it equals the same request with n = 1
+and that seed) and ends on its own.
 
 Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each sampled token's
 `Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
@@ -72,23 +67,25 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
 from ..errors import InputError, RWKVEngineError
 from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
-from ..models.model import decode_rows, prefill_end
+from ..models.model import decode_rows
 from ..sampling import Sampler, SamplingParams
 from ..settings import SPECULATIVE_KINDS, EngineConfig
 from ..speculative import SpeculativeRow, SpeculativeStats, drafter_for, make_drafter
 from ..state import State
-from ..structured import Constraint, grammar_for
+from ..structured import grammar_for
+from .decode import DecodeBatch, Pass
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from .messages import Delta, EngineStopped, Finished, Prompt, QueueFull, Request, Sink
 from .metrics import Metrics
 from .prompt_cache import PromptCache
+from .work import Group, Prefill, PromptPrefill, Row
 
 __all__ = [
     "Delta",
@@ -105,63 +102,6 @@ __all__ = [
 ]
 
 
-@dataclass
-class Request:
-    """What to generate: a continuation of `prompt_ids` from `start_state` (None = fresh)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    start_state: State | None = None
-    start_key: str = ""  # names start_state in the prompt cache; "" is the fresh state
-    n: int = 1  # choices sampled from the one prefill
-    logprobs: int | None = None  # report each token's log-probability and this many alternatives
-    echo: bool = False  # send a Prompt event (with logprobs: the prompt's log-probabilities)
-    # A fresh grammar Constraint for each choice (default: from params.json_schema / json_object).
-    constraint: Callable[[], Constraint] | None = None
-    # Speculative decoding: "lookup", "draft", "off", or None for the engine's default. The output
-    # is the same either way; a request with logprobs decodes plainly.
-    speculative: str | None = None
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """The prompt of an echo request: log-probabilities of its tokens (the first has none), or
-    None when the request asked for no log-probabilities."""
-
-    logprobs: tuple[TokenLogprob, ...] | None
-    index: int = 0
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    index: int = 0  # the choice
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) behind this piece, if asked for
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    message: str | None = None  # what went wrong, for "error"
-    index: int = 0  # the choice
-
-
-Sink = Callable[[object], None]
-
-
-class QueueFull(RWKVEngineError):
-    """Every batch slot is taken and `max_queue` requests already wait."""
-
-    retry_after = 1  # seconds
-
-
-class EngineStopped(RWKVEngineError):
-    """The engine is not running (not started yet, or shutting down)."""
-
-
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The sampling parameters of choice `index`: a seed becomes seed + index (mod 2**63)."""
     if index == 0 or params.seed is None:
@@ -170,44 +110,18 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class Handle:
-    """A submitted request; `cancel()` frees its slot (a no-op once it has finished)."""
+    """A submitted request; `cancel()` frees its slots (a no-op once it has finished)."""
 
-    def __init__(self, engine: Engine, seq: _Sequence):
+    def __init__(self, engine: Engine, group: Group):
         self._engine = engine
-        self._seq = seq
+        self._group = group
 
     @property
     def id(self) -> int:
-        return self._seq.id
+        return self._group.id
 
     def cancel(self) -> None:
         self._engine.cancel(self)
-
-
-class _Sequence:
-    """One choice of a request inside the engine (a batch row once decoding). The first choice
-    of a request (its `group`) is the one that is queued and prefilled."""
-
-    def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream, index: int = 0):
-        self.id = seq_id
-        self.index = index  # the choice
-        self.group = [self]  # every choice of the request (the same list in each)
-        self.request = request
-        self.sink = sink
-        self.sampler = sampler
-        self.stream = stream
-        self.cancelled = False
-        self.finished = False
-        self.admitted = False  # holds a batch slot (Engine._admit)
-        self.started = False  # prefill begun (cache looked up)
-        self.pos = 0  # prompt tokens read
-        self.cached = 0  # of which taken from the prompt cache
-        self.state: State | None = None  # during prefill
-        self.next_token: int | None = None  # sampled, not yet fed to the model
-        self.prompt_logprobs: list[TokenLogprob] = []  # during an echo's prefill
-        # Speculating rows: the row's pending tokens replace next_token; the batch row is the
-        # committed state (speculative.SpeculativeRow).
-        self.spec: SpeculativeRow | None = None
 
 
 class Engine:
@@ -220,13 +134,14 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.cache = PromptCache(self.config.state_cache_bytes)
         self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()  # guarded by _cond
+        self._waiting: deque[Group] = deque()  # guarded by _cond
         self._wake = False  # guarded by _cond: a cancel to handle
         self._stopping = False
-        self._prefilling: deque[_Sequence] = deque()  # engine thread only
-        self._decoding: list[_Sequence] = []  # engine thread only; row i of _batch
-        self._batch: State | None = None
-        self._joining: list[tuple[_Sequence, State]] = []  # prefilled this turn, join before decoding
+        # Engine thread only: prefill work round-robin; rows with their first token, to join the
+        # batch this turn (with the state they start from); the decoding rows.
+        self._prefilling: deque[Prefill] = deque()
+        self._joining: list[tuple[Row, State]] = []
+        self._batch = DecodeBatch(model)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._holding = 0  # batch rows (choices) admitted and not finished (written by the engine thread only)
@@ -274,7 +189,7 @@ class Engine:
                 f"{len(requests)} prompts in one request; this server takes at most {capacity} at once "
                 f"(max batch {self.config.max_batch} + max queue {self.config.max_queue})"
             )
-        groups = [self._prepare(request) for request, _ in requests]
+        prepared = [self._prepare(request) for request, _ in requests]
         with self._cond:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
@@ -285,15 +200,11 @@ class Engine:
             if waiting + len(requests) > self.config.max_queue:
                 raise QueueFull(f"the server is busy: {max(0, waiting)} requests are already waiting")
             handles = []
-            for (request, sink), (samplers, streams) in zip(requests, groups):
-                group = [
-                    _Sequence(next(self._ids), request, sink, s, t, i)
-                    for i, (s, t) in enumerate(zip(samplers, streams))
-                ]
-                for s in group:
-                    s.group = group
-                self._waiting.append(group[0])
-                handles.append(Handle(self, group[0]))
+            for (request, sink), (samplers, streams) in zip(requests, prepared):
+                group = Group(next(self._ids), request, sink)
+                group.rows = [Row(group, i, s, t) for i, (s, t) in enumerate(zip(samplers, streams))]
+                self._waiting.append(group)
+                handles.append(Handle(self, group))
             self._cond.notify_all()
         return handles
 
@@ -334,17 +245,17 @@ class Engine:
 
     def cancel(self, handle: Handle) -> None:
         """Cancel every choice of the request."""
-        leader = handle._seq
+        group = handle._group
         with self._cond:
-            live = [s for s in leader.group if not (s.finished or s.cancelled)]
+            live = [r for r in group.rows if not (r.finished or r.cancelled)]
             if not live:
                 return
-            for s in live:
-                s.cancelled = True
-            if leader in self._waiting:
-                self._waiting.remove(leader)
-                for s in live:
-                    self._finish(s, "cancelled")
+            for r in live:
+                r.cancelled = True
+            if group in self._waiting:
+                self._waiting.remove(group)
+                for r in live:
+                    self._finish(r, "cancelled")
             else:
                 self._wake = True
                 self._cond.notify_all()
@@ -363,7 +274,7 @@ class Engine:
             "speculative_tokens_per_pass": self.speculative.tokens_per_pass,
         }
 
-    # --- the engine thread --------------------------------------------------------------------
+    # --- the engine thread: the loop and its turn ---------------------------------------------------
 
     def _warm_up(self) -> None:
         """One prefill and one decode step on a throwaway state before the first request: the
@@ -388,7 +299,7 @@ class Engine:
             self._ready = True
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._prefilling or self._decoding or self._wake):
+                    while not (self._stopping or self._waiting or self._prefilling or self._batch.rows or self._wake):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -396,281 +307,218 @@ class Engine:
                     self._drop_cancelled()
                     self._admit()
                 try:
-                    # Prompt tokens up to one chunk per turn: one chunk of a long prompt, or
-                    # several short prompts, so that a burst of new requests joins quickly.
-                    budget = self.config.prefill_chunk
-                    if self._prefilling:
-                        t0 = time.perf_counter()
-                        while self._prefilling and budget > 0:
-                            budget -= self._prefill_step()
-                        self.metrics.inc("engine_seconds_total", time.perf_counter() - t0, phase="prefill")
-                    if self._joining:
-                        self._join()
-                    if self._decoding:
-                        self._decode_step()
+                    self._turn()
                 except Exception as e:  # a bug here: drop what is in flight, keep serving
                     self._fail(self._clear(), e)
         finally:
             self._shutdown()
 
-    def _clear(self) -> list[_Sequence]:
-        """Forget every admitted request; returns them."""
-        seqs = [s for leader in self._prefilling for s in leader.group] + self._decoding + [s for s, _ in self._joining]
-        self._prefilling.clear()
-        self._decoding, self._batch, self._joining = [], None, []
-        return seqs
+    def _turn(self) -> None:
+        """One turn's model work: prefill under the token budget, then the rows that got their
+        first token join the batch, then one decode step.
 
-    def _join(self) -> None:
-        """Add the requests prefilled this turn to the decoding batch (one concatenation)."""
-        states = [st for _, st in self._joining]
-        self._batch = State.cat(states if self._batch is None else [self._batch, *states])
-        self._decoding += [s for s, _ in self._joining]
+        (Each part is its own method so that a turn can be arranged differently, e.g. a prefill
+        piece and the decode step's passes run as one forward under one token budget.)"""
+        if self._prefilling:
+            t0 = time.perf_counter()
+            self._prefill(self.config.prefill_chunk)
+            self.metrics.inc("engine_seconds_total", time.perf_counter() - t0, phase="prefill")
+        if self._joining:
+            self._batch.join(self._joining)
+            self._joining = []
+        if self._batch.rows:
+            self._decode_step()
+
+    def _clear(self) -> list[Row]:
+        """Forget every admitted request; returns their rows."""
+        rows = [r for w in self._prefilling if isinstance(w, PromptPrefill) for r in w.group.rows]
+        rows += self._batch.clear() + [r for r, _ in self._joining]
+        self._prefilling.clear()
         self._joining = []
+        return rows
 
     def _rows(self) -> int:
         """Batch rows held: decoding, joining, and the choices of the requests being prefilled.
         (Also read by `gauges` from other threads: it only copies and counts.)"""
-        return sum(len(s.group) for s in list(self._prefilling)) + len(self._joining) + len(self._decoding)
+        prefilling = [w for w in list(self._prefilling) if isinstance(w, PromptPrefill)]
+        return sum(len(w.group.rows) for w in prefilling) + len(self._joining) + len(self._batch)
+
+    # --- admission and prefill ----------------------------------------------------------------------
 
     def _admit(self) -> None:
-        while self._waiting and self._rows() + len(self._waiting[0].group) <= self.config.max_batch:
-            seq = self._waiting.popleft()
-            for s in seq.group:
-                s.admitted = True
-            self._holding += len(seq.group)
-            self._prefilling.append(seq)
-            self.metrics.inc("prompt_tokens_total", len(seq.request.prompt_ids))
+        while self._waiting and self._rows() + len(self._waiting[0].rows) <= self.config.max_batch:
+            group = self._waiting.popleft()
+            group.admitted = True
+            self._holding += len(group.rows)
+            self._prefilling.append(PromptPrefill(group, self.model, self.cache, self.metrics))
+            self.metrics.inc("prompt_tokens_total", len(group.request.prompt_ids))
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self._prefilling if any(c.cancelled for c in s.group)]:
-            self._prefilling.remove(seq)
-            for s in seq.group:
-                self._finish(s, "cancelled")
-        if any(s.cancelled for s in self._decoding):
-            keep = [i for i, s in enumerate(self._decoding) if not s.cancelled]
-            for s in self._decoding:
-                if s.cancelled:
-                    self._finish(s, "cancelled")
-            self._keep_rows(keep)
+        for work in [w for w in self._prefilling if isinstance(w, PromptPrefill) and w.group.cancelled]:
+            self._prefilling.remove(work)
+            for r in work.group.rows:
+                self._finish(r, "cancelled")
+        rows = self._batch.rows
+        if any(r.cancelled for r in rows):
+            for r in rows:
+                if r.cancelled:
+                    self._finish(r, "cancelled")
+            self._batch.keep([i for i, r in enumerate(rows) if not r.cancelled])
 
-    def _keep_rows(self, keep: list[int]) -> None:
-        if len(keep) == len(self._decoding):
-            return
-        self._decoding = [self._decoding[i] for i in keep]
-        self._batch = self._batch[keep] if keep else None
-
-    def _prefill_step(self) -> int:
-        """Prefill the next chunk of the first prefilling request, then move it to the back of the
-        line (round-robin); the number of tokens (>= 1)."""
-        seq = self._prefilling[0]
-        req, chunk = seq.request, self.config.prefill_chunk
-        ids = req.prompt_ids
-        try:
-            if not seq.started:
-                seq.started = True
-                # An echo needs the logits of every prompt position: it reads the whole prompt.
-                seq.pos, seq.state = (0, None) if req.echo else self.cache.lookup(req.start_key, ids, chunk)
-                seq.cached = seq.pos
-                if seq.pos:
-                    self.metrics.inc("prompt_cache_hits_total")
-                    self.metrics.inc("prompt_cache_hit_tokens_total", seq.pos)
-                else:
-                    self.metrics.inc("prompt_cache_misses_total")
-                    seq.state = req.start_state
-            start = seq.pos
-            end = prefill_end(start, len(ids), chunk)
-            echo_logprobs = req.echo and req.logprobs is not None
-            logits, seq.state = self.model.forward(ids[start:end], state=seq.state, all_logits=echo_logprobs)
-            if echo_logprobs:
-                # Row r predicts token start + r + 1; the last row predicts the first generated token.
-                seq.prompt_logprobs += token_logprobs(
-                    logits[:-1], ids[start + 1 : end], [req.logprobs] * (end - start - 1)
-                )
-                if end < len(ids):  # the row that predicts the next chunk's first token
-                    seq.prompt_logprobs += token_logprobs(logits[-1:], ids[end : end + 1], [req.logprobs])
-                logits = logits[-1]
-            self.metrics.inc("prefill_tokens_total", end - start)
-            seq.pos = end
-            if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
-                self.cache.put(req.start_key, ids[:end], seq.state)
-            done = end - start
-            if end < len(ids):
+    def _prefill(self, budget: int) -> None:
+        """Pieces of the prefill work, round-robin, until `budget` tokens are read: the first
+        work's next piece, which then goes to the back of the line, then the next one's."""
+        chunk = self.config.prefill_chunk
+        while self._prefilling and budget > 0:
+            work = self._prefilling[0]
+            try:
+                budget -= work.step(chunk)
+            except Exception as e:  # one request's failure must not stop the others
+                self._prefilling.popleft()
+                self._fail(work.group.rows, e)
+                budget -= 1
+                continue
+            if not work.done:
                 self._prefilling.rotate(-1)
-                return done
+                continue
             self._prefilling.popleft()
-            self._first_token(seq, logits)
-            return done
-        except Exception as e:  # one request's failure must not stop the others
-            if seq in self._prefilling:
-                self._prefilling.remove(seq)
-            self._fail(seq.group, e)
-            return 1
+            try:
+                self._prompt_read(work)
+            except Exception as e:
+                self._fail(work.group.rows, e)
 
-    def _first_token(self, leader: _Sequence, logits: torch.Tensor) -> None:
-        """The prompt is read: sample each choice's first token from its last logits [V]."""
-        state, leader.state = leader.state, None
-        req, group = leader.request, leader.group
+    def _prompt_read(self, work: PromptPrefill) -> None:
+        """A request's prompt is read: echo its prompt, then sample each choice's first token from
+        the prompt's last logits [V]; the choices that go on join the batch."""
+        group, logits = work.group, work.logits
+        req, rows = group.request, group.rows
         if req.echo:
-            prompt = None
-            if req.logprobs is not None:
-                prompt, leader.prompt_logprobs = tuple(leader.prompt_logprobs), []
-            for seq in group:
-                self._send(seq, Prompt(prompt, seq.index))
+            prompt = tuple(work.prompt_logprobs) if req.logprobs is not None else None
+            for row in rows:
+                self._send(row, Prompt(prompt, row.index))
         if req.params.max_tokens == 0:
-            for seq in group:
-                self._emit(seq, seq.stream.finish("length"))
-                self._finish(seq, seq.stream.finish_reason)
+            for row in rows:
+                self._emit(row, row.stream.finish("length"))
+                self._finish(row, row.stream.finish_reason)
             return
-        tokens = Sampler.sample_batch([s.sampler for s in group], logits[None].expand(len(group), -1))
-        entries = self._logprobs(group, logits[None].expand(len(group), -1), tokens)
-        for seq, token, entry in zip(group, tokens, entries):
-            if self._push(seq, token, entry):
-                seq.next_token = token
-                self._speculate(seq, token)
-                self._joining.append((seq, state))
+        tokens = Sampler.sample_batch([r.sampler for r in rows], logits[None].expand(len(rows), -1))
+        entries = self._logprobs(rows, logits[None].expand(len(rows), -1), tokens)
+        for row, token, entry in zip(rows, tokens, entries):
+            if self._push(row, token, entry):
+                row.next_token = token
+                self._speculate(row, token)
+                self._joining.append((row, work.state))
 
-    def _speculate(self, seq: _Sequence, token: int) -> None:
+    def _speculate(self, row: Row, token: int) -> None:
         """Make a row that asked for speculative decoding (and no log-probabilities) speculate."""
-        req = seq.request
+        req = row.group.request
         kind = self.config.speculative if req.speculative is None else req.speculative
         if kind in (None, "off") or req.logprobs is not None:
             return
         if kind == "draft" and self._draft is None:
             cfg = self.config
             self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
-        drafter = drafter_for(self._draft if kind == "draft" else kind, self.model, seq.sampler.params)
-        row = SpeculativeRow(drafter, seq.sampler, req.prompt_ids, self.config.max_draft, self.speculative)
-        row.limit = seq.sampler.params.max_tokens
-        row.take(token)
-        seq.spec = row
+        drafter = drafter_for(self._draft if kind == "draft" else kind, self.model, row.sampler.params)
+        spec = SpeculativeRow(drafter, row.sampler, req.prompt_ids, self.config.max_draft, self.speculative)
+        spec.limit = row.sampler.params.max_tokens
+        spec.take(token)
+        row.spec = spec
 
-    @staticmethod
-    def _logprobs(rows: list[_Sequence], logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
-        """Row i's TokenLogprob for tokens[i] from logits [B, V], for the rows that asked for it
-        (and were sampled: a row whose sampling failed has no token)."""
-        want = [i for i, s in enumerate(rows) if s.request.logprobs is not None and tokens[i] is not None]
-        out: list[TokenLogprob | None] = [None] * len(rows)
-        if want:
-            got = token_logprobs(logits[want], [tokens[i] for i in want], [rows[i].request.logprobs for i in want])
-            for i, entry in zip(want, got):
-                out[i] = entry
-        return out
+    # --- the decode step ------------------------------------------------------------------------------
 
     def _decode_step(self) -> None:
-        if any(s.spec is not None for s in self._decoding):
-            self._mixed_step()
-        else:
-            self._plain_step()
-
-    def _mixed_step(self) -> None:
-        """A decode step with speculating rows: the plain rows as in `_plain_step`, the speculating
-        ones in one verify pass per pass length (their pending tokens + drafts); a row's batch
-        state moves on when the pass covered every token it decided (see speculative.py)."""
-        rows, batch, metrics = self._decoding, self._batch, self.metrics
-        t0 = time.perf_counter()
-        sp = self.speculative
+        """One step for every decoding row, plain or speculating alike: each row's feed
+        (`Row.feed`) goes through one pass per feed length, then each row decides its tokens
+        from its logits; a row's batch state moves on when the pass covered every token it
+        decided (always for a plain row; see speculative.py for a speculating one)."""
+        rows, metrics, sp = self._batch.rows, self.metrics, self.speculative
         counts = (sp.passes, sp.drafted, sp.accepted, sp.emitted)
-        alive = [True] * len(rows)
-        moved: dict[int, State] = {}  # row -> its new state [1, ...]
-        plain = [i for i, s in enumerate(rows) if s.spec is None]
-        passes: dict[int, list[tuple[int, list[int]]]] = {}
+        t0 = time.perf_counter()
+        feeds = self._feeds(rows)
         try:
-            for i, s in enumerate(rows):
-                if s.spec is not None:
-                    feed = s.spec.plan()
-                    passes.setdefault(len(feed), []).append((i, feed))
-            if plain:
-                tokens = torch.tensor([[rows[i].next_token] for i in plain], dtype=torch.long)
-                plain_logits, plain_after = decode_rows(self.model, tokens, batch[plain])
-            verified = []
-            for members in passes.values():
-                idx = [i for i, _ in members]
-                feed = torch.tensor([f for _, f in members], dtype=torch.long)
-                logits, after = decode_rows(self.model, feed, batch[idx], all_logits=True)
-                verified.append((idx, logits, after))
+            passes = self._batch.passes(feeds)
         except Exception as e:
-            self._decoding, self._batch = [], None
-            self._fail(rows, e)
+            self._fail(self._batch.clear(), e)
             return
         t1 = time.perf_counter()
-        if plain:
-            prow = [rows[i] for i in plain]
-            sampled = self._sample(prow, plain_logits)
-            entries = self._logprobs(prow, plain_logits, sampled)
-            for j, (i, token, entry) in enumerate(zip(plain, sampled, entries)):
-                moved[i] = plain_after[j]
-                alive[i] = token is not None and self._push(rows[i], token, entry)
-                if alive[i]:
-                    rows[i].next_token = token
-        for idx, logits, after in verified:
-            for j, i in enumerate(idx):
-                seq = rows[i]
-                try:
-                    for token in seq.spec.decide(logits[j]):
-                        if seq.spec.committed_all:
-                            moved[i] = after[j]
-                        if not self._push(seq, token):
-                            alive[i] = False
-                            break
-                except Exception as e:
-                    self._fail([seq], e)
-                    alive[i] = False
+        alive, moved, sampled = self._decide(rows, passes, feeds)
+        t2 = time.perf_counter()
+        for i, token, entry in sampled:  # the plain rows' tokens to their streams
+            alive[i] = token is not None and self._push(rows[i], token, entry)
+            if alive[i]:
+                rows[i].next_token = token
+        t3 = time.perf_counter()
         metrics.inc("decode_steps_total")
         metrics.inc("decode_rows_total", len(rows))
-        sp = self.speculative
         for name, now, before in zip(
             ("passes", "drafted_tokens", "accepted_tokens", "emitted_tokens"),
             (sp.passes, sp.drafted, sp.accepted, sp.emitted),
             counts,
         ):
-            metrics.inc(f"speculative_{name}_total", now - before)
-        keep = [i for i in range(len(rows)) if alive[i]]
-        for i in (i for i in keep if i in moved):
-            for name, t in batch.items():  # the batch is the engine's own (cat / index copies)
-                t[i].copy_(getattr(moved[i], name)[0])
-        self._keep_rows(keep)
-        t2 = time.perf_counter()
+            if now != before:
+                metrics.inc(f"speculative_{name}_total", now - before)
+        self._batch.move(passes, moved)
+        self._batch.keep([i for i in range(len(rows)) if alive[i]])
         metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
         metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
+        metrics.inc("engine_seconds_total", t3 - t2, phase="stream")
 
-    def _plain_step(self) -> None:
-        rows, metrics = self._decoding, self.metrics
+    def _feeds(self, rows: list[Row]) -> list[list[int] | None]:
+        """Each row's feed; None for a row whose drafter failed (that request fails, the others go on)."""
+        feeds: list[list[int] | None] = []
+        for row in rows:
+            try:
+                feeds.append(row.feed())
+            except Exception as e:
+                self._fail([row], e)
+                feeds.append(None)
+        return feeds
+
+    def _decide(self, rows: list[Row], passes: list[Pass], feeds: list[list[int] | None]):
+        """Each row's tokens from its pass: (which rows go on, row -> (its pass's states, its row
+        there) for the rows whose state moves, and the plain rows' (row, token, log-probability)
+        to push). A speculating row's tokens are pushed as they are decided (each one may end it)."""
+        alive = [feed is not None for feed in feeds]
+        moved: dict[int, tuple[State, int]] = {}
+        sampled = []
+        for idx, logits, after in passes:
+            plain = [j for j, i in enumerate(idx) if rows[i].spec is None]
+            if plain:
+                prows = [rows[idx[j]] for j in plain]
+                plogits = logits if len(plain) == len(idx) else logits[plain]
+                tokens = self._sample(prows, plogits)
+                sampled += zip((idx[j] for j in plain), tokens, self._logprobs(prows, plogits, tokens))
+                moved.update((idx[j], (after, j)) for j in plain)
+            for j, i in enumerate(idx):
+                if rows[i].spec is not None:
+                    alive[i] = self._decide_speculating(rows[i], logits[j] if logits.dim() == 3 else logits[j : j + 1])
+                    if rows[i].spec.committed_all:
+                        moved[i] = (after, j)
+        return alive, moved, sampled
+
+    def _decide_speculating(self, row: Row, logits: torch.Tensor) -> bool:
+        """A speculating row's tokens from its pass's logits [T, V]; False when the row has ended."""
         try:
-            t0 = time.perf_counter()
-            tokens = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
-            logits, self._batch = decode_rows(self.model, tokens, self._batch)
+            for token in row.spec.decide(logits):
+                if not self._push(row, token):
+                    return False
         except Exception as e:
-            self._decoding, self._batch = [], None
-            self._fail(rows, e)
-            return
-        t1 = time.perf_counter()
-        sampled = self._sample(rows, logits)
-        entries = self._logprobs(rows, logits, sampled)
-        t2 = time.perf_counter()
-        metrics.inc("decode_steps_total")
-        metrics.inc("decode_rows_total", len(rows))
-        keep = []
-        for i, (seq, token, entry) in enumerate(zip(rows, sampled, entries)):
-            if token is not None and self._push(seq, token, entry):
-                seq.next_token = token
-                keep.append(i)
-        self._keep_rows(keep)
-        metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
-        metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
-        metrics.inc("engine_seconds_total", time.perf_counter() - t2, phase="stream")
+            self._fail([row], e)
+            return False
+        return True
 
-    def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int | None]:
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int | None]:
         """A token for each row of logits [B, V]; None for a row whose sampling raised (that
         request fails, the others go on). After a failure each row is sampled again alone from
         its generator's state before the batch call, so it draws what it would have drawn."""
-        samplers = [s.sampler for s in rows]
+        samplers = [r.sampler for r in rows]
         saved = [None if s.generator is None else s.generator.get_state() for s in samplers]
         try:
             return Sampler.sample_batch(samplers, logits)
         except Exception:
             pass
         out = []
-        for i, (seq, sampler, gen_state) in enumerate(zip(rows, samplers, saved)):
+        for i, (row, sampler, gen_state) in enumerate(zip(rows, samplers, saved)):
             if gen_state is None:
                 sampler.generator = None
             else:
@@ -678,66 +526,81 @@ class Engine:
             try:
                 out.append(Sampler.sample_batch([sampler], logits[i : i + 1])[0])
             except Exception as e:
-                self._fail([seq], e)
+                self._fail([row], e)
                 out.append(None)
         return out
 
-    def _push(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Give a sampled token to the request's stream; False when the request has ended."""
-        before = len(seq.stream.tokens)
-        text = seq.stream.push(token)
-        self.metrics.generated(len(seq.stream.tokens) - before)
-        self._emit(seq, text, () if logprob is None else (logprob,))
-        if seq.stream.done:
-            self._finish(seq, seq.stream.finish_reason)
+    @staticmethod
+    def _logprobs(rows: list[Row], logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
+        """Row i's TokenLogprob for tokens[i] from logits [B, V], for the rows that asked for it
+        (and were sampled: a row whose sampling failed has no token)."""
+        want = [i for i, r in enumerate(rows) if r.group.request.logprobs is not None and tokens[i] is not None]
+        out: list[TokenLogprob | None] = [None] * len(rows)
+        if want:
+            got = token_logprobs(
+                logits[want], [tokens[i] for i in want], [rows[i].group.request.logprobs for i in want]
+            )
+            for i, entry in zip(want, got):
+                out[i] = entry
+        return out
+
+    # --- output ---------------------------------------------------------------------------------------
+
+    def _push(self, row: Row, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Give a decided token to the row's stream; False when the row has ended."""
+        before = len(row.stream.tokens)
+        text = row.stream.push(token)
+        self.metrics.generated(len(row.stream.tokens) - before)
+        self._emit(row, text, () if logprob is None else (logprob,))
+        if row.stream.done:
+            self._finish(row, row.stream.finish_reason)
             return False
-        if seq.cancelled:
-            self._finish(seq, "cancelled")
+        if row.cancelled:
+            self._finish(row, "cancelled")
             return False
         return True
 
-    def _emit(self, seq: _Sequence, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+    def _emit(self, row: Row, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text or logprobs:
-            self._send(seq, Delta(text, seq.index, logprobs))
+            self._send(row, Delta(text, row.index, logprobs))
 
-    def _send(self, seq: _Sequence, event) -> None:
-        if seq.cancelled:
+    def _send(self, row: Row, event) -> None:
+        if row.cancelled:
             return
         try:
-            seq.sink(event)
+            row.group.sink(event)
         except Exception:  # the receiver is gone: treat as a cancel
-            seq.cancelled = True
+            row.cancelled = True
 
-    def _finish(self, seq: _Sequence, reason: str, message: str | None = None) -> None:
-        if seq.finished:
+    def _finish(self, row: Row, reason: str, message: str | None = None) -> None:
+        if row.finished:
             return
-        seq.finished = True
-        seq.state = None
-        if seq.admitted:
+        row.finished = True
+        group = row.group
+        if group.admitted:
             self._holding -= 1
         self.metrics.inc("requests_total", outcome=reason)
-        event = Finished(
-            reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.group[0].cached, message, seq.index
-        )
+        prompt_tokens = len(group.request.prompt_ids)
+        event = Finished(reason, prompt_tokens, len(row.stream.tokens), group.cached, message, row.index)
         try:
-            seq.sink(event)
+            group.sink(event)
         except Exception:
             pass
 
-    def _fail(self, seqs: list[_Sequence], error: Exception) -> None:
+    def _fail(self, rows: list[Row], error: Exception) -> None:
         if isinstance(error, RWKVEngineError):
             message = str(error)
         else:
             print(f"{self.config.name}: a model step failed:", file=sys.stderr)
             traceback.print_exception(error, file=sys.stderr)
             message = f"the model step failed ({type(error).__name__}); the request was dropped"
-        for seq in seqs:
-            self._finish(seq, "error", message)
+        for row in rows:
+            self._finish(row, "error", message)
 
     def _shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-            left = [s for leader in self._waiting for s in leader.group] + self._clear()
+            left = [r for group in self._waiting for r in group.rows] + self._clear()
             self._waiting.clear()
-        for seq in left:
-            self._finish(seq, "error", "the server is shutting down")
+        for row in left:
+            self._finish(row, "error", "the server is shutting down")

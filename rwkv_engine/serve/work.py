@@ -1,0 +1,136 @@
+"""The engine's units of work: a request inside the engine (`Group`), each of its choices (`Row`,
+a batch row while it decodes), and the prompts the scheduler reads chunk by chunk (`Prefill`).
+
+They hold state and do one piece of work when asked; which of them runs when is the scheduler's
+(engine.py) decision alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..generation import TextStream
+from ..models.model import prefill_end
+from ..sampling import Sampler
+from ..speculative import SpeculativeRow
+from ..state import State
+from .logprobs import TokenLogprob, token_logprobs
+from .metrics import Metrics
+from .prompt_cache import PromptCache
+
+
+class Row:
+    """One choice of a request; a row of the decoding batch once it has its first token."""
+
+    def __init__(self, group: Group, index: int, sampler: Sampler, stream: TextStream):
+        self.group = group
+        self.index = index  # the choice
+        self.sampler = sampler
+        self.stream = stream
+        self.cancelled = False
+        self.finished = False
+        self.next_token: int | None = None  # sampled, not yet fed to the model
+        # A speculating row: its pending tokens and drafts replace next_token in a decode pass;
+        # its batch row is the committed state (speculative.SpeculativeRow).
+        self.spec: SpeculativeRow | None = None
+
+    @property
+    def id(self) -> int:
+        return self.group.id
+
+    def feed(self) -> list[int]:
+        """The tokens of this row's next decode pass: its last token, or a speculating row's
+        pending tokens and drafts (drafting runs here: the drafter proposes)."""
+        return [self.next_token] if self.spec is None else self.spec.plan()
+
+
+class Group:
+    """A request inside the engine: its choices (`rows`), queued as one and prefilled once."""
+
+    def __init__(self, group_id: int, request, sink: Callable[[object], None]):
+        self.id = group_id
+        self.request = request
+        self.sink = sink
+        self.rows: list[Row] = []
+        self.cached = 0  # prompt tokens taken from the prompt cache
+        self.admitted = False  # holds its batch slots (Engine._admit)
+
+    @property
+    def cancelled(self) -> bool:
+        return any(r.cancelled for r in self.rows)
+
+
+class Prefill:
+    """A prompt the scheduler reads in pieces, round-robin with the others: `step` reads the next
+    piece (about `chunk` tokens) and returns how many tokens it read; `done` once all are read.
+    The engine's prefill budget counts those tokens (Engine._prefill)."""
+
+    done = False
+
+    def step(self, chunk: int) -> int:
+        raise NotImplementedError
+
+
+class PromptPrefill(Prefill):
+    """A request's prompt on the target model, resumed from the prompt cache where it can be, and
+    filling it; at the end, `logits` [V] (of the last position) and `state` are the prompt's.
+
+    Pieces end where `prefill_end` cuts, so a resumed or a cold prefill runs the same forward
+    calls. An echo request with log-probabilities reads every position's logits (`all_logits`)
+    and keeps each prompt token's log-probability; it does not resume from the cache (it still
+    fills it)."""
+
+    def __init__(self, group: Group, model, cache: PromptCache, metrics: Metrics):
+        self.group, self.model, self.cache, self.metrics = group, model, cache, metrics
+        req = group.request
+        self.ids = req.prompt_ids
+        self.pos = 0
+        self.state: State | None = None
+        self.started = False
+        self.logits: torch.Tensor | None = None
+        self.echo_logprobs = req.echo and req.logprobs is not None
+        self.prompt_logprobs: list[TokenLogprob] = []
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+    def _start(self, chunk: int) -> None:
+        req = self.group.request
+        self.started = True
+        if not req.echo:
+            self.pos, self.state = self.cache.lookup(req.start_key, self.ids, chunk)
+        self.group.cached = self.pos
+        if self.pos:
+            self.metrics.inc("prompt_cache_hits_total")
+            self.metrics.inc("prompt_cache_hit_tokens_total", self.pos)
+        else:
+            self.metrics.inc("prompt_cache_misses_total")
+            self.state = req.start_state
+
+    def step(self, chunk: int) -> int:
+        if not self.started:
+            self._start(chunk)
+        ids, start = self.ids, self.pos
+        end = prefill_end(start, len(ids), chunk)
+        logits, self.state = self.model.forward(ids[start:end], state=self.state, all_logits=self.echo_logprobs)
+        if self.echo_logprobs:
+            logits = self._keep_logprobs(logits, start, end)
+        self.metrics.inc("prefill_tokens_total", end - start)
+        self.pos = end
+        if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
+            self.cache.put(self.group.request.start_key, ids[:end], self.state)
+        if end == len(ids):
+            self.logits = logits
+        return end - start
+
+    def _keep_logprobs(self, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Keep the piece's prompt log-probabilities from its logits [T, V]; the last row [V]."""
+        ids, k = self.ids, self.group.request.logprobs
+        # Row r predicts token start + r + 1; the last row predicts the first generated token.
+        self.prompt_logprobs += token_logprobs(logits[:-1], ids[start + 1 : end], [k] * (end - start - 1))
+        if end < len(ids):  # the row that predicts the next piece's first token
+            self.prompt_logprobs += token_logprobs(logits[-1:], ids[end : end + 1], [k])
+        return logits[-1]

@@ -89,18 +89,21 @@ def check_max_draft(value, name: str = "the draft length") -> None:
 
 CPU_MAX_BATCH = 8
 CUDA_MAX_BATCH = 64  # one CUDA graph replay (--max-batch auto where torch sees a GPU)
+# Most choices (`n`) one request may ask for: OpenAI's limit. A request's choices hold at most
+# `EngineConfig.rows_per_request` batch rows at once; the others take turns.
+MAX_CHOICES = 128
 
 
 @dataclass
 class EngineConfig:
     """The scheduler's settings (serve/engine.py)."""
 
-    max_batch: int = CPU_MAX_BATCH  # sequences decoded together (= batch rows)
-    max_queue: int = 64  # requests waiting for a slot; beyond: QueueFull (HTTP 429)
+    max_batch: int = CPU_MAX_BATCH  # sequences decoded together (= batch rows); also prompts read at once
+    max_queue: int = 64  # requests waiting beyond max_batch; more: QueueFull (HTTP 429)
     prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
     state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
     speculative: str | None = None  # the requests' default: "lookup", "draft" or None (plain decoding)
-    draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
+    draft: str | None = None  # the draft model ("draft"): a checkpoint (or a loaded model); None: the twin
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION  # of the twin draft
     max_draft: int = DEFAULT_MAX_DRAFT  # most tokens drafted per pass
     name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
@@ -117,6 +120,12 @@ class EngineConfig:
                 f"speculative must be one of {', '.join(SPECULATIVE_KINDS)} or None, got {self.speculative!r}"
             )
         check_max_draft(self.max_draft, "max_draft")
+
+    @property
+    def rows_per_request(self) -> int:
+        """The most batch rows one request's choices hold at once: half the batch (1 for a batch
+        of 1), so that one request never takes every row; its other choices take turns."""
+        return max(1, self.max_batch // 2)
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,14 @@ class Drafter:
     def prepare(self, context: Sequence[int]) -> None:
         """Read the context ahead of the first `propose` (with the target's prompt: prefill)."""
 
+    def lag(self, context: Sequence[int]) -> int:
+        """How many tokens of `context` the drafter has not read yet (`propose` reads them first)."""
+        return 0
+
+    def catch_up(self, context: Sequence[int], n: int) -> int:
+        """Read up to n of the tokens `lag` counts, ahead of `propose`; how many it read."""
+        return 0
+
 
 class PromptLookup(Drafter):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
@@ -200,6 +208,22 @@ class DraftModel(Drafter):
     def prepare(self, context: Sequence[int]) -> None:
         """The draft's own prefill of the prompt, so that the first pass drafts at once."""
         self.propose(context, 0)
+
+    def lag(self, context: Sequence[int]) -> int:
+        return len(self._follow(list(context))[2])
+
+    def catch_up(self, context: Sequence[int], n: int) -> int:
+        """Read the next n tokens of the context the draft has not read (a piece of its prefill:
+        its prompt, or what it missed while drafting paused), from the state it has."""
+        context = list(context)
+        state, _, rest = self._follow(context)
+        piece = rest[:n]
+        if not piece:
+            return 0
+        logits, state = self.model.forward(piece, state=state)
+        covered = len(context) - len(rest) + len(piece)
+        self._ctx, self._states, self._logits, self._drafted = context[:covered], [state], [logits], []
+        return len(piece)
 
     def _follow(self, context: list[int]) -> tuple[object, Tensor | None, list[int]]:
         """(state, logits after it or None, tokens of context after it) from what is kept."""
@@ -339,13 +363,25 @@ class SpeculativeRow:
 
     `pending` are the tokens decided since the committed state and not yet covered by it (the
     last decided token at least).
+
+    max_lag: the most tokens the drafter may read inside a pass to catch up with the context
+    (None: any number). Further behind, the row drafts nothing (`behind`) until the drafter has
+    caught up elsewhere (`Drafter.catch_up`; the serving engine schedules that as prefill work).
     """
 
     def __init__(
-        self, drafter: Drafter, sampler: Sampler, context: Sequence[int], max_draft: int = DEFAULT_MAX_DRAFT, stats=None
+        self,
+        drafter: Drafter,
+        sampler: Sampler,
+        context: Sequence[int],
+        max_draft: int = DEFAULT_MAX_DRAFT,
+        stats=None,
+        max_lag: int | None = None,
     ):
         check_max_draft(max_draft)
         self.drafter, self.sampler = drafter, sampler
+        self.max_lag = max_lag
+        self.behind = False
         self.context = list(context)
         self.pending: list[int] = []
         self.max_draft = max_draft
@@ -410,8 +446,11 @@ class SpeculativeRow:
 
     def plan(self, k: int | None = None) -> list[int]:
         """The tokens of the next pass: the pending ones, then up to k (default: `draft_length`)
-        drafts, at most max_draft + 1 tokens in all."""
-        k = min(self.draft_length() if k is None else k, self.max_draft + 1 - len(self.pending))
+        drafts, at most max_draft + 1 tokens in all (none while the drafter is `behind`)."""
+        if k is None:
+            self.behind = self.max_lag is not None and self.drafter.lag(self.context) > self.max_lag
+            k = 0 if self.behind else self.draft_length()
+        k = min(k, self.max_draft + 1 - len(self.pending))
         if self.limit is not None:
             k = min(k, self.limit - 1)
         drafts, qs = self.drafter.propose(self.context, k) if k > 0 else ([], None)

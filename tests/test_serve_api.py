@@ -307,8 +307,15 @@ def test_prompt_lists_equal_single_requests(ref, server, client):
     base = dict(model=MODEL, max_tokens=2)
     for bad in ([], [[]], [1, "a"], [[1, 2], [True]], [["a"]]):
         assert post(server, "/v1/completions", {**base, "prompt": bad}).status_code == 400, bad
-    r = post(server, "/v1/completions", {**base, "prompt": "x", "n": 9})  # more than --max-batch 8
-    assert r.status_code == 400 and "n must" in r.json()["error"]["message"]
+    # R2: more choices than one request may hold rows at once (--max-batch 8) take turns.
+    r = post(server, "/v1/completions", {**base, "prompt": "x", "n": 9, "logprobs": 20, **sampled(60)})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(9))
+    assert [c["text"] for c in choices] == [reference(ref, "x", 2, sampled(60 + i)).text for i in range(9)]
+    assert all(len(c["logprobs"]["token_logprobs"]) == 2 for c in choices)
+    r = post(server, "/v1/completions", {**base, "prompt": "x", "n": 129})  # OpenAI's limit is 128
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert post(server, "/v1/completions", {**base, "prompt": "x", "best_of": 2}).status_code == 400
 
 

@@ -503,6 +503,62 @@ def test_engine_draft_rows(model, tok, version, make_pth):
     assert engine.speculative.acceptance_rate == 1.0
 
 
+class CountingDraft(torch.nn.Module):
+    """A draft model recording each forward's length and whether it ran inside a decode step."""
+
+    def __init__(self, inner, inside: list[bool]):
+        super().__init__()
+        self.inner, self.inside, self.reads = inner, inside, []
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, tokens, state=None, all_logits=False):
+        self.reads.append((len(tokens), self.inside[0]))
+        return self.inner.forward(tokens, state=state, all_logits=all_logits)
+
+
+def test_engine_draft_reads_are_scheduled_like_prompts(model, tok, version, make_pth, monkeypatch):
+    """R6: the server read a speculating row's prompt on the draft model in one piece inside a
+    decode step (every row waited for it), and after a pause the draft read every token it had
+    missed there too. Long reads of the draft are now prefill work: pieces of at most
+    --prefill-chunk tokens between decode steps, round-robin with the prompts; inside a decode
+    step the draft reads at most one pass (MAX_PASS_TOKENS tokens)."""
+    from rwkv_engine.serve.engine import Engine, EngineConfig
+    from rwkv_engine.settings import MAX_PASS_TOKENS
+
+    inside = [False]
+    # A draft that is nearly always wrong and costs about a target step: drafting pauses, for
+    # up to 32 passes, so the draft falls behind by more than a pass.
+    draft = CountingDraft(rwkv_engine.load(make_pth(version, **{**WORLD, "n_layer": 1, "seed": 9})), inside)
+    step = Engine._decode_step
+
+    def decode_step(self):
+        inside[0] = True
+        try:
+            step(self)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(Engine, "_decode_step", decode_step)
+    chunk = 64
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[])
+    prompt = " ".join(f"w{i}" for i in range(150))  # some 300 tokens
+    requests = [(prompt, greedy, "draft"), ("Hello", greedy, None)]
+    config = EngineConfig(max_batch=2, prefill_chunk=chunk, draft=draft, state_cache_bytes=0)
+    results, engine = run_engine(model, tok, spec_requests(tok, requests), config)
+    for (text, params, _), (got, _) in zip(requests, results):
+        assert got == generate(model, tok, text, params).read()
+    n_prompt = len(tok.encode(prompt))
+    assert max(n for n, within in draft.reads if within) <= MAX_PASS_TOKENS
+    scheduled = [n for n, within in draft.reads if not within]
+    assert max(scheduled) <= chunk and sum(scheduled) > n_prompt  # the prompt, then a catch-up
+    assert engine.speculative.drafted > 0
+
+
 def test_chat_session_speculative_replies_match_plain(model, tok):
     from rwkv_engine.chat import ChatSession
 

@@ -228,15 +228,16 @@ def add_engine_arguments(parser) -> None:
         type=_max_batch,
         metavar="N",
         default="auto",
-        help=f"most requests decoded together in one batched forward (default: {CUDA_MAX_BATCH} where "
-        f"CUDA is available: one CUDA graph replay; else {CPU_MAX_BATCH})",
+        help=f"most sequences (choices of requests) decoded together in one batched forward, and most "
+        f"prompts read at once (default: {CUDA_MAX_BATCH} where CUDA is available: one CUDA graph replay; "
+        f"else {CPU_MAX_BATCH})",
     )
     e.add_argument(
         "--max-queue",
         type=_positive,
         metavar="N",
         default=EngineConfig.max_queue,
-        help="most requests waiting for a batch slot; more get 429 (default: %(default)s)",
+        help="most requests waiting beyond the --max-batch running ones; more get 429 (default: %(default)s)",
     )
     e.add_argument(
         "--prefill-chunk",

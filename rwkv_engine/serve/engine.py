@@ -3,14 +3,19 @@
 One thread, the engine thread, owns the model and is the scheduler. Each turn of its loop
 (`Engine._turn`) it
 
-1. drops cancelled requests (their batch slots are free for this turn) and admits waiting
-   requests while fewer than `max_batch` rows are held;
+1. drops cancelled requests (their batch rows are free for this turn) and admits waiting
+   requests while fewer than `max_batch` prompts are being read or wait for their first row;
 2. prefills up to `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
    piece of the first, which then goes to the back of the line, then (if the budget is not
-   spent) of the next one. A prompt that is done samples each choice's first token. So a short
-   prompt that arrives while a long one is being read waits for about one piece of it, not for
-   the whole of it;
-3. joins the rows that got their first token to the decoding batch (one `State` [B, ...]);
+   spent) of the next one. The work is a request's prompt, or a speculating row's draft model
+   reading what it has not read (its prompt, or what it missed while drafting paused). So a
+   short prompt that arrives while a long one is being read waits for about one piece of it,
+   not for the whole of it. A prompt is read without holding batch rows: a long one, or an
+   echo that only scores its prompt, keeps no other request from starting;
+3. starts choices of requests whose prompt is read on the free batch rows (`_start_choices`):
+   each samples its first token from the prompt's last logits and joins the decoding batch (one
+   `State` [B, ...]). A request holds at most `rows_per_request` rows (half the batch) at once,
+   so one request never takes every row; the choices of a request with more take turns;
 4. runs one decode step for every decoding row together (`_decode_step`): each row's feed (its
    last token, or a speculating row's pending tokens and drafts) goes through `model.forward`
    in one pass per feed length (`decode_rows`: on the CPU, groups of GEMV_MAX_ROWS rows x
@@ -40,9 +45,20 @@ Prompt-state cache (prompt_cache.py): the state after every full chunk of a prom
 prompt resumes from the longest cached prefix at which its own cold prefill would cut, so a
 resumed prefill runs the very same forward calls on the very same state as a cold one.
 
-Choices (`Request.n` > 1): the prompt is prefilled once; each choice is sampled with its own
-`Sampler` (choice i of a seeded request uses seed + i, so it equals the same request with n = 1
-and that seed) and ends on its own.
+Choices (`Request.n` > 1, up to 128): the prompt is prefilled once; each choice is sampled with
+its own `Sampler` (choice i of a seeded request uses seed + i, so it equals the same request with
+n = 1 and that seed), starts when a row is free for it and ends on its own.
+
+Where the next steps attach (none of them is built here):
+* A mixed step (a prefill piece and the decode passes in one forward under one token budget) is
+  an arrangement of `_turn`: `PromptPrefill.piece` gives a piece's forward arguments and
+  `PromptPrefill.absorb` takes its output, `_feeds` gives the decode rows' tokens,
+  `DecodeBatch.passes` runs their forwards and `_decide` takes their logits.
+* A request that only reads its prompt (an embedding) is another `Prefill`: it needs no batch
+  row (admission counts prompts, not rows), and `_prefilled` is where its end would pool the
+  hidden states and finish it instead of starting choices.
+* A disk-backed state store sits behind `PromptCache.put` and `PromptCache.lookup`, the only
+  two calls the prefill makes to the cache (prompt_cache.py).
 
 Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each sampled token's
 `Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
@@ -76,7 +92,7 @@ from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
 from ..models.model import decode_rows
 from ..sampling import Sampler, SamplingParams
-from ..settings import SPECULATIVE_KINDS, EngineConfig
+from ..settings import MAX_CHOICES, MAX_PASS_TOKENS, SPECULATIVE_KINDS, EngineConfig
 from ..speculative import SpeculativeRow, SpeculativeStats, drafter_for, make_drafter
 from ..state import State
 from ..structured import grammar_for
@@ -85,7 +101,7 @@ from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .messages import Delta, EngineStopped, Finished, Prompt, QueueFull, Request, Sink
 from .metrics import Metrics
 from .prompt_cache import PromptCache
-from .work import Group, Prefill, PromptPrefill, Row
+from .work import DraftPrefill, Group, Prefill, PromptPrefill, Row
 
 __all__ = [
     "Delta",
@@ -137,15 +153,18 @@ class Engine:
         self._waiting: deque[Group] = deque()  # guarded by _cond
         self._wake = False  # guarded by _cond: a cancel to handle
         self._stopping = False
-        # Engine thread only: prefill work round-robin; rows with their first token, to join the
-        # batch this turn (with the state they start from); the decoding rows.
+        self._live = 0  # guarded by _cond: requests submitted and not finished
+        # Engine thread only (read by `gauges`, which only copies and counts): prefill work
+        # round-robin; requests whose prompt is read, with choices to start; rows with their first
+        # token, to join the batch this turn (with the state they start from); the decoding rows.
         self._prefilling: deque[Prefill] = deque()
+        self._starting: deque[Group] = deque()
         self._joining: list[tuple[Row, State]] = []
         self._batch = DecodeBatch(model)
+        self._reading = 0  # requests admitted with no choice started (Group.reading)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self._holding = 0  # batch rows (choices) admitted and not finished (written by the engine thread only)
-        self._ready = False  # warmed up (see _warm_up)
+        self._warm = False  # warmed up (see _warm_up)
         self.speculative = SpeculativeStats()  # of every speculating row (engine thread)
         self._draft = None  # the draft model's DraftModel, loaded at the first request that needs it
 
@@ -164,7 +183,7 @@ class Engine:
     @property
     def ready(self) -> bool:
         """Alive and warmed up: the first request will not wait for kernels to be built."""
-        return self._ready and self.alive
+        return self._warm and self.alive
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; requests still queued or running finish with reason "error"."""
@@ -193,12 +212,11 @@ class Engine:
         with self._cond:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
-            # Requests not yet admitted while slots are free take a slot at the next turn:
-            # only those beyond the free slots wait.
-            free = max(0, self.config.max_batch - self._holding)
-            waiting = len(self._waiting) - free
-            if waiting + len(requests) > self.config.max_queue:
-                raise QueueFull(f"the server is busy: {max(0, waiting)} requests are already waiting")
+            # max_batch requests run (their prompts read, their choices decoded); the others wait.
+            if self._live + len(requests) > capacity:
+                waiting = max(0, self._live - self.config.max_batch)
+                raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
+            self._live += len(requests)
             handles = []
             for (request, sink), (samplers, streams) in zip(requests, prepared):
                 group = Group(next(self._ids), request, sink)
@@ -227,19 +245,10 @@ class Engine:
         samplers = [Sampler(p, vocab, constraint=constraint and constraint()) for p in params]
         return samplers, [TextStream(self.tokenizer, p) for p in params]
 
-    @property
-    def max_choices(self) -> int:
-        """The most choices (`n`) one request may have: half the batch, so one request never
-        takes every slot (for a batch of 1, 1)."""
-        return max(1, self.config.max_batch // 2)
-
     def _check_choices(self, request: Request) -> None:
-        n, k, top = request.n, request.logprobs, self.max_choices
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= top:
-            raise InputError(
-                f"n must be an integer from 1 to {top} (half of the server's max batch {self.config.max_batch}), "
-                f"got {n!r}"
-            )
+        n, k = request.n, request.logprobs
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise InputError(f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise InputError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
 
@@ -261,11 +270,15 @@ class Engine:
                 self._cond.notify_all()
 
     def gauges(self) -> dict[str, float]:
+        """requests_running: batch rows held and prompts being read; requests_waiting: requests
+        queued, and requests whose prompt is read waiting for a batch row."""
         with self._cond:
             waiting = len(self._waiting)
+        reading = sum(isinstance(w, PromptPrefill) for w in list(self._prefilling))
+        starting = sum(g.running == 0 and not g.cancelled for g in list(self._starting))
         return {
-            "requests_running": self._rows(),
-            "requests_waiting": waiting,
+            "requests_running": len(self._batch) + len(self._joining) + reading,
+            "requests_waiting": waiting + starting,
             "prompt_cache_entries": len(self.cache),
             "prompt_cache_bytes": self.cache.nbytes,
             "prompt_cache_capacity_bytes": self.cache.capacity,
@@ -296,10 +309,10 @@ class Engine:
                 print(f"{self.config.name}: the warm-up forward failed; nothing can be served:", file=sys.stderr)
                 traceback.print_exception(e, file=sys.stderr)
                 return
-            self._ready = True
+            self._warm = True
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._prefilling or self._batch.rows or self._wake):
+                    while not (self._stopping or self._wake or self._waiting or self._has_work()):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -313,9 +326,12 @@ class Engine:
         finally:
             self._shutdown()
 
+    def _has_work(self) -> bool:
+        return bool(self._prefilling or self._starting or self._batch.rows)
+
     def _turn(self) -> None:
-        """One turn's model work: prefill under the token budget, then the rows that got their
-        first token join the batch, then one decode step.
+        """One turn's model work: prefill under the token budget, then choices start on the free
+        rows (their first token) and join the batch, then one decode step.
 
         (Each part is its own method so that a turn can be arranged differently, e.g. a prefill
         piece and the decode step's passes run as one forward under one token budget.)"""
@@ -323,6 +339,8 @@ class Engine:
             t0 = time.perf_counter()
             self._prefill(self.config.prefill_chunk)
             self.metrics.inc("engine_seconds_total", time.perf_counter() - t0, phase="prefill")
+        if self._starting:
+            self._start_choices()
         if self._joining:
             self._batch.join(self._joining)
             self._joining = []
@@ -332,32 +350,37 @@ class Engine:
     def _clear(self) -> list[Row]:
         """Forget every admitted request; returns their rows."""
         rows = [r for w in self._prefilling if isinstance(w, PromptPrefill) for r in w.group.rows]
+        rows += [r for g in self._starting for r in g.to_start]
         rows += self._batch.clear() + [r for r, _ in self._joining]
         self._prefilling.clear()
+        self._starting.clear()
         self._joining = []
         return rows
-
-    def _rows(self) -> int:
-        """Batch rows held: decoding, joining, and the choices of the requests being prefilled.
-        (Also read by `gauges` from other threads: it only copies and counts.)"""
-        prefilling = [w for w in list(self._prefilling) if isinstance(w, PromptPrefill)]
-        return sum(len(w.group.rows) for w in prefilling) + len(self._joining) + len(self._batch)
 
     # --- admission and prefill ----------------------------------------------------------------------
 
     def _admit(self) -> None:
-        while self._waiting and self._rows() + len(self._waiting[0].rows) <= self.config.max_batch:
+        """Admit waiting requests while fewer than max_batch prompts are being read (or wait for
+        their first row). A prompt is read without holding batch rows: its choices take them
+        when they start (`_start_choices`), so a long prompt, or an echo that never decodes,
+        keeps no other request from starting."""
+        while self._waiting and self._reading < self.config.max_batch:
             group = self._waiting.popleft()
-            group.admitted = True
-            self._holding += len(group.rows)
+            group.reading = True
+            self._reading += 1
             self._prefilling.append(PromptPrefill(group, self.model, self.cache, self.metrics))
             self.metrics.inc("prompt_tokens_total", len(group.request.prompt_ids))
 
     def _drop_cancelled(self) -> None:
-        for work in [w for w in self._prefilling if isinstance(w, PromptPrefill) and w.group.cancelled]:
+        for work in [w for w in self._prefilling if w.done or any(r.cancelled for r in w.rows)]:
             self._prefilling.remove(work)
-            for r in work.group.rows:
+            for r in work.rows:
                 self._finish(r, "cancelled")
+        for group in [g for g in self._starting if g.cancelled]:
+            self._starting.remove(group)
+            for r in group.to_start:
+                self._finish(r, "cancelled")
+            group.to_start.clear()
         rows = self._batch.rows
         if any(r.cancelled for r in rows):
             for r in rows:
@@ -371,26 +394,35 @@ class Engine:
         chunk = self.config.prefill_chunk
         while self._prefilling and budget > 0:
             work = self._prefilling[0]
-            try:
-                budget -= work.step(chunk)
-            except Exception as e:  # one request's failure must not stop the others
-                self._prefilling.popleft()
-                self._fail(work.group.rows, e)
-                budget -= 1
-                continue
+            if not work.done:
+                try:
+                    budget -= max(1, work.step(chunk))
+                except Exception as e:  # one request's failure must not stop the others
+                    self._prefilling.popleft()
+                    self._fail(work.rows, e)
+                    continue
             if not work.done:
                 self._prefilling.rotate(-1)
                 continue
             self._prefilling.popleft()
             try:
-                self._prompt_read(work)
+                self._prefilled(work)
             except Exception as e:
-                self._fail(work.group.rows, e)
+                self._fail(work.rows, e)
+
+    def _prefilled(self, work: Prefill) -> None:
+        """What follows a finished piece of prefill work: a request's prompt read starts its
+        choices; a draft model that caught up lets its row draft again. (Another kind of work
+        ends its own way: an embedding request, say, would pool its hidden states here and
+        finish, taking no batch row.)"""
+        if isinstance(work, PromptPrefill):
+            self._prompt_read(work)
+        elif isinstance(work, DraftPrefill):
+            work.row.catching_up = False
 
     def _prompt_read(self, work: PromptPrefill) -> None:
-        """A request's prompt is read: echo its prompt, then sample each choice's first token from
-        the prompt's last logits [V]; the choices that go on join the batch."""
-        group, logits = work.group, work.logits
+        """A request's prompt is read: echo it; then its choices wait to start (`_starting`)."""
+        group = work.group
         req, rows = group.request, group.rows
         if req.echo:
             prompt = tuple(work.prompt_logprobs) if req.logprobs is not None else None
@@ -401,13 +433,47 @@ class Engine:
                 self._emit(row, row.stream.finish("length"))
                 self._finish(row, row.stream.finish_reason)
             return
-        tokens = Sampler.sample_batch([r.sampler for r in rows], logits[None].expand(len(rows), -1))
-        entries = self._logprobs(rows, logits[None].expand(len(rows), -1), tokens)
-        for row, token, entry in zip(rows, tokens, entries):
+        group.logits, group.state = work.logits, work.state
+        group.to_start.extend(r for r in rows if not r.finished)
+        self._starting.append(group)
+
+    def _start_choices(self) -> None:
+        """Start waiting choices on the free batch rows, requests in the order their prompts were
+        read, at most `rows_per_request` rows per request at once: each samples its first token
+        from the prompt's last logits; those that go on join the batch."""
+        free = self.config.max_batch - len(self._batch) - len(self._joining)
+        cap = self.config.rows_per_request
+        for group in list(self._starting):
+            while free > 0 and group.to_start and group.running < cap:
+                rows = [group.to_start.popleft() for _ in range(min(free, cap - group.running, len(group.to_start)))]
+                try:
+                    joined = self._first_tokens(group, rows)
+                except Exception as e:
+                    self._fail(rows, e)
+                    continue
+                free -= joined
+            if not group.to_start:
+                self._starting.remove(group)
+                group.logits = group.state = None
+
+    def _first_tokens(self, group: Group, rows: list[Row]) -> int:
+        """Sample each of `rows`' first token from the prompt's last logits; the rows that go on
+        join the batch. Returns how many joined."""
+        logits = group.logits[None].expand(len(rows), -1)
+        tokens = Sampler.sample_batch([r.sampler for r in rows], logits)
+        joined = 0
+        for row, token, entry in zip(rows, tokens, self._logprobs(rows, logits, tokens)):
             if self._push(row, token, entry):
                 row.next_token = token
                 self._speculate(row, token)
-                self._joining.append((row, work.state))
+                row.decoding = True
+                group.running += 1
+                self._joining.append((row, group.state))
+                joined += 1
+        if joined and group.reading:
+            group.reading = False
+            self._reading -= 1
+        return joined
 
     def _speculate(self, row: Row, token: int) -> None:
         """Make a row that asked for speculative decoding (and no log-probabilities) speculate."""
@@ -419,7 +485,11 @@ class Engine:
             cfg = self.config
             self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
         drafter = drafter_for(self._draft if kind == "draft" else kind, self.model, row.sampler.params)
-        spec = SpeculativeRow(drafter, row.sampler, req.prompt_ids, self.config.max_draft, self.speculative)
+        # A draft more than one pass behind the row's context catches up as prefill work
+        # (DraftPrefill, queued by the decode step), never inside a decode step.
+        spec = SpeculativeRow(
+            drafter, row.sampler, req.prompt_ids, self.config.max_draft, self.speculative, max_lag=MAX_PASS_TOKENS
+        )
         spec.limit = row.sampler.params.max_tokens
         spec.take(token)
         row.spec = spec
@@ -458,6 +528,9 @@ class Engine:
             if now != before:
                 metrics.inc(f"speculative_{name}_total", now - before)
         self._batch.move(passes, moved)
+        for i, row in enumerate(rows):
+            if alive[i] and row.spec is not None and row.spec.behind and not row.catching_up:
+                self._prefilling.append(DraftPrefill(row))
         self._batch.keep([i for i in range(len(rows)) if alive[i]])
         metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
         metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
@@ -577,8 +650,11 @@ class Engine:
             return
         row.finished = True
         group = row.group
-        if group.admitted:
-            self._holding -= 1
+        if row.decoding:
+            row.decoding = False
+            group.running -= 1
+        if all(r.finished for r in group.rows):
+            self._request_done(group)
         self.metrics.inc("requests_total", outcome=reason)
         prompt_tokens = len(group.request.prompt_ids)
         event = Finished(reason, prompt_tokens, len(row.stream.tokens), group.cached, message, row.index)
@@ -586,6 +662,15 @@ class Engine:
             group.sink(event)
         except Exception:
             pass
+
+    def _request_done(self, group: Group) -> None:
+        """Every choice of a request has finished: its prompt slot and state are free."""
+        if group.reading:
+            group.reading = False
+            self._reading -= 1
+        group.logits = group.state = None
+        with self._cond:
+            self._live -= 1
 
     def _fail(self, rows: list[Row], error: Exception) -> None:
         if isinstance(error, RWKVEngineError):

@@ -7,6 +7,7 @@ They hold state and do one piece of work when asked; which of them runs when is 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,8 @@ class Row:
         self.stream = stream
         self.cancelled = False
         self.finished = False
+        self.decoding = False  # holds a batch row (joining or in the batch)
+        self.catching_up = False  # its draft model has a DraftPrefill queued
         self.next_token: int | None = None  # sampled, not yet fed to the model
         # A speculating row: its pending tokens and drafts replace next_token in a decode pass;
         # its batch row is the committed state (speculative.SpeculativeRow).
@@ -47,7 +50,12 @@ class Row:
 
 
 class Group:
-    """A request inside the engine: its choices (`rows`), queued as one and prefilled once."""
+    """A request inside the engine: its choices (`rows`), queued as one, its prompt read once.
+
+    Once the prompt is read, `logits` [V] and `state` are the prompt's, and `to_start` holds the
+    choices still to start: a choice starts (its first token, a batch row) when a row is free,
+    at most `EngineConfig.rows_per_request` of a request at once, so the choices of a request
+    with more take turns."""
 
     def __init__(self, group_id: int, request, sink: Callable[[object], None]):
         self.id = group_id
@@ -55,7 +63,11 @@ class Group:
         self.sink = sink
         self.rows: list[Row] = []
         self.cached = 0  # prompt tokens taken from the prompt cache
-        self.admitted = False  # holds its batch slots (Engine._admit)
+        self.reading = False  # admitted, and no choice started yet: one of the prompts read at once
+        self.logits: torch.Tensor | None = None
+        self.state: State | None = None
+        self.to_start: deque[Row] = deque()
+        self.running = 0  # its rows in the batch
 
     @property
     def cancelled(self) -> bool:
@@ -68,6 +80,7 @@ class Prefill:
     The engine's prefill budget counts those tokens (Engine._prefill)."""
 
     done = False
+    rows: list[Row] = []  # what fails when a step fails
 
     def step(self, chunk: int) -> int:
         raise NotImplementedError
@@ -97,6 +110,10 @@ class PromptPrefill(Prefill):
     def done(self) -> bool:
         return self.logits is not None
 
+    @property
+    def rows(self) -> list[Row]:
+        return self.group.rows
+
     def _start(self, chunk: int) -> None:
         req = self.group.request
         self.started = True
@@ -111,15 +128,26 @@ class PromptPrefill(Prefill):
             self.state = req.start_state
 
     def step(self, chunk: int) -> int:
+        tokens, state, all_logits = self.piece(chunk)
+        logits, after = self.model.forward(tokens, state=state, all_logits=all_logits)
+        return self.absorb(chunk, logits, after)
+
+    def piece(self, chunk: int) -> tuple[list[int], State | None, bool]:
+        """The next piece's forward: (tokens, the state it starts from, whether every position's
+        logits are wanted)."""
         if not self.started:
             self._start(chunk)
+        end = prefill_end(self.pos, len(self.ids), chunk)
+        return self.ids[self.pos : end], self.state, self.echo_logprobs
+
+    def absorb(self, chunk: int, logits: torch.Tensor, state: State) -> int:
+        """Take the output of the forward `piece` asked for; the number of tokens read."""
         ids, start = self.ids, self.pos
         end = prefill_end(start, len(ids), chunk)
-        logits, self.state = self.model.forward(ids[start:end], state=self.state, all_logits=self.echo_logprobs)
         if self.echo_logprobs:
             logits = self._keep_logprobs(logits, start, end)
         self.metrics.inc("prefill_tokens_total", end - start)
-        self.pos = end
+        self.pos, self.state = end, state
         if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
             self.cache.put(self.group.request.start_key, ids[:end], self.state)
         if end == len(ids):
@@ -134,3 +162,29 @@ class PromptPrefill(Prefill):
         if end < len(ids):  # the row that predicts the next piece's first token
             self.prompt_logprobs += token_logprobs(logits[-1:], ids[end : end + 1], [k])
         return logits[-1]
+
+
+class DraftPrefill(Prefill):
+    """A speculating row's draft model reading what it has not read of the row's context: the
+    prompt at first, later what it missed while drafting paused. Read in pieces like a prompt,
+    so no decode step waits for it; until the draft is within `max_lag` tokens of the context
+    (what a pass may read), the row decodes without drafts (`SpeculativeRow.behind`)."""
+
+    def __init__(self, row: Row):
+        self.row = row
+        self.behind = True
+        row.catching_up = True
+
+    @property
+    def rows(self) -> list[Row]:
+        return [self.row]
+
+    @property
+    def done(self) -> bool:
+        return self.row.finished or not self.behind
+
+    def step(self, chunk: int) -> int:
+        spec = self.row.spec
+        n = spec.drafter.catch_up(spec.context, chunk)
+        self.behind = spec.drafter.lag(spec.context) > spec.max_lag
+        return n

@@ -57,6 +57,29 @@ class CountingModel:
         return self._model.forward(tokens, *args, **kw)
 
 
+def shorts_wait(engine: Engine, tok, counting: CountingModel, timeout: float = 120) -> int:
+    """Submit 4 short greedy prompts; how many pieces of the long prompt(s) the last of them
+    waited for its first token."""
+    greedy = SamplingParams(temperature=0, max_tokens=2, stop_token_ids=())
+    first_token_at: dict[int, int] = {}
+    done = threading.Event()
+
+    def sink_for(i):
+        def sink(e):
+            if isinstance(e, Delta | Finished) and i not in first_token_at:
+                first_token_at[i] = counting.long_chunks
+                if len(first_token_at) == 4:
+                    done.set()
+
+        return sink
+
+    submitted_at = counting.long_chunks
+    for i in range(4):
+        engine.submit(Request(tok.encode(f"Short {i}"), greedy), sink_for(i))
+    assert done.wait(timeout)
+    return max(first_token_at.values()) - submitted_at
+
+
 def test_short_prompts_are_not_held_behind_a_long_prefill(model_and_tokenizer):
     """R1: a long prompt is prefilling; short prompts that arrive then get their first token
     within a few chunks of it, not after the whole long prompt."""
@@ -67,26 +90,10 @@ def test_short_prompts_are_not_held_behind_a_long_prefill(model_and_tokenizer):
     wait_ready(engine)
     greedy = SamplingParams(temperature=0, max_tokens=2, stop_token_ids=())
     long_ids = [7] * (CHUNK * 80)
-    first_token_at: dict[int, int] = {}
-    done = threading.Event()
     try:
         long_handle = engine.submit(Request(long_ids, greedy), lambda e: None)
         assert counting.started.wait(60)
-
-        def sink_for(i):
-            def sink(e):
-                if isinstance(e, Delta | Finished) and i not in first_token_at:
-                    first_token_at[i] = counting.long_chunks
-                    if len(first_token_at) == 4:
-                        done.set()
-
-            return sink
-
-        submitted_at = counting.long_chunks
-        for i in range(4):
-            engine.submit(Request(tok.encode(f"Short {i}"), greedy), sink_for(i))
-        assert done.wait(120)
-        waited = max(first_token_at.values()) - submitted_at
+        waited = shorts_wait(engine, tok, counting)
         assert waited <= 3, f"short prompts waited {waited} chunks of the long prompt ({len(long_ids) // CHUNK} in all)"
         long_handle.cancel()
     finally:
@@ -189,31 +196,17 @@ def test_short_prompts_are_not_held_behind_large_echo_answers(model_and_tokenize
     wait_ready(engine)
     long_ids = [7] * (CHUNK * 40)
     scoring = SamplingParams(temperature=0, max_tokens=0, stop_token_ids=())
-    greedy = SamplingParams(temperature=0, max_tokens=2, stop_token_ids=())
-    prompts, first_token_at, done = [], {}, threading.Event()
+    prompts = []
 
     def echo_sink(e):
         if isinstance(e, Prompt):
             prompts.append(e)
 
-    def sink_for(i):
-        def sink(e):
-            if isinstance(e, Delta | Finished) and i not in first_token_at:
-                first_token_at[i] = counting.long_chunks
-                if len(first_token_at) == 4:
-                    done.set()
-
-        return sink
-
     try:
         for _ in range(2):
             engine.submit(Request(long_ids, scoring, n=2, logprobs=5, echo=True), echo_sink)
         assert counting.started.wait(60)
-        submitted_at = counting.long_chunks
-        for i in range(4):
-            engine.submit(Request(tok.encode(f"Short {i}"), greedy), sink_for(i))
-        assert done.wait(300)
-        waited = max(first_token_at.values()) - submitted_at
+        waited = shorts_wait(engine, tok, counting, timeout=300)
         assert waited <= 8, f"short prompts waited {waited} pieces of the long prompts (80 in all)"
         deadline = time.monotonic() + 300
         while len(prompts) < 4 and time.monotonic() < deadline:

@@ -307,20 +307,29 @@ def test_cli_generate_speculative_matches_plain(make_pth, capsys):
 # --- NaN and infinite logits: one error on every route ---------------------------------------
 
 
-class BadLogits(torch.nn.Module):
-    """The model, with `bad` (NaN or +inf) at token 5 of every logit row of a forward that starts
-    from a state: what a weight or state gone bad gives once decoding runs (the prompt's own
-    forward, from the fresh state, stays finite, so the first token is drawn as usual)."""
+class Wrapped(torch.nn.Module):
+    """A model behind a module of its own (its attributes read through), whose forward a test
+    replaces."""
 
-    def __init__(self, inner, bad: float):
+    def __init__(self, inner):
         super().__init__()
-        self.inner, self.bad = inner, bad
+        self.inner = inner
 
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.inner, name)
+
+
+class BadLogits(Wrapped):
+    """The model, with `bad` (NaN or +inf) at token 5 of every logit row of a forward that starts
+    from a state: what a weight or state gone bad gives once decoding runs (the prompt's own
+    forward, from the fresh state, stays finite, so the first token is drawn as usual)."""
+
+    def __init__(self, inner, bad: float):
+        super().__init__(inner)
+        self.bad = bad
 
     def forward(self, tokens, state=None, all_logits=False):
         logits, after = self.inner.forward(tokens, state=state, all_logits=all_logits)
@@ -503,18 +512,12 @@ def test_engine_draft_rows(model, tok, version, make_pth):
     assert engine.speculative.acceptance_rate == 1.0
 
 
-class CountingDraft(torch.nn.Module):
+class CountingDraft(Wrapped):
     """A draft model recording each forward's length and whether it ran inside a decode step."""
 
     def __init__(self, inner, inside: list[bool]):
-        super().__init__()
-        self.inner, self.inside, self.reads = inner, inside, []
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.inner, name)
+        super().__init__(inner)
+        self.inside, self.reads = inside, []
 
     def forward(self, tokens, state=None, all_logits=False):
         self.reads.append((len(tokens), self.inside[0]))

@@ -16,7 +16,8 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
    each samples its first token from the prompt's last logits and joins the decoding batch (one
    `State` [B, ...]). A request holds at most `rows_per_request` rows (half the batch) at once,
    so one request never takes every row; the choices of a request with more take turns;
-4. runs one decode step for every decoding row together (`_decode_step`): each row's feed (its
+4. runs one decode step for every decoding row together (`DecodeBatch.step`, decode.py): each
+   row's feed (its
    last token, or a speculating row's pending tokens and drafts) goes through `model.forward`
    in one pass per feed length (`decode_rows`: on the CPU, groups of GEMV_MAX_ROWS rows x
    tokens), then each row decides its tokens: plain rows by `Sampler.sample_batch`, each with
@@ -52,8 +53,8 @@ n = 1 and that seed), starts when a row is free for it and ends on its own.
 Where the next steps attach (none of them is built here):
 * A mixed step (a prefill piece and the decode passes in one forward under one token budget) is
   an arrangement of `_turn`: `PromptPrefill.piece` gives a piece's forward arguments and
-  `PromptPrefill.absorb` takes its output, `_feeds` gives the decode rows' tokens,
-  `DecodeBatch.passes` runs their forwards and `_decide` takes their logits.
+  `PromptPrefill.absorb` takes its output; in `DecodeBatch.step`, `_feeds` gives the decode
+  rows' tokens, `passes` runs their forwards and `_decide` takes their logits.
 * A request that only reads its prompt (an embedding) is another `Prefill`: it needs no batch
   row (admission counts prompts, not rows), and `_prefilled` is where its end would pool the
   hidden states and finish it instead of starting choices.
@@ -87,7 +88,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError, RWKVEngineError
+from ..errors import InputError
 from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
 from ..models.model import decode_rows
@@ -96,12 +97,12 @@ from ..settings import MAX_CHOICES, MAX_PASS_TOKENS, SPECULATIVE_KINDS, EngineCo
 from ..speculative import SpeculativeRow, SpeculativeStats, drafter_for, make_drafter
 from ..state import State
 from ..structured import grammar_for
-from .decode import DecodeBatch, Pass
-from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from .decode import DecodeBatch, token_entries
+from .logprobs import MAX_TOP_LOGPROBS
 from .messages import Delta, EngineStopped, Finished, Prompt, QueueFull, Request, Sink
 from .metrics import Metrics
 from .prompt_cache import PromptCache
-from .work import DraftPrefill, Group, Prefill, PromptPrefill, Row
+from .work import DraftPrefill, Group, Prefill, PromptPrefill, Row, fail
 
 __all__ = [
     "Delta",
@@ -160,7 +161,7 @@ class Engine:
         self._prefilling: deque[Prefill] = deque()
         self._starting: deque[Group] = deque()
         self._joining: list[tuple[Row, State]] = []
-        self._batch = DecodeBatch(model)
+        self._batch = DecodeBatch(model, self.config.name)
         self._reading = 0  # requests admitted with no choice started (Group.reading)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -219,7 +220,7 @@ class Engine:
             self._live += len(requests)
             handles = []
             for (request, sink), (samplers, streams) in zip(requests, prepared):
-                group = Group(next(self._ids), request, sink)
+                group = Group(next(self._ids), request, sink, self.metrics, self._request_done)
                 group.rows = [Row(group, i, s, t) for i, (s, t) in enumerate(zip(samplers, streams))]
                 self._waiting.append(group)
                 handles.append(Handle(self, group))
@@ -264,7 +265,7 @@ class Engine:
             if group in self._waiting:
                 self._waiting.remove(group)
                 for r in live:
-                    self._finish(r, "cancelled")
+                    r.finish("cancelled")
             else:
                 self._wake = True
                 self._cond.notify_all()
@@ -375,17 +376,17 @@ class Engine:
         for work in [w for w in self._prefilling if w.done or any(r.cancelled for r in w.rows)]:
             self._prefilling.remove(work)
             for r in work.rows:
-                self._finish(r, "cancelled")
+                r.finish("cancelled")
         for group in [g for g in self._starting if g.cancelled]:
             self._starting.remove(group)
             for r in group.to_start:
-                self._finish(r, "cancelled")
+                r.finish("cancelled")
             group.to_start.clear()
         rows = self._batch.rows
         if any(r.cancelled for r in rows):
             for r in rows:
                 if r.cancelled:
-                    self._finish(r, "cancelled")
+                    r.finish("cancelled")
             self._batch.keep([i for i, r in enumerate(rows) if not r.cancelled])
 
     def _prefill(self, budget: int) -> None:
@@ -427,11 +428,11 @@ class Engine:
         if req.echo:
             prompt = tuple(work.prompt_logprobs) if req.logprobs is not None else None
             for row in rows:
-                self._send(row, Prompt(prompt, row.index))
+                row.send(Prompt(prompt, row.index))
         if req.params.max_tokens == 0:
             for row in rows:
-                self._emit(row, row.stream.finish("length"))
-                self._finish(row, row.stream.finish_reason)
+                row.emit(row.stream.finish("length"))
+                row.finish(row.stream.finish_reason)
             return
         group.logits, group.state = work.logits, work.state
         group.to_start.extend(r for r in rows if not r.finished)
@@ -462,8 +463,8 @@ class Engine:
         logits = group.logits[None].expand(len(rows), -1)
         tokens = Sampler.sample_batch([r.sampler for r in rows], logits)
         joined = 0
-        for row, token, entry in zip(rows, tokens, self._logprobs(rows, logits, tokens)):
-            if self._push(row, token, entry):
+        for row, token, entry in zip(rows, tokens, token_entries(rows, logits, tokens)):
+            if row.push(token, entry):
                 row.next_token = token
                 self._speculate(row, token)
                 row.decoding = True
@@ -497,29 +498,14 @@ class Engine:
     # --- the decode step ------------------------------------------------------------------------------
 
     def _decode_step(self) -> None:
-        """One step for every decoding row, plain or speculating alike: each row's feed
-        (`Row.feed`) goes through one pass per feed length, then each row decides its tokens
-        from its logits; a row's batch state moves on when the pass covered every token it
-        decided (always for a plain row; see speculative.py for a speculating one)."""
-        rows, metrics, sp = self._batch.rows, self.metrics, self.speculative
+        """One step of the decoding batch (`DecodeBatch.step`), counted; then a speculating row
+        whose draft fell more than a pass behind gets the draft's catch-up queued as prefill work."""
+        metrics, sp = self.metrics, self.speculative
         counts = (sp.passes, sp.drafted, sp.accepted, sp.emitted)
-        t0 = time.perf_counter()
-        feeds = self._feeds(rows)
-        try:
-            passes = self._batch.passes(feeds)
-        except Exception as e:
-            self._fail(self._batch.clear(), e)
-            return
-        t1 = time.perf_counter()
-        alive, moved, sampled = self._decide(rows, passes, feeds)
-        t2 = time.perf_counter()
-        for i, token, entry in sampled:  # the plain rows' tokens to their streams
-            alive[i] = token is not None and self._push(rows[i], token, entry)
-            if alive[i]:
-                rows[i].next_token = token
-        t3 = time.perf_counter()
         metrics.inc("decode_steps_total")
-        metrics.inc("decode_rows_total", len(rows))
+        metrics.inc("decode_rows_total", len(self._batch))
+        for phase, seconds in zip(("forward", "sample", "stream"), self._batch.step()):
+            metrics.inc("engine_seconds_total", seconds, phase=phase)
         for name, now, before in zip(
             ("passes", "drafted_tokens", "accepted_tokens", "emitted_tokens"),
             (sp.passes, sp.drafted, sp.accepted, sp.emitted),
@@ -527,141 +513,11 @@ class Engine:
         ):
             if now != before:
                 metrics.inc(f"speculative_{name}_total", now - before)
-        self._batch.move(passes, moved)
-        for i, row in enumerate(rows):
-            if alive[i] and row.spec is not None and row.spec.behind and not row.catching_up:
+        for row in self._batch.rows:
+            if row.spec is not None and row.spec.behind and not row.catching_up:
                 self._prefilling.append(DraftPrefill(row))
-        self._batch.keep([i for i in range(len(rows)) if alive[i]])
-        metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
-        metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
-        metrics.inc("engine_seconds_total", t3 - t2, phase="stream")
 
-    def _feeds(self, rows: list[Row]) -> list[list[int] | None]:
-        """Each row's feed; None for a row whose drafter failed (that request fails, the others go on)."""
-        feeds: list[list[int] | None] = []
-        for row in rows:
-            try:
-                feeds.append(row.feed())
-            except Exception as e:
-                self._fail([row], e)
-                feeds.append(None)
-        return feeds
-
-    def _decide(self, rows: list[Row], passes: list[Pass], feeds: list[list[int] | None]):
-        """Each row's tokens from its pass: (which rows go on, row -> (its pass's states, its row
-        there) for the rows whose state moves, and the plain rows' (row, token, log-probability)
-        to push). A speculating row's tokens are pushed as they are decided (each one may end it)."""
-        alive = [feed is not None for feed in feeds]
-        moved: dict[int, tuple[State, int]] = {}
-        sampled = []
-        for idx, logits, after in passes:
-            plain = [j for j, i in enumerate(idx) if rows[i].spec is None]
-            if plain:
-                prows = [rows[idx[j]] for j in plain]
-                plogits = logits if len(plain) == len(idx) else logits[plain]
-                tokens = self._sample(prows, plogits)
-                sampled += zip((idx[j] for j in plain), tokens, self._logprobs(prows, plogits, tokens))
-                moved.update((idx[j], (after, j)) for j in plain)
-            for j, i in enumerate(idx):
-                if rows[i].spec is not None:
-                    alive[i] = self._decide_speculating(rows[i], logits[j] if logits.dim() == 3 else logits[j : j + 1])
-                    if rows[i].spec.committed_all:
-                        moved[i] = (after, j)
-        return alive, moved, sampled
-
-    def _decide_speculating(self, row: Row, logits: torch.Tensor) -> bool:
-        """A speculating row's tokens from its pass's logits [T, V]; False when the row has ended."""
-        try:
-            for token in row.spec.decide(logits):
-                if not self._push(row, token):
-                    return False
-        except Exception as e:
-            self._fail([row], e)
-            return False
-        return True
-
-    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int | None]:
-        """A token for each row of logits [B, V]; None for a row whose sampling raised (that
-        request fails, the others go on). After a failure each row is sampled again alone from
-        its generator's state before the batch call, so it draws what it would have drawn."""
-        samplers = [r.sampler for r in rows]
-        saved = [None if s.generator is None else s.generator.get_state() for s in samplers]
-        try:
-            return Sampler.sample_batch(samplers, logits)
-        except Exception:
-            pass
-        out = []
-        for i, (row, sampler, gen_state) in enumerate(zip(rows, samplers, saved)):
-            if gen_state is None:
-                sampler.generator = None
-            else:
-                sampler.generator.set_state(gen_state)
-            try:
-                out.append(Sampler.sample_batch([sampler], logits[i : i + 1])[0])
-            except Exception as e:
-                self._fail([row], e)
-                out.append(None)
-        return out
-
-    @staticmethod
-    def _logprobs(rows: list[Row], logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
-        """Row i's TokenLogprob for tokens[i] from logits [B, V], for the rows that asked for it
-        (and were sampled: a row whose sampling failed has no token)."""
-        want = [i for i, r in enumerate(rows) if r.group.request.logprobs is not None and tokens[i] is not None]
-        out: list[TokenLogprob | None] = [None] * len(rows)
-        if want:
-            got = token_logprobs(
-                logits[want], [tokens[i] for i in want], [rows[i].group.request.logprobs for i in want]
-            )
-            for i, entry in zip(want, got):
-                out[i] = entry
-        return out
-
-    # --- output ---------------------------------------------------------------------------------------
-
-    def _push(self, row: Row, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Give a decided token to the row's stream; False when the row has ended."""
-        before = len(row.stream.tokens)
-        text = row.stream.push(token)
-        self.metrics.generated(len(row.stream.tokens) - before)
-        self._emit(row, text, () if logprob is None else (logprob,))
-        if row.stream.done:
-            self._finish(row, row.stream.finish_reason)
-            return False
-        if row.cancelled:
-            self._finish(row, "cancelled")
-            return False
-        return True
-
-    def _emit(self, row: Row, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        if text or logprobs:
-            self._send(row, Delta(text, row.index, logprobs))
-
-    def _send(self, row: Row, event) -> None:
-        if row.cancelled:
-            return
-        try:
-            row.group.sink(event)
-        except Exception:  # the receiver is gone: treat as a cancel
-            row.cancelled = True
-
-    def _finish(self, row: Row, reason: str, message: str | None = None) -> None:
-        if row.finished:
-            return
-        row.finished = True
-        group = row.group
-        if row.decoding:
-            row.decoding = False
-            group.running -= 1
-        if all(r.finished for r in group.rows):
-            self._request_done(group)
-        self.metrics.inc("requests_total", outcome=reason)
-        prompt_tokens = len(group.request.prompt_ids)
-        event = Finished(reason, prompt_tokens, len(row.stream.tokens), group.cached, message, row.index)
-        try:
-            group.sink(event)
-        except Exception:
-            pass
+    # --- the end of a request ------------------------------------------------------------------------
 
     def _request_done(self, group: Group) -> None:
         """Every choice of a request has finished: its prompt slot and state are free."""
@@ -673,14 +529,7 @@ class Engine:
             self._live -= 1
 
     def _fail(self, rows: list[Row], error: Exception) -> None:
-        if isinstance(error, RWKVEngineError):
-            message = str(error)
-        else:
-            print(f"{self.config.name}: a model step failed:", file=sys.stderr)
-            traceback.print_exception(error, file=sys.stderr)
-            message = f"the model step failed ({type(error).__name__}); the request was dropped"
-        for row in rows:
-            self._finish(row, "error", message)
+        fail(rows, error, self.config.name)
 
     def _shutdown(self) -> None:
         with self._cond:
@@ -688,4 +537,4 @@ class Engine:
             left = [r for group in self._waiting for r in group.rows] + self._clear()
             self._waiting.clear()
         for row in left:
-            self._finish(row, "error", "the server is shutting down")
+            row.finish("error", "the server is shutting down")

@@ -2,22 +2,27 @@
 a batch row while it decodes), and the prompts the scheduler reads chunk by chunk (`Prefill`).
 
 They hold state and do one piece of work when asked; which of them runs when is the scheduler's
-(engine.py) decision alone.
+(engine.py) decision alone. A row delivers its own events (`Row.push`, `Row.finish`) to its
+request's sink, on the engine thread.
 """
 
 from __future__ import annotations
 
+import sys
+import traceback
 from collections import deque
 from collections.abc import Callable
 
 import torch
 
+from ..errors import RWKVEngineError
 from ..generation import TextStream
 from ..models.model import prefill_end
 from ..sampling import Sampler
 from ..speculative import SpeculativeRow
 from ..state import State
 from .logprobs import TokenLogprob, token_logprobs
+from .messages import Delta, Finished
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 
@@ -48,6 +53,64 @@ class Row:
         pending tokens and drafts (drafting runs here: the drafter proposes)."""
         return [self.next_token] if self.spec is None else self.spec.plan()
 
+    def push(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Give a decided token to the stream (its text to the sink); False when the row has ended."""
+        before = len(self.stream.tokens)
+        text = self.stream.push(token)
+        self.group.metrics.generated(len(self.stream.tokens) - before)
+        self.emit(text, () if logprob is None else (logprob,))
+        if self.stream.done:
+            self.finish(self.stream.finish_reason)
+            return False
+        if self.cancelled:
+            self.finish("cancelled")
+            return False
+        return True
+
+    def emit(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        if text or logprobs:
+            self.send(Delta(text, self.index, logprobs))
+
+    def send(self, event) -> None:
+        if self.cancelled:
+            return
+        try:
+            self.group.sink(event)
+        except Exception:  # the receiver is gone: treat as a cancel
+            self.cancelled = True
+
+    def finish(self, reason: str, message: str | None = None) -> None:
+        """End the choice: its `Finished` event; the request's `on_done` once every choice has ended."""
+        if self.finished:
+            return
+        self.finished = True
+        group = self.group
+        if self.decoding:
+            self.decoding = False
+            group.running -= 1
+        if all(r.finished for r in group.rows):
+            group.on_done(group)
+        group.metrics.inc("requests_total", outcome=reason)
+        prompt_tokens = len(group.request.prompt_ids)
+        event = Finished(reason, prompt_tokens, len(self.stream.tokens), group.cached, message, self.index)
+        try:
+            group.sink(event)
+        except Exception:
+            pass
+
+
+def fail(rows: list[Row], error: Exception, name: str) -> None:
+    """End `rows` with an error: an error of the request's making (RWKVEngineError) is its
+    message; anything else is a bug, printed once with its traceback (on stderr, after `name`)."""
+    if isinstance(error, RWKVEngineError):
+        message = str(error)
+    else:
+        print(f"{name}: a model step failed:", file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)
+        message = f"the model step failed ({type(error).__name__}); the request was dropped"
+    for row in rows:
+        row.finish("error", message)
+
 
 class Group:
     """A request inside the engine: its choices (`rows`), queued as one, its prompt read once.
@@ -57,10 +120,14 @@ class Group:
     at most `EngineConfig.rows_per_request` of a request at once, so the choices of a request
     with more take turns."""
 
-    def __init__(self, group_id: int, request, sink: Callable[[object], None]):
+    def __init__(
+        self, group_id: int, request, sink: Callable[[object], None], metrics: Metrics, on_done: Callable[[Group], None]
+    ):
         self.id = group_id
         self.request = request
         self.sink = sink
+        self.metrics = metrics
+        self.on_done = on_done  # called once every choice has finished
         self.rows: list[Row] = []
         self.cached = 0  # prompt tokens taken from the prompt cache
         self.reading = False  # admitted, and no choice started yet: one of the prompts read at once

@@ -548,9 +548,9 @@ def test_engine_draft_reads_are_scheduled_like_prompts(tok, make_pth, monkeypatc
             inside[0] = False
 
     monkeypatch.setattr(Engine, "_decode_step", decode_step)
-    chunk = 64
+    chunk = 32
     greedy = SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[])
-    prompt = " ".join(f"w{i}" for i in range(150))  # some 300 tokens
+    prompt = " ".join(f"w{i}" for i in range(60))  # some 120 tokens
     requests = [(prompt, greedy, "draft"), ("Hello", greedy, None)]
     config = EngineConfig(max_batch=2, prefill_chunk=chunk, draft=draft, state_cache_bytes=0)
     results, engine = run_engine(model, tok, spec_requests(tok, requests), config)

@@ -275,6 +275,12 @@ def add_engine_arguments(parser) -> None:
         default=4096,
         help="largest request body, in KiB (default: %(default)s)",
     )
+    from ..sampling_params import SamplingParams
+
+    d = parser.add_argument_group(
+        "request defaults (what a request's omitted sampling fields take: the OpenAI API's unless set here)"
+    )
+    common.add_distribution_args(d, SamplingParams())
     common.add_speculative_args(parser)
 
 
@@ -327,7 +333,7 @@ def config(args, environ=None):
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
-    return Config(common.model_spec(args), engine_config(args), limits(args), server)
+    return Config(common.model_spec(args), engine_config(args), limits(args), server, common.distribution_params(args))
 
 
 def parse(argv: list[str]):

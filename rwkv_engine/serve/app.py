@@ -20,11 +20,10 @@ a 4xx with OpenAI's error body, decided before the request reaches the engine, s
 touches the requests that run. A client that disconnects (or cancels its stream) cancels its
 request in the engine, which frees the batch slot at its next step.
 
-Sampling fields a request leaves out take RWKV's usual values, not OpenAI's (whose top_p = 1
-and no penalties make RWKV models ramble): chat as ChatRWKV's chat demo, completions as the
-`rwkv` package's PIPELINE_ARGS (docs/formats.md D). Chat replies stop at "\\n\\n"; both
-stop at token 0 (end of text). A completion's max_tokens defaults to 16 (as OpenAI's), a
-chat's to the server's cap.
+Sampling fields a request leaves out take the server's `sampling_defaults` (AppSettings), on
+both endpoints: the OpenAI API's defaults (temperature 1, top_p 1, no penalties) unless `serve
+--top-p ...` says otherwise. Chat replies stop at "\\n\\n"; both stop at token 0 (end of
+text). A completion's max_tokens defaults to 16 (as OpenAI's), a chat's to the server's cap.
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..sampling import CHAT, COMPLETION
 from ..tokenizer import EOS_TOKEN_ID
 from . import serving_chat, serving_completion, serving_tokenize, webui
 from .context import AppSettings, ServingContext
@@ -48,7 +46,6 @@ from .engine import Engine
 from .errors import APIError, error_response
 from .security import Guard
 
-CHAT_DEFAULTS, COMPLETION_DEFAULTS = CHAT, COMPLETION
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -57,8 +54,6 @@ def create_app(engine: Engine, settings: AppSettings) -> FastAPI:
     ctx = ServingContext(
         engine,
         settings,
-        chat_defaults=CHAT_DEFAULTS,
-        completion_defaults=COMPLETION_DEFAULTS,
         completion_max_tokens=COMPLETION_MAX_TOKENS,
         eos_token_id=EOS_TOKEN_ID,
     )
@@ -80,7 +75,7 @@ def create_app(engine: Engine, settings: AppSettings) -> FastAPI:
         count_error=lambda status: engine.metrics.inc("http_errors_total", status=str(status)),
     )
     add_error_handlers(app, ctx)
-    app.include_router(webui.router(CHAT_DEFAULTS, settings.max_tokens_cap))
+    app.include_router(webui.router(settings.sampling_defaults, settings.max_tokens_cap))
 
     @app.get("/health")
     async def health():

@@ -29,17 +29,15 @@ class AppSettings:
     allowed_hosts: tuple[str, ...] | None = None  # None: any Host header (see security.Guard)
     cors_origins: tuple[str, ...] = ()
     body_timeout: float = 30.0
+    sampling_defaults: SamplingParams = field(default_factory=SamplingParams)  # for fields a request omits
 
 
 @dataclass
 class ServingContext:
-    """The shared state of the routes. The sampling presets and the end-of-text id come from
-    app.py, which owns them."""
+    """The shared state of the routes. The end-of-text id comes from app.py, which owns it."""
 
     engine: Engine
     settings: AppSettings
-    chat_defaults: SamplingParams
-    completion_defaults: SamplingParams
     completion_max_tokens: int
     eos_token_id: int
     created: int = field(default_factory=p.now)

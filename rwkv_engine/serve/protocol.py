@@ -11,7 +11,7 @@ Extensions (all optional; with the `openai` client pass them in `extra_body`):
     state           name of a saved state file (`State.save`) under the server's --state-dir to
                     start from instead of the fresh state
 
-Sampling fields left out take the RWKV defaults of the server (see `app.py`), not OpenAI's.
+Sampling fields left out take the server's defaults (see `app.py`): the OpenAI API's, unless its flags say otherwise.
 This module knows nothing of the engine.
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..sampling_params import SamplingParams
 from .engine import EngineConfig
 
 __all__ = ["Config", "EngineConfig", "Limits", "ModelSpec", "ServerSettings", "build", "served_name"]
@@ -87,6 +88,10 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)
     server: ServerSettings = field(default_factory=ServerSettings)
+    # What the sampling fields a request leaves out take, on every endpoint: the OpenAI API's
+    # defaults (temperature 1, top_p 1, no penalties; top_k off), so a request gets what the API
+    # means, as from any other server of the same weights; `serve --top-p ...` sets others.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     @property
     def model_name(self) -> str:
@@ -120,5 +125,6 @@ def build(config: Config, progress: bool | None = None):
         allowed_hosts=allowed_hosts(server.host, list(server.allowed_hosts)),
         cors_origins=tuple(server.cors_origins),
         body_timeout=server.body_timeout,
+        sampling_defaults=config.sampling,
     )
     return engine, create_app(engine, settings), settings

@@ -39,7 +39,7 @@ async def create_chat_completion(ctx: ServingContext, request: HTTPRequest):
     params = sampling_params(
         ctx,
         req,
-        ctx.chat_defaults,
+        ctx.settings.sampling_defaults,
         req.token_limit,
         ctx.settings.max_tokens_cap,
         extra_stop=(TURN_SEPARATOR,),

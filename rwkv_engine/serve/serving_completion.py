@@ -26,7 +26,7 @@ def router(ctx: ServingContext) -> APIRouter:
 
 async def create_completion(ctx: ServingContext, request: HTTPRequest):
     req = await read_request(ctx, request, p.CompletionRequest)
-    params = sampling_params(ctx, req, ctx.completion_defaults, req.max_tokens, ctx.completion_max_tokens)
+    params = sampling_params(ctx, req, ctx.settings.sampling_defaults, req.max_tokens, ctx.completion_max_tokens)
     prompts = [await prompt_ids(ctx, prompt) for prompt in req.prompt]
     state, state_key = await ctx.states.get(req.state)
     n = req.n or 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InputError
-from .sampling_params import CHAT, COMPLETION, SamplingParams
+from .sampling_params import SamplingParams
 
 # --- the model --------------------------------------------------------------------------------
 
@@ -139,14 +139,14 @@ class Limits:
 
 @dataclass(frozen=True)
 class RequestDefaults:
-    """What the sampling fields a request leaves out take: RWKV's usual values, not OpenAI's
-    (whose top_p = 1 and no penalties make RWKV models ramble): chat as ChatRWKV's chat demo,
-    completions as the `rwkv` package's PIPELINE_ARGS (docs/formats.md D, sampling_params.py).
+    """What the sampling fields a request leaves out take, on every endpoint: the OpenAI API's
+    defaults (temperature 1, top_p 1, no penalties, top_k off), so a request gets what the API
+    means, as from any other server of the same weights; `serve --top-p ...` sets others. (Our own
+    `chat` and `generate` commands keep RWKV's usual presets: sampling_params.CHAT / COMPLETION.)
     A chat's max_tokens defaults to the server's `Limits.max_tokens`, a completion's to
     `completion_max_tokens` (OpenAI's 16)."""
 
-    chat: SamplingParams = field(default_factory=lambda: CHAT)
-    completion: SamplingParams = field(default_factory=lambda: COMPLETION)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     completion_max_tokens: int = 16
 
 

@@ -165,6 +165,11 @@ class _Defaults:
         self.__dict__.update(values)
 
 
+# The flags of the distribution sampled from: `generate` and `chat` sample with them, `serve` and
+# `batch` give them to requests that leave the fields out (SamplingParams fields, as flags).
+DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "penalty_decay")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """The sampling flags, with `defaults` (SamplingParams fields) shown in --help and used for flags not given."""
     d = _Defaults(
@@ -178,6 +183,30 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         }
     )
     g = parser.add_argument_group("sampling (RWKV order: penalties, softmax, top-p, top-k, then temperature)")
+    add_distribution_args(g, d)
+    g.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default: %(default)s)"
+    )
+    g.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same text (default: random)")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help=r"stop when this text appears; it is not printed; repeatable; \n and \t are understood",
+    )
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        type=_logit_bias,
+        metavar="ID=VALUE",
+        help="add VALUE to the logit of token ID (-inf bans it); repeatable",
+    )
+
+
+def add_distribution_args(g, d) -> None:
+    """The DISTRIBUTION_FIELDS flags in the argument group `g`, their defaults the attributes of `d`."""
     g.add_argument(
         "--temperature",
         type=float,
@@ -211,45 +240,27 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         default=d.penalty_decay,
         help="occurrence counts are multiplied by this every token (default: %(default)s)",
     )
-    g.add_argument(
-        "--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default: %(default)s)"
-    )
-    g.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same text (default: random)")
-    g.add_argument(
-        "--stop",
-        action="append",
-        default=None,
-        metavar="TEXT",
-        help=r"stop when this text appears; it is not printed; repeatable; \n and \t are understood",
-    )
-    g.add_argument(
-        "--logit-bias",
-        action="append",
-        default=None,
-        type=_logit_bias,
-        metavar="ID=VALUE",
-        help="add VALUE to the logit of token ID (-inf bans it); repeatable",
-    )
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict):
     """SamplingParams: `defaults` with the sampling flags of `args` applied (InputError on bad values)."""
-    from ..sampling import SamplingParams
-
-    changes = dict(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        penalty_decay=args.penalty_decay,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
+    changes = {f: getattr(args, f) for f in DISTRIBUTION_FIELDS}
+    changes.update(max_tokens=args.max_tokens, seed=args.seed)
     if args.stop:
         changes["stop"] = tuple(defaults.get("stop", ())) + tuple(unescape(s) for s in args.stop)
     if args.logit_bias:
         changes["logit_bias"] = {**defaults.get("logit_bias", {}), **dict(args.logit_bias)}
+    return _from_flags(defaults, changes)
+
+
+def distribution_params(args: argparse.Namespace):
+    """SamplingParams of the DISTRIBUTION_FIELDS flags, the rest its defaults (InputError on bad values)."""
+    return _from_flags({}, {f: getattr(args, f) for f in DISTRIBUTION_FIELDS})
+
+
+def _from_flags(defaults: dict, changes: dict):
+    from ..sampling_params import SamplingParams
+
     try:
         return SamplingParams(**{**defaults, **changes})
     except InputError as e:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
-from ..settings import CPU_MAX_BATCH, CUDA_MAX_BATCH, Config, EngineConfig, Limits, ServerSettings
+from ..settings import CPU_MAX_BATCH, CUDA_MAX_BATCH, Config, EngineConfig, Limits, RequestDefaults, ServerSettings
 from . import common
 
 HELP = "Serve an OpenAI-compatible HTTP API (completions, chat completions) with continuous batching."
@@ -275,6 +275,12 @@ def add_engine_arguments(parser) -> None:
         default=Limits.max_body_bytes >> 10,
         help="largest request body, in KiB (default: %(default)s)",
     )
+    from ..sampling_params import SamplingParams
+
+    d = parser.add_argument_group(
+        "request defaults (what a request's omitted sampling fields take: the OpenAI API's unless set here)"
+    )
+    common.add_distribution_args(d, SamplingParams())
     common.add_speculative_args(parser)
 
 
@@ -322,7 +328,8 @@ def config(args, environ=None) -> Config:
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
-    return Config(common.model_spec(args), engine_config(args), limits(args), server)
+    defaults = RequestDefaults(sampling=common.distribution_params(args))
+    return Config(common.model_spec(args), engine_config(args), limits(args), server, defaults)
 
 
 def parse(argv: list[str]):

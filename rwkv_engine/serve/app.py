@@ -21,8 +21,9 @@ touches the requests that run. A client that disconnects (or cancels its stream)
 request in the engine, which frees the batch slot at its next step.
 
 Every setting comes from the server's `Config` (rwkv_engine/settings.py): the limits, the HTTP
-side, and what the sampling fields a request leaves out take (`RequestDefaults`: RWKV's usual
-values, not OpenAI's). Chat replies stop at "\\n\\n"; both routes stop at token 0 (end of
+side, and what the sampling fields a request leaves out take (`RequestDefaults`: the OpenAI API's
+defaults, temperature 1, top_p 1, no penalties, unless `serve --top-p ...` says otherwise), on
+both endpoints. Chat replies stop at "\\n\\n"; both routes stop at token 0 (end of
 text). A completion's max_tokens defaults to 16 (as OpenAI's), a chat's to the server's cap.
 """
 
@@ -69,7 +70,7 @@ def create_app(engine: Engine, config: Config) -> FastAPI:
         count_error=lambda status: engine.metrics.inc("http_errors_total", status=str(status)),
     )
     add_error_handlers(app, ctx)
-    app.include_router(webui.router(config.defaults.chat, config.limits.max_tokens))
+    app.include_router(webui.router(config.defaults.sampling, config.limits.max_tokens))
 
     @app.get("/health")
     async def health():

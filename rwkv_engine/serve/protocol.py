@@ -15,8 +15,8 @@ Extensions (all optional; with the `openai` client pass them in `extra_body`):
     speculative     "lookup", "draft" or "off": speculative decoding for this request (the same
                     output; default: the server's --speculative)
 
-Sampling fields left out take the server's defaults (`settings.RequestDefaults`). This module
-knows nothing of the engine.
+Sampling fields left out take the server's defaults (`settings.RequestDefaults`): the OpenAI API's,
+unless its flags say otherwise. This module knows nothing of the engine.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ async def create_chat_completion(ctx: ServingContext, request: HTTPRequest):
     params = sampling_params(
         ctx,
         req,
-        ctx.config.defaults.chat,
+        ctx.config.defaults.sampling,
         req.token_limit,
         ctx.config.limits.max_tokens,
         extra_stop=(TURN_SEPARATOR,),

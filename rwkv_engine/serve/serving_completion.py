@@ -27,7 +27,7 @@ def router(ctx: ServingContext) -> APIRouter:
 async def create_completion(ctx: ServingContext, request: HTTPRequest):
     req = await read_request(ctx, request, p.CompletionRequest)
     defaults = ctx.config.defaults
-    params = sampling_params(ctx, req, defaults.completion, req.max_tokens, defaults.completion_max_tokens)
+    params = sampling_params(ctx, req, defaults.sampling, req.max_tokens, defaults.completion_max_tokens)
     prompts = [await prompt_ids(ctx, prompt) for prompt in req.prompt]
     state, state_key = await ctx.states.get(req.state)
     n = req.n or 1

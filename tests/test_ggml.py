@@ -313,6 +313,29 @@ def test_gguf_kquant_blocks_are_mapped_and_convert_keeps_them(tmp_path, monkeypa
     assert torch.equal(testing.logits_along(conv, IDS[:4], IDS[4:]), testing.logits_along(model, IDS[:4], IDS[4:]))
 
 
+@pytest.mark.parametrize("value", [0x7E00, 0xFC00])  # fp16 NaN, -inf
+@pytest.mark.parametrize(
+    "tensor,name", [("blk.1.time_mix_key.weight", "blocks.1.att.key.weight"), ("token_embd.weight", "emb.weight")]
+)
+def test_gguf_kquant_non_finite_scale_refused(tmp_path, tensor, name, value):
+    """A K-quant block whose fp16 scale is NaN or infinite (every value of the block a multiple of
+    it) is refused at load naming the tensor, for a matrix run from its blocks and for the
+    embedding, which is dequantized by rows (neither is read through `Checkpoint.get`)."""
+    sd = testing.random_state_dict("7", n_layer=2, n_embd=256, vocab_size=300, head_size=64, seed=4)
+    path = write_gguf(sd, tmp_path / "m.gguf", "Q4_K")
+    t = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == tensor)
+    assert t.tensor_type.name == "Q4_K"
+    data = bytearray(path.read_bytes())
+    at = t.data_offset + 3 * 144  # block 3's d (Q4_K: 144 bytes a block, d first)
+    data[at : at + 2] = value.to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    kind = "NaN" if value == 0x7E00 else "infinite"
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {name} holds {kind if name != 'emb.weight' else '(NaN|infinite)'} values"
+    ):
+        rwkv_engine.load(path, dtype="fp32", progress=False)
+
+
 def test_gguf_scheme_needs_a_gguf(tmp_path):
     sd = _model("7")
     with pytest.raises(InputError, match="not a GGUF file"):

@@ -19,7 +19,7 @@ from ..errors import CheckpointError, InputError
 from ..memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
 from ..models import RWKV
 from ..models.layers import lora_dtype
-from ..quant.ggml_quants import BY_NAME, KQUANT, QK_K, TYPES, scale_blocks
+from ..quant.ggml_quants import BY_NAME, KQUANT, QK_K, TYPES, block_scales, scale_blocks
 from ..quant.schemes import applied_scheme, convert_weight, describe, get_scheme, plan, replace_module
 from . import converted
 from .formats import DTYPE_NAMES, Checkpoint, check_finite, open_checkpoint, parse_dtype
@@ -188,6 +188,8 @@ class Plan:
                 dt = src.dtype  # quantized from the narrower type: the same values, no wide copy
             if name == "emb.weight":
                 t = embedding(src, ck.get("blocks.0.ln0.weight"), ck.get("blocks.0.ln0.bias"), dtype)
+                if lazy is not None:  # (read by rows, not by `get`: a NaN row makes its LayerNorm NaN)
+                    check_finite(t, f"{ck.where}: tensor {name}")
             elif name.endswith(".ffn.s_emb.weight"):
                 t = deep_embed_table(src, ck, name.replace(".s_emb.", ".s_emb_x."), dtype)
             elif target in self.lora:
@@ -224,6 +226,7 @@ class Plan:
         fp16 rescale, a power of two, scales the block scales (exactly, or an InputError)."""
         b = blocks()
         tid = BY_NAME[self.ck.ggml.types[name]]
+        check_finite(block_scales(b, tid), f"{self.ck.where}: tensor {name}")  # (`get` is not called)
         N, K = self.expected[f"{module}.weight"][0]
         want = (N, K // QK_K * TYPES[tid][2])
         if tuple(b.shape) != want:

@@ -212,6 +212,15 @@ def scale_blocks(blocks: Tensor, type_id: int, factor: float, what: str) -> Tens
     return out.reshape(blocks.shape)
 
 
+def block_scales(blocks: Tensor, type_id: int) -> Tensor:
+    """The fp16 scale fields (d, and dmin where the type has one) of K-quant blocks [N, bytes], as
+    fp16 [blocks, fields]: every value of a block is a finite multiple of them (the codes are
+    integers), so they are what a NaN / infinity check of the matrix reads."""
+    name, _, ts = TYPES[type_id]
+    rows = blocks.reshape(-1, ts)
+    return torch.stack([rows[:, o : o + 2].contiguous().view(torch.float16)[:, 0] for o in _K_FP16_FIELDS[name]], 1)
+
+
 def q8_0_split(data: Tensor, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """A Q8_0 matrix [N, K] as our int8 layout at group 32: (qweight int8 [N, K], scales fp16 [N, K/32]),
     the same numbers, no re-quantization."""

@@ -26,7 +26,7 @@ Within a level, choices per CPU family are made at load from cpuid's vendor and 
 (`tuning`, `TUNINGS`): the AVX-512 levels build their int8 / int4 GEMVs on 512-bit vectors where
 the core runs 512-bit instructions at full width and it pays (Intel: "int512") and on 256-bit
 ones elsewhere ("int256": Zen 4 splits them, and on Zen 5 the 512-bit int8 GEMV lost at batch 1;
-docs/performance.md, kernel tuning). The same sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
+docs/performance.md, kernel design choices). The same sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
 bench_kernels.py `--baseline isa:avx512_bf16/int256` run another one, and `+OPTION`s (OPTIONS:
 the AMX path off, or emulated) are for tests and A/B runs.
 """
@@ -191,7 +191,7 @@ def cpu_family() -> tuple[str, int] | None:
 # these defines; the library's name says which): the int8 / int4 GEMVs on 512-bit vectors (simd.h
 # v512) or 256-bit ones. Intel's AVX-512 cores run 512-bit instructions at full width: both at
 # 512 bits there. AMD Zen 5 (family 26) does too, but there the 512-bit int8 GEMV won at batch
-# 4-8 and lost at batch 1, and the int4 one lost (docs/performance.md, kernel tuning); batch 1
+# 4-8 and lost at batch 1, and the int4 one lost (docs/performance.md, kernel design choices); batch 1
 # decides: 256-bit, as on Zen 4 and older, which split 512-bit instructions (simd.h).
 TUNINGS = {
     "int256": (),

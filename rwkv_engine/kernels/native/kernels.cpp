@@ -308,7 +308,7 @@ struct DenseBF16DotKernel {
   static constexpr int64_t kStepBytes = 32 * 2;  // prepared x per step and row of x
   // R x Bt accumulators + R weights + one x vector within AVX-512's 32 registers; R divides
   // kPanel. One row at a time at B = 1, one sequential stream per thread (as kIntRows), which
-  // streamed faster than R = 8 (docs/performance.md, kernel tuning).
+  // streamed faster than R = 8 (docs/performance.md, kernel design choices).
   template <int B> static constexpr int kRows = B == 1 ? 1 : B <= 2 ? 8 : B == 3 ? 6 : B <= 6 ? 4 : 3;
   template <int B> static constexpr int kXRows = B;
   using Acc = F;
@@ -512,7 +512,7 @@ template <int B> constexpr int kIntXRows = B;
 
 // Quantized rows are short (1-4 KB) and read R at a time, which the hardware prefetcher follows
 // poorly, so while a block of rows is read the next block's rows are prefetched at the same
-// pace (docs/performance.md, kernel tuning). Longer rows (dense weights, or any row over
+// pace (docs/performance.md, kernel design choices). Longer rows (dense weights, or any row over
 // kPrefetchMaxRow bytes) stream well on their own and got slower with it.
 constexpr int64_t kPrefetchMaxRow = 4096;
 
@@ -582,7 +582,7 @@ struct IntKernel {
 // Group 32 (ggml's Q8_0 layout): a chunk's pieces 0-1 are one group and pieces 2-3 the next, and
 // the halves' sums are kept apart (kSplit) and joined into one vector (iv8::join_halves) whose
 // lanes take each their group's scale (iv8::pair_scales). kSplit is a template parameter: a run-time
-// flag tested in the inner loop was slower (docs/performance.md, kernel tuning).
+// flag tested in the inner loop was slower (docs/performance.md, kernel design choices).
 template <bool kSplit>
 struct Q8Format {
   static constexpr int64_t kChunkBytes = 64;

@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import re
 import statistics
 import subprocess
 import sys
@@ -266,6 +267,16 @@ def load_baseline(spec: str, ops):
     for f, b in srcs.items():
         (d / f).write_bytes(b)
     if "api.h" in srcs:
+        # A library is loaded through the bindings' table (api.h), so only a revision of the same
+        # table version and files can be timed in this process; older ones: run each tree's
+        # bench_kernels.py in turn (or count instructions, docs/performance.md).
+        theirs, here = (_api_version(srcs["api.h"].decode()), _api_version((build._HERE / "api.h").read_text()))
+        missing = sorted(set(build._KERNEL_SOURCES + build._HEADERS) - set(srcs))
+        if theirs != here or missing:
+            sys.exit(
+                f"bench_kernels: --baseline {spec}: its kernels (API version {theirs}"
+                f"{', without ' + ', '.join(missing) if missing else ''}) cannot load beside ours (version {here})"
+            )
         return AtLevel(ops, native.build_kernels(ops.isa(), src=d)), ours
     from torch.utils import cpp_extension
 
@@ -276,6 +287,11 @@ def load_baseline(spec: str, ops):
         extra_ldflags=list(build._LDFLAGS),
     )
     return base, ours
+
+
+def _api_version(api_h: str) -> int | None:
+    m = re.search(r"kApiVersion = (\d+);", api_h)
+    return int(m.group(1)) if m else None
 
 
 BATCH_FORMATS = "fp32,bf16,int8g64,int4g32"

@@ -8,7 +8,8 @@ vector and the sequence's own `torch.Generator`.
 One sampling step, in this order (docs/formats.md D, the `rwkv` pip `PIPELINE.generate` and
 `sample_logits`, which every RWKV front end copies):
 
-1. bias and bans: `logit[t] += logit_bias[t]`; banned tokens get -inf.
+1. bias and bans: `logit[t] += logit_bias[t]`; banned tokens get -inf, and so do the stop
+   tokens while fewer than `min_tokens` tokens were generated.
 2. penalties: `logit[t] -= presence + count[t] * frequency` for every token t generated so far
    (count[t] > 0). Counts are over generated tokens only, not the prompt.
    A sequence with a grammar (json_schema / json_object, tool calls: rwkv_engine/structured.py)
@@ -314,6 +315,8 @@ class Sampler:
         self._bias_ids = None if bias is None else bias.nonzero()[:, 0]
         self._bias = None if bias is None else bias[self._bias_ids]
         self._position: dict[int, int] = {}  # token id -> index in _seen / _count
+        self.generated = 0  # tokens accepted so far (min_tokens bans the stop tokens until then)
+        self._stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long) if params.min_tokens else None
         self._seen = torch.zeros(0, dtype=torch.long)
         self._count = torch.zeros(0, dtype=torch.float32)
 
@@ -343,6 +346,8 @@ class Sampler:
             ids = self._bias_ids
             out.index_put_((ids,), out[ids] + self._bias)
         p = self.params
+        if self.generated < p.min_tokens and len(self._stop_ids):
+            out[self._stop_ids.to(out.device)] = -math.inf
         if self._position and (p.presence_penalty or p.frequency_penalty):
             seen = self._seen.to(out.device)
             penalty = p.presence_penalty + self._count.to(out.device) * p.frequency_penalty
@@ -357,6 +362,7 @@ class Sampler:
     def accept(self, token: int) -> None:
         """Step 8 for a token chosen elsewhere (e.g. forced): decay counts, count the token."""
         token = int(token)
+        self.generated += 1
         if self.constraint is not None and self.constraint.active:
             self.constraint.accept(token)
         self._count = self._count * self.params.penalty_decay

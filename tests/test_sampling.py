@@ -299,6 +299,29 @@ def test_same_seed_same_tokens_and_batch_equals_single():
     assert [[b[i] for b in batched] for i in range(3)] == alone
 
 
+def test_min_tokens_keeps_stop_tokens_out_until_then():
+    """vLLM's min_tokens: the stop tokens cannot be sampled before that many tokens were accepted
+    (greedy and drawn, batched or alone); afterwards they can again."""
+    V = 50
+    logits = torch.zeros(V)
+    logits[0], logits[5], logits[9] = 8.0, 7.0, 6.0  # the stop tokens are the most likely
+    for p in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)):
+        p = p.replace(stop_token_ids=(0, 5), min_tokens=4)
+        s = Sampler(p, V)
+        early = [s(logits) for _ in range(4)]
+        assert not {0, 5} & set(early), early
+        if p.greedy:
+            assert early == [9] * 4 and s(logits) == 0
+        batch = [Sampler(p, V), Sampler(p.replace(min_tokens=0), V)]
+        got = Sampler.sample_batch(batch, torch.stack([logits, logits]))
+        assert got[0] not in (0, 5) and (not p.greedy or got[1] == 0)
+    with pytest.raises(InputError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(InputError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
+    assert SamplingParams(min_tokens=7, max_tokens=None).min_tokens == 7
+
+
 def test_shared_generator_overrides_seed():
     V = 500
     logits = torch.randn(V, generator=torch.Generator().manual_seed(7))

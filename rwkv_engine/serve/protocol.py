@@ -10,6 +10,10 @@ Extensions (all optional; with the `openai` client pass them in `extra_body`):
     penalty_decay   per-token decay of the occurrence counts behind the penalties (RWKV's 0.996)
     state           name of a saved state file (`State.save`) under the server's --state-dir to
                     start from instead of the fresh state
+    ignore_eos      (vLLM, llama.cpp) end-of-text does not end the answer: it is generated as a
+                    token like any other (it has no text) and generation goes on
+    min_tokens      (vLLM) until this many tokens were generated, no stop token is sampled and no
+                    stop string ends the answer
 
 Sampling fields left out take the RWKV defaults of the server (see `app.py`), not OpenAI's.
 This module knows nothing of the engine.
@@ -152,6 +156,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     state: str | None = Field(default=None, min_length=1)
+    ignore_eos: bool = False
+    min_tokens: int | None = Field(default=None, ge=0)
     # rwkv-engine's own: speculative decoding for this request (None: the server's --speculative).
     speculative: Literal["lookup", "draft", "off"] | None = None
 

@@ -255,6 +255,22 @@ def add_engine_arguments(parser) -> None:
         help="memory for cached prompt-prefix states, in MiB; 0 = off (default: %(default)s)",
     )
     e.add_argument(
+        "--state-store",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="also keep the prompt-cache states in this directory (created if missing; one safetensors "
+        "file per state, written in the background): conversations resume after a restart, and on other "
+        "servers of the same model sharing the directory (default: memory only)",
+    )
+    e.add_argument(
+        "--state-store-mb",
+        type=_non_negative,
+        metavar="MB",
+        default=8192,
+        help="most MiB of state files in --state-store; the least recently used go first (default: %(default)s)",
+    )
+    e.add_argument(
         "--max-prompt-tokens",
         type=_positive,
         metavar="N",
@@ -287,11 +303,26 @@ def engine_config(args):
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
         state_cache_bytes=args.state_cache_mb << 20,
+        state_store=state_store(args.state_store),
+        state_store_bytes=args.state_store_mb << 20,
         speculative=args.speculative,
         draft=args.draft,
         draft_quantization=args.draft_quantization,
         max_draft=args.max_draft,
     )
+
+
+def state_store(path: Path | None) -> str | None:
+    """--state-store as an absolute path (Ray replicas may run elsewhere), created if missing."""
+    if path is None:
+        return None
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--state-store {path}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--state-store {path}: cannot create it ({e.strerror})") from None
+    return str(path.resolve())
 
 
 def limits(args):

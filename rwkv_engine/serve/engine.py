@@ -45,6 +45,11 @@ GEMV_MAX_ROWS tokens: see `prefill_end`). Because the chunks are aligned, a resu
 the very same forward calls on the very same state as a cold one: the cache changes how fast
 an answer starts, never what it is.
 
+With `state_store` (a directory: `--state-store`), every state the prompt cache takes is also
+written to disk off the engine thread, and a lookup that misses in memory consults the files
+(serve/state_store.py): a conversation resumes from its cached prefix after a restart, or on
+another replica sharing the directory, with the same answer as a cold prefill.
+
 Choices (`Request.n` > 1): the prompt is prefilled once; at its end the state is copied into n
 rows, each choice sampled with its own `Sampler` (choice i of a seeded request uses seed + i, so
 it equals the same request with n = 1 and that seed) and ending on its own.
@@ -96,6 +101,7 @@ from ..state import State
 from ..structured import Constraint, grammar_for
 from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from .metrics import Metrics
+from .state_store import StateStore, model_key
 
 
 @dataclass
@@ -104,6 +110,8 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting for a slot; beyond: QueueFull
     prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
     state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
+    state_store: str | None = None  # a directory the prompt-cache states spill to (None: memory only)
+    state_store_bytes: int = 8 << 30  # its capacity (least recently used files go first)
     speculative: str | None = None  # the requests' default: "lookup", "draft" or None (plain decoding)
     draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
     draft_quantization: str = "q4"  # of the twin draft
@@ -115,8 +123,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.state_cache_bytes, int) or self.state_cache_bytes < 0:
-            raise InputError(f"state_cache_bytes must be >= 0, got {self.state_cache_bytes!r}")
+        for name in ("state_cache_bytes", "state_store_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InputError(f"{name} must be >= 0, got {value!r}")
         if self.speculative not in (None, *KINDS):
             raise InputError(f"speculative must be one of {', '.join(KINDS)} or None, got {self.speculative!r}")
         check_max_draft(self.max_draft, "max_draft")
@@ -204,10 +214,13 @@ def _host(state: State) -> State:
 
 
 class PromptCache:
-    """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes."""
+    """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes; with a
+    `store` (serve/state_store.py), every state put is also written to disk, and a prefix missing
+    in memory is looked for there."""
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, store: StateStore | None = None):
         self.capacity = capacity_bytes
+        self.store = store
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, bytes], State] = OrderedDict()
 
@@ -223,19 +236,25 @@ class PromptCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
+        state = _host(state)
+        if self.store is not None:
+            self.store.put(start_key, prefix, state)
+        self._remember(key, state)
+
+    def _remember(self, key: tuple[str, bytes], state: State) -> None:
         size = self._size(key, state)
         if size > self.capacity:
             return
         while self._entries and self.nbytes + size > self.capacity:
             old_key, old = self._entries.popitem(last=False)
             self.nbytes -= self._size(old_key, old)
-        self._entries[key] = _host(state)
+        self._entries[key] = state
         self.nbytes += size
 
     def lookup(self, start_key: str, ids: Sequence[int], chunk: int) -> tuple[int, State | None]:
         """(k, state after ids[:k]) for the longest cached k at which a cold prefill of `ids` cuts
         (a multiple of `chunk` with more than GEMV_MAX_ROWS tokens after it: `prefill_end`), or (0, None)."""
-        if not self._entries:
+        if not self._entries and self.store is None:
             return 0, None
         raw = array("q", ids).tobytes()
         width = raw and len(raw) // len(ids)
@@ -244,6 +263,9 @@ class PromptCache:
             state = self._entries.get(key)
             if state is not None:
                 self._entries.move_to_end(key)
+                return k, state
+            if self.store is not None and (state := self.store.get(start_key, ids[:k])) is not None:
+                self._remember(key, state)
                 return k, state
         return 0, None
 
@@ -308,7 +330,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.metrics = metrics or Metrics()
-        self.cache = PromptCache(self.config.state_cache_bytes)
+        self.cache = PromptCache(self.config.state_cache_bytes, self._state_store())
         self._cond = threading.Condition()
         self._waiting: deque[_Sequence] = deque()  # guarded by _cond
         self._wake = False  # guarded by _cond: a cancel to handle
@@ -323,6 +345,20 @@ class Engine:
         self._ready = False  # warmed up (see _warm_up)
         self.speculative = SpeculativeStats()  # of every speculating row (engine thread)
         self._draft = None  # the draft model's DraftModel, loaded at the first request that needs it
+
+    def _state_store(self) -> StateStore | None:
+        cfg = self.config
+        if cfg.state_store is None:
+            return None
+        model = self.model
+        return StateStore(
+            cfg.state_store,
+            cfg.state_store_bytes,
+            model_key(model),
+            check=lambda state: state.check_usable(model),
+            name=cfg.name,
+            count=lambda what, n: self.metrics.inc(f"state_store_{what}_total", n),
+        )
 
     # --- control (any thread) -------------------------------------------------------------------
 
@@ -348,6 +384,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.cache.store is not None:  # the states queued for the disk are written first
+            self.cache.store.close(timeout)
 
     def submit(self, request: Request, sink: Sink) -> Handle:
         """Queue a request. Raises InputError (bad ids or params), QueueFull, EngineStopped."""
@@ -446,6 +484,7 @@ class Engine:
             "prompt_cache_entries": len(self.cache),
             "prompt_cache_bytes": self.cache.nbytes,
             "prompt_cache_capacity_bytes": self.cache.capacity,
+            **(self.cache.store.gauges() if self.cache.store is not None else {}),
             "max_batch": self.config.max_batch,
             "speculative_acceptance_rate": self.speculative.acceptance_rate,
             "speculative_tokens_per_pass": self.speculative.tokens_per_pass,
@@ -579,7 +618,7 @@ class Engine:
                 logits = logits[-1]
             self.metrics.inc("prefill_tokens_total", end - start)
             seq.pos = end
-            if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
+            if end - start == chunk and (self.cache.capacity or self.cache.store):  # (a last piece may be longer)
                 self.cache.put(req.start_key, ids[:end], seq.state)
             done = end - start
             if end < len(ids):

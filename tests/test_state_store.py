@@ -135,6 +135,19 @@ def test_capacity_evicts_the_least_recently_used(model, tmp_path):
     store.close()
 
 
+def test_the_flag_reaches_the_engine_config_of_serve_ray_and_batch(paths, tmp_path):
+    from rwkv_engine.cli import serve
+    from rwkv_engine.errors import InputError
+
+    new = tmp_path / "new" / "states"
+    config, _ = serve.parse([str(paths["model"]), "--state-store", str(new), "--state-store-mb", "5", "--ray"])
+    assert config.engine.state_store == str(new.resolve()) and new.is_dir()  # created; absolute for replicas
+    assert config.engine.state_store_bytes == 5 << 20
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="not a directory"):
+        serve.parse([str(paths["model"]), "--state-store", str(tmp_path / "file")])
+
+
 def test_a_restarted_server_resumes_from_the_store(paths, tmp_path):
     from .test_serve import Server
 

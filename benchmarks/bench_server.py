@@ -44,7 +44,8 @@ For our server also the engine thread's seconds by phase (/metrics) and its mean
 --peer rwkvserve / --peer llama-server (repeatable; implies --workload mixed): the same rounds
 on that server too, on the same weights and threads (benchmarks/server_peers.py says how each is
 installed, started and stopped), the servers taking turns in each round (the order reversed
-every other round), and the ratio per column: how many times better rwkv-engine is
+every other round; the servers not being measured are paused with SIGSTOP, so that an idle one
+takes no CPU from the one measured), and the ratio per column: how many times better rwkv-engine is
 (throughput ours / theirs, latency theirs / ours). With --quantization q8, llama-server runs
 Q8_0 (else F16 against our bf16); rwkvserve always runs --dtype.
 
@@ -523,6 +524,7 @@ def run_mixed(args, work: Path) -> None:
         tok = WorldTokenizer()
         for s in servers:  # warm-up: a short request each
             asyncio.run(mixed_round(s.url, [s.body("Warm up.", 4)], 1))
+            s.pause(True)
         rounds: dict[str, list[dict]] = {s.name: [] for s in servers}
         counters: list[tuple[int, dict, float]] = []  # ours: (c, engine seconds by phase, wall)
         for rnd in range(args.rounds):
@@ -530,6 +532,8 @@ def run_mixed(args, work: Path) -> None:
                 n = max(c * args.requests_per_stream, args.min_requests)
                 texts = prompt_texts(tok, prompt_lengths(n), salt=f"{rnd}.{c}")
                 for s in servers if rnd % 2 == 0 else servers[::-1]:
+                    for other in servers:  # only the server measured runs (see Served.pause)
+                        other.pause(other is not s)
                     before = engine_counters(s.url) if s.name == "rwkv-engine" else None
                     got = summarize_round(
                         asyncio.run(mixed_round(s.url, [s.body(t, args.tokens) for t in texts], c)), c

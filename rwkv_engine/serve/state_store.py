@@ -65,10 +65,12 @@ def model_key(model) -> str:
     differs, and it costs milliseconds)."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // 64)][:64].to("cpu").contiguous()
+        t = t.detach()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
-        h.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+        if t.numel():  # 64 elements spread over the tensor, gathered without copying it whole
+            where = torch.linspace(0, t.numel() - 1, min(t.numel(), 64), dtype=torch.float64).long()
+            sample = t[torch.unravel_index(where, t.shape)] if t.dim() else t.reshape(1)
+            h.update(sample.to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     signature = model.config.state_signature()
     return f"{signature}:{model.device.type}:{model.dtype}:{h.hexdigest()[:16]}"
 
@@ -133,7 +135,8 @@ class StateStore:
         try:
             state = self._read(path, start_key, prefix)
         except Exception as e:  # a bad file of any kind: never served, never fatal
-            self._skip(path, str(e) or type(e).__name__)
+            if path.exists():  # (not one that another server evicted meanwhile)
+                self._skip(path, str(e) or type(e).__name__)
             return None
         try:
             os.utime(path)  # recently used

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from ..errors import InputError, RWKVEngineError
 from ..sampling import SamplingParams
+from ..tokenizer import EOS_TOKEN_ID
 from . import protocol as p
 from .context import ServingContext
 from .errors import APIError
@@ -30,7 +31,7 @@ _SAMPLING_FIELDS = (
 
 
 def authorize(ctx: ServingContext, request: HTTPRequest) -> None:
-    key = ctx.settings.api_key
+    key = ctx.config.server.api_key
     if key is not None and not key_matches(request.headers.get("authorization", ""), key):
         raise APIError(
             401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
@@ -38,7 +39,7 @@ def authorize(ctx: ServingContext, request: HTTPRequest) -> None:
 
 
 async def read_json(ctx: ServingContext, request: HTTPRequest) -> dict:
-    limit = ctx.settings.max_body_bytes
+    limit = ctx.config.limits.max_body_bytes
     too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -70,7 +71,7 @@ def parse(ctx: ServingContext, kind: type[p._Strict], obj: dict):
     except ValidationError as e:
         param, message = p.describe_validation_error(e)
         raise APIError(400, message, param=param or None) from None
-    name = ctx.settings.model_name
+    name = ctx.model_name
     if req.model is not None and req.model != name:  # (optional in /tokenize)
         raise APIError(
             404,
@@ -97,7 +98,7 @@ def sampling_params(
     max_tokens_field: str = "max_tokens",
 ) -> SamplingParams:
     """`defaults` with the request's sampling fields applied; max_tokens capped by the server."""
-    cap = ctx.settings.max_tokens_cap
+    cap = ctx.config.limits.max_tokens
     if max_tokens is None:
         max_tokens = min(default_max, cap)
     if max_tokens > cap:
@@ -110,7 +111,7 @@ def sampling_params(
     if req.logit_bias:
         changes["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     if req.ignore_eos:  # end-of-text becomes a token like any other
-        changes["stop_token_ids"] = tuple(t for t in defaults.stop_token_ids if t != ctx.eos_token_id)
+        changes["stop_token_ids"] = tuple(t for t in defaults.stop_token_ids if t != EOS_TOKEN_ID)
     try:
         return defaults.replace(**changes)
     except InputError as e:
@@ -130,7 +131,7 @@ async def prompt_ids(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
     ids = await encode_text(ctx, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
-    limit = ctx.settings.max_prompt_tokens
+    limit = ctx.config.limits.max_prompt_tokens
     if len(ids) > limit:
         raise APIError(
             400,

@@ -57,6 +57,30 @@ def prefill_end(start: int, total: int, chunk: int, rows: int = 1) -> int:
     return total if total - end <= GEMV_MAX_ROWS // max(rows, 1) else end
 
 
+# The chunked WKV kernels' chunk (kernels/wkv5.py, wkv7.py): a piece cut short of its chunk ends
+# at a multiple of this from where it started, so it is cut where a whole prefill's WKV cuts too.
+WKV_CHUNK = 32
+
+
+def prefill_piece_end(start: int, total: int, chunk: int, budget: int) -> int:
+    """End of the next prefill piece of a prompt of `total` tokens read from `start`, reading at
+    most `budget` tokens; `start` itself when no piece fits.
+
+    The piece ends at the prompt's next cut on its grid of `chunk` tokens (the cuts of
+    `prefill_cuts`, where the prompt-state cache keeps states; `prefill_end` from a cut), or,
+    when that is past the budget, at the most whole WKV_CHUNKs from `start` that fit and leave
+    more than GEMV_MAX_ROWS tokens. Every piece but a whole rest is longer than GEMV_MAX_ROWS, so
+    a prompt read in such pieces gets the bits of one `forward` over it (`prefill_end`), however
+    the budget cut it, for a chunk that is a multiple of WKV_CHUNK."""
+    end = prefill_end(start - start % chunk, total, chunk)
+    if end - start <= budget:
+        return end
+    end = start + budget - budget % WKV_CHUNK
+    while end > start and total - end <= GEMV_MAX_ROWS:
+        end -= WKV_CHUNK
+    return end if end - start > GEMV_MAX_ROWS else start
+
+
 def prefill_cuts(total: int, chunk: int) -> list[int]:
     """Where a prefill of `total` tokens in pieces of `chunk` (`prefill_end`) cuts, in order: the
     positions whose state a resumed prefill may start from and give the same bits as a cold one

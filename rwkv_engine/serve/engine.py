@@ -5,9 +5,10 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
 
 1. drops cancelled requests (their batch rows are free for this turn) and admits waiting
    requests while fewer than `max_batch` prompts are being read or wait for their first row;
-2. prefills up to `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
-   piece of the first, which then goes to the back of the line, then (if the budget is not
-   spent) of the next one. The work is a request's prompt, or a speculating row's draft model
+2. prefills at most `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
+   piece of the first, cut to the budget left, which then goes to the back of the line, then
+   (if the budget is not spent) of the next one; a piece that does not fit waits for the next
+   turn (`_prefill`). The work is a request's prompt, or a speculating row's draft model
    reading what it has not read (its prompt, or what it missed while drafting paused). So a
    short prompt that arrives while a long one is being read waits for about one piece of it,
    not for the whole of it. A prompt is read without holding batch rows: a long one, or an
@@ -24,8 +25,8 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
    the request's own parameters and random generator, speculating rows by speculative
    acceptance (speculative.py), both drawing from `Sampler.prepare`.
 
-So new prompts delay the running requests by about one chunk of prefill per decode step; they
-are never paused for a whole prompt. A row leaves the batch when its `TextStream` ends (stop
+So new prompts delay the running requests by at most one chunk of prefill per decode step
+(tests/test_engine_fairness.py counts it); they are never paused for a whole prompt. A row leaves the batch when its `TextStream` ends (stop
 token, stop string, max_tokens) or when it is cancelled; the batch state drops it.
 
 Batched = alone, bit for bit (on the CPU, with the native kernels): a request gets the tokens
@@ -409,18 +410,27 @@ class Engine:
             self._batch.keep([i for i, r in enumerate(rows) if not r.cancelled])
 
     def _prefill(self, budget: int) -> None:
-        """Pieces of the prefill work, round-robin, until `budget` tokens are read: the first
-        work's next piece, which then goes to the back of the line, then the next one's."""
-        chunk = self.config.prefill_chunk
-        while self._prefilling and budget > 0:
+        """Pieces of the prefill work, round-robin, while `budget` tokens are left: the first
+        work's next piece, cut to the budget left, which then goes to the back of the line, then
+        the next one's. A piece that does not fit in what is left waits, first in line, for the
+        next turn, so a turn reads at most `budget` tokens (a turn's first piece always runs,
+        whole if nothing shorter is allowed: a chunk under 64 tokens may then pass it by up to
+        GEMV_MAX_ROWS)."""
+        chunk, left = self.config.prefill_chunk, budget
+        while self._prefilling and left > 0:
             work = self._prefilling[0]
             if not work.done:
                 try:
-                    budget -= max(1, work.step(chunk))
+                    n = work.step(chunk, left)
+                    if n == 0 and left == budget:  # no shorter piece is allowed: the natural one
+                        n = work.step(chunk, chunk + GEMV_MAX_ROWS)
                 except Exception as e:  # one request's failure must not stop the others
                     self._prefilling.popleft()
                     self._fail(work.rows, e)
                     continue
+                if n == 0 and not work.done:
+                    break
+                left -= max(1, n)
             if not work.done:
                 self._prefilling.rotate(-1)
                 continue

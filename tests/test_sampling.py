@@ -384,6 +384,52 @@ def test_kept_rows_equals_kept(V, monkeypatch):
         assert fallbacks and all(k == 0 for _, k in fallbacks)
 
 
+def _kept_growing(logp, top_p, top_k):
+    """`_kept` as it was before its sizes were skipped: topk at 256 (or top_k), then x 8, until
+    the running sum reaches top_p or top_k stops it."""
+    V = logp.shape[0]
+    if top_p >= 1:
+        return None if top_k <= 0 or top_k >= V else torch.topk(logp, top_k)
+    k = min(V, max(256, top_k))
+    while True:
+        values, ids = torch.topk(logp, k)
+        cumulative = values.exp().cumsum(0)
+        if bool(cumulative[-1] >= top_p) or k == V:
+            m = int((logp >= values[min(int((cumulative < top_p).sum()), k - 1)]).sum())
+            break
+        if 0 < top_k <= k:
+            m = top_k
+            break
+        k = min(V, k * 8)
+    m = min(m, top_k) if top_k > 0 else m
+    if m > k:
+        values, ids = torch.topk(logp, m)
+    return values[:m], ids[:m]
+
+
+def test_kept_skips_the_topk_sizes_that_fall_short(monkeypatch):
+    """Issue 38 item 3: a flat row (a random model's, whose nucleus holds thousands of tokens)
+    took a topk at 256, 2048, 16384 and 65536. `_kept` now skips the sizes its histogram shows
+    cannot hold the nucleus, and keeps exactly the tokens, in exactly the order (ties included),
+    of the growing sizes, so every seeded draw is unchanged."""
+    gen = torch.Generator().manual_seed(38)
+    calls = []
+    topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: calls.append(k) or topk(x, k, *a, **kw))
+    for scale, step in [(0.3, None), (1.0, None), (2.0, None), (3.0, 0.25), (4.0, None)]:
+        for top_p, top_k in [(0.85, 0), (0.5, 0), (0.99, 0), (0.85, 3000)]:
+            logp = torch.log_softmax(_logits(gen, 1, 65536, scale, step)[0], dim=-1)
+            calls.clear()
+            want = _kept_growing(logp, top_p, top_k)
+            growing = len(calls)
+            calls.clear()
+            kept = sampling._kept(logp, top_p, top_k)
+            assert torch.equal(kept[0], want[0]) and torch.equal(kept[1], want[1]), (scale, top_p, top_k)
+            assert len(calls) <= growing
+            if len(want[0]) > 2048 and top_k == 0:  # a wide nucleus: sizes skipped
+                assert len(calls) < growing, (scale, top_p, calls)
+
+
 def _sample_rows_plainly(logits, temperature, top_p, top_k, generators):
     """sample_rows as it was written first: _kept row by row, then the same draw."""
     logp = torch.log_softmax(logits.float(), dim=-1)

@@ -92,8 +92,16 @@ class TextStream:
         self._min_tokens = params.min_tokens
         self._held = ""
         self.tokens: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []  # what was emitted; `text` joins them when asked
         self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far. Kept as pieces and joined here, because `text += out` on an
+        attribute copies the whole text at every token: O(n^2) over a long answer."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def done(self) -> bool:
@@ -130,7 +138,8 @@ class TextStream:
         else:
             keep = self._partial_stop_suffix(text)
             out, self._held = text[: len(text) - keep], text[len(text) - keep :]
-        self.text += out
+        if out:
+            self._pieces.append(out)
         return out
 
     def _partial_stop_suffix(self, text: str) -> int:

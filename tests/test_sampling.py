@@ -416,8 +416,8 @@ def test_kept_skips_the_topk_sizes_that_fall_short(monkeypatch):
     calls = []
     topk = torch.topk
     monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: calls.append(k) or topk(x, k, *a, **kw))
-    for scale, step in [(0.3, None), (1.0, None), (2.0, None), (3.0, 0.25), (4.0, None)]:
-        for top_p, top_k in [(0.85, 0), (0.5, 0), (0.99, 0), (0.85, 3000)]:
+    for scale, step in [(0.3, None), (2.0, None), (3.0, 0.25)]:
+        for top_p, top_k in [(0.85, 0), (0.99, 0), (0.85, 3000)]:
             logp = torch.log_softmax(_logits(gen, 1, 65536, scale, step)[0], dim=-1)
             calls.clear()
             want = _kept_growing(logp, top_p, top_k)

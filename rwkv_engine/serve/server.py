@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import InputError
 from .engine import EngineConfig
 
 __all__ = ["Config", "EngineConfig", "Limits", "ModelSpec", "ServerSettings", "build", "served_name"]
@@ -108,6 +109,11 @@ def build(config: Config, progress: bool | None = None):
     from .security import allowed_hosts
 
     model, tokenizer = config.model.load(progress)
+    if not model.config.lm_head:  # (the server generates; it has no embedding endpoint yet)
+        raise InputError(
+            f"{config.model.model} is an embedding model (EmbeddingRWKV) without a language-model head: "
+            "the server generates text; embed with `rwkv-engine embed` or rwkv_engine.embed"
+        )
     engine = Engine(model, tokenizer, config.engine)
     server, limits = config.server, config.limits
     settings = AppSettings(

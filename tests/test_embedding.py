@@ -5,8 +5,9 @@ it compiles an fp16 WKV kernel, scripts its functions with TorchScript and puts 
 "cuda" in fp16. `reference` imports it here with the compile skipped, TorchScript off (so its
 functions look up the WKV op at call time), the WKV op replaced by a naive fp32 recurrence
 written below, and, while it runs, "cuda" read as the CPU and fp16 as fp32 (a torch function
-mode). Everything else (the weight layout, ln0 folding, the blocks, the end-token pooling, the
-task heads, the reranker) is its code, unchanged.
+mode); the process-wide settings its import changes are put back. Everything else (the weight
+layout, ln0 folding, the blocks, the end-token pooling, the task heads, the reranker) is its
+code, unchanged.
 """
 
 from __future__ import annotations
@@ -84,7 +85,12 @@ def reference():
     pytest.importorskip("rwkv_emb", reason="rwkv-emb (the test extra) is not installed")
     import torch.utils.cpp_extension
 
+    jit_autocast = torch._C._jit_set_autocast_mode(True)  # (returns the setting it replaces)
     with pytest.MonkeyPatch.context() as mp:
+        # Its import sets these process-wide (TF32 matmuls on CUDA): put back afterwards.
+        mp.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+        mp.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+        mp.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
         mp.setattr(torch.utils.cpp_extension, "load", lambda *a, **k: None)
         mp.setattr(torch.jit, "ScriptModule", nn.Module)
         mp.setattr(torch.jit, "script_method", lambda f: f)
@@ -95,6 +101,7 @@ def reference():
             mp.delitem(sys.modules, name)
         ref7 = importlib.import_module("rwkv_emb.reference.rwkv7")
         model = importlib.import_module("rwkv_emb.model")
+    torch._C._jit_set_autocast_mode(jit_autocast)
     ref7.RWKV7_OP = ref7.RWKV7_ONE_OP = ref7.RWKV7_BATCH_OP = _naive_wkv
     ref7.DTYPE = model.DTYPE = torch.float32
     return model

@@ -39,6 +39,7 @@ import torch
 
 from .chat_format import TURN_SEPARATOR, ReplyText, render_chat
 from .chat_format import normalize_text as normalize_message
+from .config import ModelConfig
 from .errors import InputError, RWKVEngineError, StateError
 from .generation import GenerationStats, generate
 from .sampling import SamplingParams
@@ -269,6 +270,14 @@ class ChatSession:
     def _model_config(self) -> dict:
         return dataclasses.asdict(self.model.config)
 
+    def _saved_with_this_model(self, saved: dict) -> bool:
+        """Whether a session's saved model config is this model's: compared as ModelConfigs, so
+        a field added since it was saved takes its default and JSON's lists are tuples again."""
+        try:
+            return ModelConfig(**saved) == self.model.config
+        except (TypeError, RWKVEngineError):  # unknown fields, impossible values
+            return False
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write the session as one zip file: session.json plus the states (safetensors)."""
         path = Path(path)
@@ -318,7 +327,7 @@ class ChatSession:
                     raise bad
                 _check_session(meta, path, self.model.config.vocab_size)
                 saved = meta["model"]["config"]
-                if saved != self._model_config():
+                if not self._saved_with_this_model(saved):
                     raise StateError(
                         f"{path}: the session was saved with another model "
                         f"({meta['model'].get('name') or 'unknown'}: {saved})"

@@ -12,6 +12,7 @@ code, unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -25,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import rwkv_engine
-from rwkv_engine import testing
+from rwkv_engine import ModelConfig, testing
 from rwkv_engine.embedding import END_TOKEN, embed_ids, encode
 from rwkv_engine.errors import CheckpointError, InputError
 
@@ -206,7 +207,7 @@ def test_mean_pooling_of_any_model(make_pth, version):
     assert rwkv_engine.embed(lm, ids, normalize=False).norm() > 1.5  # (the raw mean)
 
 
-def test_quantized_and_converted_embedders(files, embedder, tmp_path):
+def test_quantized_and_converted_embedders(files, embedder, make_pth, tmp_path):
     """A converted directory embeds as its checkpoint; q8 stays close (the task heads stay fp32)."""
     from rwkv_engine.loading import converted, prepare
 
@@ -216,6 +217,12 @@ def test_quantized_and_converted_embedders(files, embedder, tmp_path):
     again = rwkv_engine.load(out)
     assert again.config == model.config
     assert torch.equal(rwkv_engine.embed(again, TEXTS, tok), want)
+    # configs written before the head fields existed (sessions, directories) read as language models;
+    # JSON's lists read back as the tuples they were
+    lm = rwkv_engine.load(make_pth("7")).config
+    heads = ("lm_head", "task_heads", "task_dim", "score_head")
+    assert ModelConfig(**{k: v for k, v in dataclasses.asdict(lm).items() if k not in heads}) == lm
+    assert ModelConfig(**json.loads(json.dumps(dataclasses.asdict(model.config)))) == model.config
     q8 = rwkv_engine.load(files["embedder"], quantization="q8")
     assert q8.task_heads["retr"].fc1.dtype == torch.float32
     assert rel_rms(rwkv_engine.embed(q8, TEXTS, tok), want) < 0.05

@@ -270,7 +270,8 @@ def test_checkpoint_errors(files, embedder, make_pth, tmp_path):
 
 
 def test_input_errors(embedder, files, make_pth):
-    from rwkv_engine.serve.server import Config, ModelSpec, build
+    from rwkv_engine.serve.server import build
+    from rwkv_engine.settings import Config, ModelSpec
 
     model, tok = embedder
     _expect(InputError, "no language-model head", model.forward, [1, 2, 3])

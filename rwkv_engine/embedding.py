@@ -120,7 +120,6 @@ def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-@torch.inference_mode()
 def embed_ids(
     model,
     seqs: Sequence[Sequence[int]],
@@ -134,21 +133,64 @@ def embed_ids(
     normalize: scale each to unit length (None: the model's default, module docstring).
     progress(n), when given, is called after each batch with the number of sequences it held.
     """
-    task = check_task(model, task)
-    if normalize is None:
-        normalize = not is_embedder(model)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    out = torch.empty(len(seqs), model.config.n_embd)
-    for batch in _batches(order, seqs, batch_tokens):
-        pooled = _pool(model, [seqs[i] for i in batch])
-        if task is not None:
-            pooled = model.task_heads[task](pooled)
+    job = Embedding(model, seqs, task, normalize, batch_tokens)
+    while not job.done:
+        before = job.completed
+        job.step()
+        if progress is not None and job.completed > before:
+            progress(job.completed - before)
+    return job.vectors
+
+
+class Embedding:
+    """N token sequences embedded piece by piece, each piece at most `budget` padded tokens
+    (`step`), so a caller can interleave other work between pieces: the serving engine reads
+    one piece per turn of its prefill budget beside the prompts (serve/engine.py), and
+    `embed_ids` reads them all in a row. Same pieces either way, so the same vectors.
+
+    Inputs sorted by length share right-padded batches of rows x longest <= budget; an input
+    longer than the budget is a batch of its own, read in pieces of `budget` tokens with its state
+    and partial pool carried. `vectors` [N, D] (fp32, CPU) is complete once `done`.
+    """
+
+    def __init__(self, model, seqs: Sequence[Sequence[int]], task=None, normalize=None, budget: int = BATCH_TOKENS):
+        self.model, self.seqs, self.budget = model, seqs, max(1, budget)
+        self.task = check_task(model, task)
+        self.normalize = not is_embedder(model) if normalize is None else normalize
+        self.vectors = torch.empty(len(seqs), model.config.n_embd)
+        self.tokens = sum(len(s) for s in seqs)
+        self.completed = 0  # inputs whose vector is in `vectors`
+        self.done = not seqs
+        self._steps = self._run()
+
+    def step(self) -> int:
+        """Read the next piece; the number of (padded) tokens it read."""
+        with torch.inference_mode():
+            return next(self._steps)
+
+    def _run(self):
+        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))
+        batches = list(_batches(order, self.seqs, self.budget))
+        for n, batch in enumerate(batches):
+            pool = _Pool(self.model, [self.seqs[i] for i in batch])
+            width = max(1, self.budget // len(batch))  # positions per piece
+            state, pos, T = None, 0, pool.ids.shape[1]
+            while pos < T:
+                end = min(pos + width, T)
+                state = self.model.prefill(pool.ids[:, pos:end], state, each=lambda s, x, p=pos: pool.take(p + s, x))
+                if end == T:
+                    self._finish(batch, pool.result())
+                    self.done = n == len(batches) - 1
+                yield len(batch) * (end - pos)
+                pos = end
+
+    def _finish(self, batch: list[int], pooled: Tensor) -> None:
+        if self.task is not None:
+            pooled = self.model.task_heads[self.task](pooled)
         if not torch.isfinite(pooled).all():
             raise ModelOutputError("the model computed a non-finite embedding (its weights or the input overflow)")
-        out[batch] = (F.normalize(pooled, dim=-1) if normalize else pooled).cpu()
-        if progress is not None:
-            progress(len(batch))
-    return out
+        self.vectors[batch] = (F.normalize(pooled, dim=-1) if self.normalize else pooled).cpu()
+        self.completed += len(batch)
 
 
 def _batches(order: list[int], seqs, batch_tokens: int):
@@ -163,28 +205,33 @@ def _batches(order: list[int], seqs, batch_tokens: int):
         yield batch
 
 
-def _pool(model, seqs: list[Sequence[int]]) -> Tensor:
-    """The pooled final hidden states [B, C] fp32 of one right-padded batch."""
-    lengths = torch.tensor([len(s) for s in seqs], device=model.device)
-    ids = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.long)  # (the padding's id: never read)
-    for row, s in enumerate(seqs):
-        ids[row, : len(s)] = torch.as_tensor(list(s))
-    ids = ids.to(model.device)
-    end_token = is_embedder(model)
-    sums = torch.zeros(len(seqs), model.config.n_embd, device=model.device)
-    counts = torch.zeros(len(seqs), 1, device=model.device)
+class _Pool:
+    """The running pool of one right-padded batch [B, T]: `take(start, x)` adds the piece of
+    last-block outputs x [B, t, C] at positions start..; `result()` the pooled states [B, C] fp32."""
 
-    def take(start: int, x: Tensor) -> None:
-        h = model.final_norm(x)  # [B, t, C]
+    def __init__(self, model, seqs: list[Sequence[int]]):
+        self.model = model
+        dev = model.device
+        self.lengths = torch.tensor([len(s) for s in seqs], device=dev)
+        ids = torch.zeros(len(seqs), int(self.lengths.max()), dtype=torch.long)  # (the padding's id: never read)
+        for row, s in enumerate(seqs):
+            ids[row, : len(s)] = torch.as_tensor(list(s))
+        self.ids = ids.to(dev)
+        self.end_token = is_embedder(model)
+        self.sums = torch.zeros(len(seqs), model.config.n_embd, device=dev)
+        self.counts = torch.zeros(len(seqs), 1, device=dev)
+
+    def take(self, start: int, x: Tensor) -> None:
+        h = self.model.final_norm(x)  # [B, t, C]
         pos = torch.arange(start, start + h.shape[1], device=h.device)
-        read = pos[None] < lengths[:, None]  # [B, t]
-        if end_token:
-            read &= ids[:, start : start + h.shape[1]] == END_TOKEN
-        sums.add_((h * read[..., None]).sum(1))
-        counts.add_(read.sum(1, keepdim=True))
+        read = pos[None] < self.lengths[:, None]  # [B, t]
+        if self.end_token:
+            read &= self.ids[:, start : start + h.shape[1]] == END_TOKEN
+        self.sums.add_((h * read[..., None]).sum(1))
+        self.counts.add_(read.sum(1, keepdim=True))
 
-    model.prefill(ids, each=take)
-    return sums / counts
+    def result(self) -> Tensor:
+        return self.sums / self.counts
 
 
 def embed(
@@ -266,15 +313,54 @@ class Reranker:
         """The relevance (sigmoid of the logit, in (0, 1)) of each document to the query: [N] fp32."""
         if not documents:
             raise InputError("documents is empty: give at least one")
-        q = self.query_ids(tokenizer, query)
-        rows = max(1, batch_tokens // len(q))
-        out = []
-        for r0 in range(0, len(documents), rows):
-            states = State.cat(
-                [self.embedder.prefill(self.document_ids(tokenizer, d)) for d in documents[r0 : r0 + rows]]
-            )
-            out.append(self.score_ids(states, q))
-        return torch.sigmoid(torch.cat(out))
+        job = Reranking(self, [self.document_ids(tokenizer, d) for d in documents], self.query_ids(tokenizer, query))
+        while not job.done:
+            job.step()
+        return job.scores
+
+
+class Reranking:
+    """One query against N documents, read piece by piece like an `Embedding` (`step`, `done`):
+    each document prefix alone (no padding: its end state is kept), in pieces of at most `budget`
+    tokens, or taken from `cache` (get(ids) -> State | None, put(ids, state): the serving engine's
+    prompt cache); then the query on top of up to budget // len(query) document states at once,
+    and the reranker's score. `scores` [N] (sigmoid of the logits, CPU) once done."""
+
+    def __init__(
+        self, reranker: Reranker, documents: list[list[int]], query: list[int], budget=BATCH_TOKENS, cache=None
+    ):
+        self.reranker, self.documents, self.query = reranker, documents, list(query)
+        self.budget, self.cache = max(1, budget), cache
+        self.tokens = sum(len(d) for d in documents) + len(documents) * len(query)
+        self.scores = torch.empty(len(documents))
+        self.cached = 0  # document tokens taken from the cache
+        self.done = False
+        self._steps = self._run()
+
+    def step(self) -> int:
+        """Read the next piece; the number of tokens it read."""
+        with torch.inference_mode():
+            return next(self._steps)
+
+    def _run(self):
+        model, states = self.reranker.embedder, []
+        for ids in self.documents:
+            state = self.cache.get(ids) if self.cache is not None else None
+            if state is not None:
+                self.cached += len(ids)
+            else:
+                for pos in range(0, len(ids), self.budget):
+                    state = model.prefill(ids[pos : pos + self.budget], state)
+                    yield min(self.budget, len(ids) - pos)
+                if self.cache is not None:
+                    self.cache.put(ids, state)
+            states.append(state)
+        rows = max(1, self.budget // len(self.query))
+        for r0 in range(0, len(states), rows):
+            part = State.cat(states[r0 : r0 + rows])
+            self.scores[r0 : r0 + part.batch_size] = torch.sigmoid(self.reranker.score_ids(part, self.query))
+            self.done = r0 + rows >= len(states)
+            yield part.batch_size * len(self.query)
 
 
 def load_reranker(model, path, instruction: str = DEFAULT_INSTRUCTION, progress: bool = True) -> Reranker:

@@ -106,6 +106,8 @@ class EngineConfig:
     draft: str | None = None  # the draft model ("draft"): a checkpoint (or a loaded model); None: the twin
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION  # of the twin draft
     max_draft: int = DEFAULT_MAX_DRAFT  # most tokens drafted per pass
+    reranker: str | None = None  # an EmbeddingRWKV reranker checkpoint, for /v1/rerank; None: no rerank
+    rerank_instruction: str | None = None  # the reranker's instruction; None: the one it was trained with
     name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
 
     def __post_init__(self):
@@ -135,6 +137,7 @@ class Limits:
     max_prompt_tokens: int = 16384
     max_tokens: int = 4096  # also the default max_tokens of a chat request
     max_body_bytes: int = 4 << 20
+    max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request, documents of one rerank
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class RequestDefaults:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     completion_max_tokens: int = 16
+    embedding_task: str | None = None  # an EmbeddingRWKV task head ("retr", "cls", "sts"); None: "retr"
 
 
 @dataclass(frozen=True)

@@ -275,6 +275,32 @@ def add_engine_arguments(parser) -> None:
         default=Limits.max_body_bytes >> 10,
         help="largest request body, in KiB (default: %(default)s)",
     )
+    m = parser.add_argument_group("embeddings and reranking (/v1/embeddings, /v1/rerank; docs/server.md)")
+    m.add_argument(
+        "--reranker",
+        metavar="FILE",
+        default=EngineConfig.reranker,
+        help="an EmbeddingRWKV reranker checkpoint (the model must be its embedder): serves /v1/rerank",
+    )
+    m.add_argument(
+        "--rerank-instruction",
+        metavar="TEXT",
+        default=EngineConfig.rerank_instruction,
+        help="the reranker's instruction (default: the one it was trained with)",
+    )
+    m.add_argument(
+        "--embedding-task",
+        choices=("retr", "cls", "sts"),
+        default=RequestDefaults.embedding_task,
+        help="an EmbeddingRWKV model's task head for requests that name none (default: retr)",
+    )
+    m.add_argument(
+        "--max-embedding-inputs",
+        type=_positive,
+        metavar="N",
+        default=Limits.max_embedding_inputs,
+        help="most inputs of one embeddings request, documents of one rerank (default: %(default)s)",
+    )
     from ..sampling_params import SamplingParams
 
     d = parser.add_argument_group(
@@ -295,13 +321,18 @@ def engine_config(args) -> EngineConfig:
         draft=args.draft,
         draft_quantization=args.draft_quantization,
         max_draft=args.max_draft,
+        reranker=args.reranker,
+        rerank_instruction=args.rerank_instruction,
     )
 
 
 def limits(args) -> Limits:
     """The request limits (`add_engine_arguments`) as `Limits`."""
     return Limits(
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_body_bytes=args.max_body_kb << 10
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens,
+        max_body_bytes=args.max_body_kb << 10,
+        max_embedding_inputs=args.max_embedding_inputs,
     )
 
 
@@ -328,7 +359,7 @@ def config(args, environ=None) -> Config:
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
-    defaults = RequestDefaults(sampling=common.distribution_params(args))
+    defaults = RequestDefaults(sampling=common.distribution_params(args), embedding_task=args.embedding_task)
     return Config(common.model_spec(args), engine_config(args), limits(args), server, defaults)
 
 

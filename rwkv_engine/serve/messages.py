@@ -1,5 +1,6 @@
 """What goes into the serving engine (`Request`) and what comes out of it (`Prompt`, `Delta`,
-`Finished` events, in that order, to the request's sink; `QueueFull`, `EngineStopped` from
+`Finished` events, in that order, to the request's sink; an `InputsRequest` gets one `Read`, or a
+`Finished` with reason "error" / "cancelled"; `QueueFull`, `EngineStopped` from
 `Engine.submit`). They know nothing of HTTP: serve/jobs.py turns them into API answers."""
 
 from __future__ import annotations
@@ -30,6 +31,28 @@ class Request:
     # Speculative decoding: "lookup", "draft", "off", or None for the engine's default. The output
     # is the same either way; a request with logprobs decodes plainly.
     speculative: str | None = None
+
+
+@dataclass
+class InputsRequest:
+    """Inputs to read, with nothing generated (work.InputsPrefill): embeddings of `inputs` (token
+    sequences as `embedding.encode` gives them), or, with `query`, the rerank scores of the
+    document prefixes `inputs` against the query ids (the engine's reranker)."""
+
+    inputs: list[list[int]]
+    task: str | None = None  # an EmbeddingRWKV task head (None: the default / mean pooling)
+    normalize: bool | None = None
+    query: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Read:
+    """What an `InputsRequest` gives: `values` [N, D] embeddings or [N] rerank scores (fp32, CPU),
+    in input order; `tokens` the tokens read (for usage), `cached_tokens` those the cache gave."""
+
+    values: object  # torch.Tensor (this module stays torch-free)
+    tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -332,6 +332,40 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings (OpenAI's): `input` a string, a list of strings, a list of token ids or
+    a list of lists of ids; `encoding_format` float or base64 (little-endian float32, what the
+    official client asks for by default); `dimensions` only the model's own (RWKV embeddings are
+    not trained to be truncated); `task` (extension) an EmbeddingRWKV task head."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    task: Literal["retr", "cls", "sts"] | None = None
+
+
+class RerankDocument(_Strict):
+    text: str
+
+
+class RerankRequest(_Strict):
+    """POST /v1/rerank and /rerank (Jina's and vLLM's body; Cohere's fields): the documents as
+    strings or {"text"}; the answer's results sorted by relevance, the first `top_n` of them."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    user: str | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
 # --- responses ---------------------------------------------------------------------------------
 
 

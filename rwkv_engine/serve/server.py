@@ -11,22 +11,22 @@ command lines only turn their flags into a `Config` (rwkv_engine/settings.py).
 
 from __future__ import annotations
 
-from ..errors import InputError
 from ..settings import Config
 
 __all__ = ["Config", "build"]
 
 
 def build(config: Config, progress: bool | None = None):
-    """(engine, app): the model loaded, and the engine and app over it."""
+    """(engine, app): the model (and its reranker, if any) loaded, and the engine and app over it."""
     from .app import create_app
     from .engine import Engine
 
     model, tokenizer = config.model.load(progress)
-    if not model.config.lm_head:  # (the server generates; it has no embedding endpoint yet)
-        raise InputError(
-            f"{config.model.model} is an embedding model (EmbeddingRWKV) without a language-model head: "
-            "the server generates text; embed with `rwkv-engine embed` or rwkv_engine.embed"
-        )
-    engine = Engine(model, tokenizer, config.engine)
+    reranker = None
+    if config.engine.reranker is not None:
+        from ..embedding import DEFAULT_INSTRUCTION, load_reranker
+
+        instruction = config.engine.rerank_instruction or DEFAULT_INSTRUCTION
+        reranker = load_reranker(model, config.engine.reranker, instruction, progress=bool(progress))
+    engine = Engine(model, tokenizer, config.engine, reranker=reranker)
     return engine, create_app(engine, config)

@@ -270,12 +270,8 @@ def test_checkpoint_errors(files, embedder, make_pth, tmp_path):
 
 
 def test_input_errors(embedder, files, make_pth):
-    from rwkv_engine.serve.server import build
-    from rwkv_engine.settings import Config, ModelSpec
-
     model, tok = embedder
     _expect(InputError, "no language-model head", model.forward, [1, 2, 3])
-    _expect(InputError, "embedding model.*the server generates", build, Config(ModelSpec(str(files["embedder"]))))
     _expect(InputError, "inputs must be", rwkv_engine.embed, model, [], tok)
     _expect(InputError, "input 1 is empty", rwkv_engine.embed, model, ["a", []], tok)
     _expect(InputError, "token id 70000 is outside the vocabulary", rwkv_engine.embed, model, [5, 70000])

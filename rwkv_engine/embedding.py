@@ -323,8 +323,8 @@ class Reranking:
     """One query against N documents, read piece by piece like an `Embedding` (`step`, `done`):
     each document prefix alone (no padding: its end state is kept), in pieces of at most `budget`
     tokens, or taken from `cache` (get(ids) -> State | None, put(ids, state): the serving engine's
-    prompt cache); then the query on top of up to budget // len(query) document states at once,
-    and the reranker's score. `scores` [N] (sigmoid of the logits, CPU) once done."""
+    prompt cache); each budget // len(query) document states (so at most that many are held),
+    the query on top of them at once and the reranker's score. `scores` [N] (sigmoid of the logits, CPU) once done."""
 
     def __init__(
         self, reranker: Reranker, documents: list[list[int]], query: list[int], budget=BATCH_TOKENS, cache=None
@@ -343,8 +343,9 @@ class Reranking:
             return next(self._steps)
 
     def _run(self):
-        model, states = self.reranker.embedder, []
-        for ids in self.documents:
+        model, rows = self.reranker.embedder, max(1, self.budget // len(self.query))
+        pending: list[State] = []  # document states not scored yet (at most `rows`)
+        for n, ids in enumerate(self.documents):
             state = self.cache.get(ids) if self.cache is not None else None
             if state is not None:
                 self.cached += len(ids)
@@ -354,13 +355,13 @@ class Reranking:
                     yield min(self.budget, len(ids) - pos)
                 if self.cache is not None:
                     self.cache.put(ids, state)
-            states.append(state)
-        rows = max(1, self.budget // len(self.query))
-        for r0 in range(0, len(states), rows):
-            part = State.cat(states[r0 : r0 + rows])
-            self.scores[r0 : r0 + part.batch_size] = torch.sigmoid(self.reranker.score_ids(part, self.query))
-            self.done = r0 + rows >= len(states)
-            yield part.batch_size * len(self.query)
+            pending.append(state)
+            if len(pending) == rows or n == len(self.documents) - 1:
+                first = n + 1 - len(pending)
+                self.scores[first : n + 1] = torch.sigmoid(self.reranker.score_ids(State.cat(pending), self.query))
+                self.done = n == len(self.documents) - 1
+                yield len(pending) * len(self.query)
+                pending = []
 
 
 def load_reranker(model, path, instruction: str = DEFAULT_INSTRUCTION, progress: bool = True) -> Reranker:

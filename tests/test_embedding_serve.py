@@ -16,7 +16,7 @@ import torch
 
 import rwkv_engine
 from rwkv_engine import testing
-from rwkv_engine.embedding import embed_ids, load_reranker
+from rwkv_engine.embedding import Reranking, embed_ids, load_reranker
 from rwkv_engine.errors import InputError
 from rwkv_engine.sampling import SamplingParams
 from rwkv_engine.serve.engine import Engine, Finished, InputsRequest, Read, Request
@@ -115,6 +115,14 @@ def test_rerank(server, local):
     model, tok, reranker = local
     query, docs = "which fruit?", ["Apples are fruit.", "Engines run.", "Pears and plums", "Nothing"]
     want = reranker.rerank(tok, query, docs).tolist()
+    # In groups of two documents (pieces of a few tokens), as the engine cuts a job: the same scores.
+    q = reranker.query_ids(tok, query)
+    job = Reranking(reranker, [reranker.document_ids(tok, d) for d in docs], q, budget=2 * len(q))
+    pieces = 0
+    while not job.done:
+        job.step()
+        pieces += 1
+    assert pieces > len(docs) and job.scores.tolist() == pytest.approx(want, abs=1e-6)
     order = sorted(range(len(docs)), key=lambda i: -want[i])
     for path in ("/v1/rerank", "/rerank"):
         body = {"model": NAME, "query": query, "documents": docs, "top_n": 3}

@@ -137,6 +137,8 @@ def test_rerank(server, local):
     got = httpx.post(server.url + "/v1/rerank", json=body, timeout=30).json()
     assert [r["index"] for r in got["results"]] == order
     assert all("document" not in r for r in got["results"])
+    n_docs = sum(len(reranker.document_ids(tok, d)) for d in docs)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n_docs
     assert [r["relevance_score"] for r in got["results"]] == pytest.approx([want[i] for i in order], abs=1e-6)
 
 

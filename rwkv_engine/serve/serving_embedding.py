@@ -91,7 +91,11 @@ async def create_rerank(ctx: ServingContext, request: HTTPRequest):
         if req.return_documents:
             result["document"] = {"text": texts[i]}
         results.append(result)
-    usage = {"prompt_tokens": got.tokens, "total_tokens": got.tokens}
+    usage = {
+        "prompt_tokens": got.tokens,
+        "total_tokens": got.tokens,
+        "prompt_tokens_details": {"cached_tokens": got.cached_tokens},  # document prefixes from the cache
+    }
     return JSONResponse({"id": p.new_id("rerank"), "model": ctx.model_name, "usage": usage, "results": results})
 
 

@@ -76,6 +76,7 @@ def config(args):
         dataclasses.replace(serve.engine_config(args), name="rwkv-engine batch"),
         serve.limits(args),
         ServerSettings(served_model_name=args.served_model_name),
+        serve.chat_settings(args),
     )
 
 

@@ -276,6 +276,26 @@ def add_engine_arguments(parser) -> None:
         help="largest request body, in KiB (default: %(default)s)",
     )
     common.add_speculative_args(parser)
+    add_chat_arguments(parser)
+
+
+def add_chat_arguments(parser) -> None:
+    """How chat requests become prompts: `serve` and `batch` share them."""
+    c = parser.add_argument_group("chat template and thinking (see docs/server.md)")
+    common.add_template_arg(c)
+    c.add_argument(
+        "--think",
+        choices=["on", "off"],
+        default="off",
+        help="whether a reasoning model (G1) thinks when a chat request does not say "
+        "(reasoning_effort, chat_template_kwargs.enable_thinking) (default: %(default)s)",
+    )
+
+
+def chat_settings(args):
+    from ..serve.server import ChatSettings
+
+    return ChatSettings(template=args.chat_template, think=args.think == "on")
 
 
 def engine_config(args):
@@ -327,7 +347,7 @@ def config(args, environ=None):
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
-    return Config(common.model_spec(args), engine_config(args), limits(args), server)
+    return Config(common.model_spec(args), engine_config(args), limits(args), server, chat_settings(args))
 
 
 def parse(argv: list[str]):

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import StateError
 from ..sampling import SamplingParams
 from ..state import State, load_state
+from ..templates import ChatTemplate, builtin
 from . import protocol as p
 from .engine import Engine
 from .errors import APIError
@@ -29,6 +30,8 @@ class AppSettings:
     allowed_hosts: tuple[str, ...] | None = None  # None: any Host header (see security.Guard)
     cors_origins: tuple[str, ...] = ()
     body_timeout: float = 30.0
+    chat_template: ChatTemplate = field(default_factory=lambda: builtin("world"))  # resolved (templates.resolve)
+    think: bool = False  # whether a chat request that says nothing about it lets the model think
 
 
 @dataclass

@@ -154,6 +154,7 @@ class Delta:
     text: str
     index: int = 0  # the choice
     logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) behind this piece, if asked for
+    generated: int = 0  # tokens the choice has generated so far, this piece's included
 
 
 @dataclass(frozen=True)
@@ -789,7 +790,7 @@ class Engine:
 
     def _emit(self, seq: _Sequence, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text or logprobs:
-            self._send(seq, Delta(text, seq.index, logprobs))
+            self._send(seq, Delta(text, seq.index, logprobs, len(seq.stream.tokens)))
 
     def _send(self, seq: _Sequence, event) -> None:
         if seq.cancelled:

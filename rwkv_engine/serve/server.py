@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .engine import EngineConfig
 
-__all__ = ["Config", "EngineConfig", "Limits", "ModelSpec", "ServerSettings", "build", "served_name"]
+__all__ = ["ChatSettings", "Config", "EngineConfig", "Limits", "ModelSpec", "ServerSettings", "build", "served_name"]
 
 
 @dataclass(frozen=True)
@@ -82,11 +82,33 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class ChatSettings:
+    """How chat requests become prompts (docs/server.md, "Chat templates and thinking")."""
+
+    template: str = "auto"  # a built-in name (world, g1), a .jinja file, or auto (templates.resolve)
+    think: bool = False  # the default of requests that say nothing about thinking
+
+    def resolve(self, model, asked: str, log=None):
+        """The template, resolved for the loaded `model` (asked for as `asked`: a path or a Hub id);
+        `log(line)` is told which and why."""
+        from ..templates import resolve
+
+        path = str(model.path) if getattr(model, "path", None) else asked
+        template = resolve(self.template, path, model.config.version, asked)
+        if log is not None:
+            log(
+                f"chat template: {template.name} ({template.source}); thinking {'on' if self.think else 'off'} by default"
+            )
+        return template
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelSpec
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)
     server: ServerSettings = field(default_factory=ServerSettings)
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
     @property
     def model_name(self) -> str:
@@ -108,6 +130,7 @@ def build(config: Config, progress: bool | None = None):
     from .security import allowed_hosts
 
     model, tokenizer = config.model.load(progress)
+    template = config.chat.resolve(model, config.model.model, log=_log(config.engine.name))
     engine = Engine(model, tokenizer, config.engine)
     server, limits = config.server, config.limits
     settings = AppSettings(
@@ -120,5 +143,13 @@ def build(config: Config, progress: bool | None = None):
         allowed_hosts=allowed_hosts(server.host, list(server.allowed_hosts)),
         cors_origins=tuple(server.cors_origins),
         body_timeout=server.body_timeout,
+        chat_template=template,
+        think=config.chat.think,
     )
     return engine, create_app(engine, settings), settings
+
+
+def _log(name: str):
+    import sys
+
+    return lambda line: print(f"{name}: {line}", file=sys.stderr, flush=True)

@@ -58,6 +58,11 @@ class ChatTemplate:
         A template of a model's own that lists tools the G1 way is read the G1 way."""
         return "world" if self.name == "world" or "```json" not in self.text else "g1"
 
+    @property
+    def thinks(self) -> bool:
+        """The template knows reasoning models' <think> tags (rwkv_engine/reasoning.py)."""
+        return "<think" in self.text
+
     @functools.cached_property
     def _compiled(self):
         return _environment().from_string(self.text)
@@ -102,8 +107,12 @@ def check(template: ChatTemplate) -> None:
         raise InputError(f"the chat template {template.name} is not valid Jinja: {e}") from None
 
 
-def resolve(spec: str, model_path: str | None = None, version: str | None = None) -> ChatTemplate:
-    """The template `spec` names: a built-in name, a .jinja file, or "auto" (module docstring)."""
+def resolve(
+    spec: str, model_path: str | None = None, version: str | None = None, asked: str | None = None
+) -> ChatTemplate:
+    """The template `spec` names: a built-in name, a .jinja file, or "auto" (module docstring).
+    model_path: where the model's files are; asked: the name the user gave it (a Hub id), whose
+    name also counts for recognising a G1 model."""
     if spec in BUILTIN:
         return builtin(spec)
     if spec != AUTO:
@@ -113,9 +122,10 @@ def resolve(spec: str, model_path: str | None = None, version: str | None = None
     own = model_template(model_path) if model_path else None
     if own is not None:
         return own
-    if model_path and is_g1(model_path, version):
+    named = next((n for n in (model_path, asked) if n and is_g1(n, version)), None)
+    if named:
         t = builtin("g1")
-        return ChatTemplate(t.name, t.text, f"auto: {Path(model_path).name} is a G1 model")
+        return ChatTemplate(t.name, t.text, f"auto: {Path(named).name} is named as a G1 model")
     t = builtin("world")
     return ChatTemplate(t.name, t.text, "auto: not recognised as a G1 model")
 

@@ -20,6 +20,16 @@ The conversation is the World chat format (docs/formats.md D), fed to the model 
 
 Sampling defaults are `sampling.CHAT` (ChatRWKV's chat demo); at most 500 tokens a reply.
 The terminal front end is rwkv_engine/cli/chat.py; tests and other front ends drive `ChatSession` directly.
+
+Other chat templates (rwkv_engine/templates; `g1` for RWKV-7 G1 models) render the system text
+and each message the same way, one turn at a time: "System: TEXT\n\n" (no default preamble
+but World's), then the template's turn for each message with its generation prompt. With `g1`
+the generation prompt chooses thinking (`think`: off, on, bit, lot -> "Assistant: <think></think"
+or "Assistant: <think", with " think a bit" / " think a lot" after the message). A reply's
+thought is yielded as `Thought` pieces (str), its answer as plain str. Unlike the server, which
+renders the history anew for every request (without old thoughts, as the template says), the
+conversation keeps what the model read and wrote, thoughts included: its state is never
+recomputed, and `conversation_ids()` still equals one prefill of the whole conversation.
 """
 
 from __future__ import annotations
@@ -37,13 +47,15 @@ from pathlib import Path
 
 import torch
 
-from .chat_format import TURN_SEPARATOR, ReplyText, render_chat
+from .chat_format import TURN_SEPARATOR
 from .chat_format import normalize_text as normalize_message
 from .errors import InputError, RWKVEngineError, StateError
 from .generation import GenerationStats, generate
+from .reasoning import ReasoningSplitter, reply_start
 from .sampling import SamplingParams
 from .sampling_params import CHAT_SESSION
 from .speculative import DEFAULT_MAX_DRAFT
+from .templates import ChatTemplate, builtin
 from .tokenizer import EOS_TOKEN_ID
 
 DEFAULT_SYSTEM = (
@@ -76,16 +88,32 @@ SETTABLE = {
 }
 
 
-def system_preamble(system: str | None) -> str:
-    """The text before the first turn: the default exchange, "System: ...\\n\\n", or nothing."""
+# /think modes -> the template's keyword arguments (the same mapping as the server's reasoning_effort)
+THINK = {"off": "none", "on": "medium", "bit": "low", "lot": "high"}
+
+
+def system_preamble(system: str | None, template: ChatTemplate | None = None) -> str:
+    """The text before the first turn: the default exchange (World's), the template's system
+    turn ("System: ...\\n\\n"), or nothing."""
+    template = template or builtin("world")
     if system is None:
-        return DEFAULT_SYSTEM
-    system = normalize_message(system)
-    return f"System: {system}{TURN_SEPARATOR}" if system else ""
+        return DEFAULT_SYSTEM if template.name == "world" else ""
+    if not normalize_message(system):
+        return ""
+    return template.render([{"role": "system", "content": system}], add_generation_prompt=False)
 
 
-def turn_prompt(message: str) -> str:
-    return render_chat([("user", message)])
+def turn_prompt(message: str, template: ChatTemplate | None = None, think: str = "off") -> str:
+    """One message and the generation prompt after it, as the template renders them."""
+    effort = THINK[think]
+    thinking = effort != "none"
+    return (template or builtin("world")).render(
+        [{"role": "user", "content": message}], thinking=thinking, enable_thinking=thinking, reasoning_effort=effort
+    )
+
+
+class Thought(str):
+    """A piece of a reply's thought (the rest of a reply's pieces are plain str)."""
 
 
 def plural(n: int, word: str) -> str:
@@ -127,15 +155,19 @@ class ChatSession:
         stateless: bool = False,
         speculative=None,
         max_draft: int = DEFAULT_MAX_DRAFT,
+        template: ChatTemplate | None = None,
+        think: str = "off",
     ):
         self.model = model
+        self.template = template or builtin("world")
+        self.think = think
         # generate()'s speculative decoding for every reply ("lookup", "draft", a Drafter; None: off)
         self.speculative, self.max_draft = speculative, max_draft
         self.tokenizer = tokenizer
         self.params = chat_params(params if params is not None else SamplingParams(**DEFAULTS))
         self.stateless = stateless
         self.last_stats: GenerationStats | None = None
-        self.system = system_preamble(system)
+        self.system = system_preamble(system, self.template)
         self.system_ids = tokenizer.encode(self.system) if self.system else []
         if self.system_ids:
             _, self.system_state = model.forward(self.system_ids)
@@ -169,7 +201,8 @@ class ChatSession:
         return self._reply(self.turns[-1].user, self._regen_state, replace=True)
 
     def _reply(self, message: str, before, replace: bool = False) -> Iterator[str]:
-        prompt_ids = self.tokenizer.encode(turn_prompt(message))
+        prompt = turn_prompt(message, self.template, self.think)
+        prompt_ids = self.tokenizer.encode(prompt)
         gen = generate(
             self.model,
             self.tokenizer,
@@ -180,12 +213,11 @@ class ChatSession:
             speculative=self.speculative,
             max_draft=self.max_draft,
         )
-        reply_text = ReplyText()
+        split = ReasoningSplitter(reply_start(prompt, self.template.thinks))
         try:
             for chunk in gen:
-                chunk = reply_text(chunk)
-                if chunk:
-                    yield chunk
+                yield from _pieces(split.push(chunk))
+            yield from _pieces(split.finish())
         finally:
             self._close_turn(message, before, prompt_ids, gen, replace)
 
@@ -237,6 +269,11 @@ class ChatSession:
         self.params = chat_params(self.params.replace(**changes))
         if "seed" in changes:
             self._seed(self.params.seed)
+
+    def set_think(self, mode: str) -> None:
+        if mode not in THINK:
+            raise InputError(f"/think takes one of {', '.join(THINK)}; got {mode!r}")
+        self.think = mode
 
     def settings(self) -> str:
         p = self.params
@@ -398,6 +435,11 @@ def _check_session(meta: dict, path: Path, vocab_size: int) -> None:
             f"turn {i + 1}: user, reply and finish_reason must be text",
         )
         need(ids(t["prompt_ids"]) and ids(t["reply_ids"]), f"turn {i + 1}: its ids are not token ids of this model")
+
+
+def _pieces(parts) -> Iterator[str]:
+    for kind, text in parts:
+        yield Thought(text) if kind == "reasoning" else text
 
 
 def _parse_value(field: str, text: str):

@@ -343,3 +343,40 @@ def test_chat_load_of_an_unusable_session_is_exit_2(model_path, tmp_path):
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (name, out.stderr[-2000:])
         assert "Traceback" not in out.stderr and name in lines[-1], (name, lines)
+
+
+def test_g1_thinking_in_a_terminal(model_path, tok, tmp_path):
+    """`chat --chat-template g1`: /think on|off|bit|lot writes the G1 generation prompts (checked
+    against rwkv-tl's template, tests/test_templates.py), the thought is shown dimmed before the
+    answer, and --hide-thoughts shows the answer alone."""
+    from rwkv_engine.cli.chat import DIM, UNDIM
+    from rwkv_engine.reasoning import split
+
+    from .test_templates import render_rwkv_tl
+
+    # "</", "think", ">" likely: this random model then ends its thoughts (and never writes "\n\n").
+    bias = [a for t in (754, 35762, 63) for a in ("--logit-bias", f"{t}=30")]
+    flags = ["--chat-template", "g1", "--temperature", "1", "--top-p", "1", "--max-tokens", "24", "--seed", "2", *bias]
+    chat = Chat(model_path, tmp_path, "--think", "on", *flags)
+    assert "chat template g1" in chat.banner and "think on" in chat.banner
+    shown = [chat.send(m) for m in ("hello", "and?")]
+    assert "think=bit" in chat.command("/think bit")
+    chat.send("more")
+    assert "think=off" in chat.command("/think off")
+    assert DIM not in chat.send("plain")
+    assert "/think takes one of off, on, bit, lot" in chat.command("/think maybe")
+    chat.command("/save g1.zip")
+    assert chat.exit() == 0
+
+    meta, _ = read_session(tmp_path / "g1.zip")
+    for turn, mode in zip(meta["turns"], [True, True, "bit", False]):
+        message = [{"role": "user", "content": turn["user"] + (" think a bit" if mode == "bit" else "")}]
+        assert turn["prompt_ids"] == tok.encode(render_rwkv_tl(message, thinking=bool(mode)))
+    for screen, turn in zip(shown, meta["turns"]):
+        thought, answer = split(turn["reply"], "thought>")
+        assert screen == DIM + thought + (UNDIM + "\n" + answer if answer else UNDIM)
+    assert any(UNDIM + "\n" in screen for screen in shown), shown  # (the bias makes the model end a thought)
+
+    hidden = Chat(model_path, tmp_path, "--think", "on", "--hide-thoughts", *flags)
+    assert [hidden.send(m) for m in ("hello", "and?")] == [s.partition(UNDIM + "\n")[2] for s in shown]
+    assert hidden.exit() == 0

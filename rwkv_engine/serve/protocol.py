@@ -570,7 +570,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "rwkv-engine"
     # How chat requests are rendered: {"chat_template": name, "chat_template_source": why it was
-    # chosen, "think": the default for requests that do not say} (llama.cpp puts its model facts in `meta` too)
+    # chosen, "reasoning": whether the template has thinking, "think": the default for requests
+    # that do not say} (llama.cpp puts its model facts in `meta` too)
     meta: dict[str, Any] | None = None
 
 

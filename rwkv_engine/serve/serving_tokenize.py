@@ -17,7 +17,12 @@ def router(ctx: ServingContext) -> APIRouter:
     r = APIRouter()
     served = ctx.settings.model_name
     template = ctx.settings.chat_template
-    meta = {"chat_template": template.name, "chat_template_source": template.source, "think": ctx.settings.think}
+    meta = {
+        "chat_template": template.name,
+        "chat_template_source": template.source,
+        "reasoning": template.thinks,  # the template knows <think> (a reasoning model's format)
+        "think": ctx.settings.think,
+    }
 
     @r.get("/v1/models")
     async def list_models(request: HTTPRequest):

@@ -1,4 +1,4 @@
-"""The World chat format: a list of chat messages -> the text a World model continues.
+"""The World chat format in Python: a list of chat messages -> the text a World model continues.
 
     System: {system}\n\nUser: {message}\n\nAssistant: {reply}\n\nUser: {message}\n\nAssistant:
 
@@ -13,8 +13,10 @@ space the server stripped: the history then reads exactly as the model wrote it,
 conversation's next prompt starts with the previous prompt plus the reply, and the prompt-state
 cache can resume it.
 
-This module knows nothing of HTTP, the terminal or the engine: the server
-(rwkv_engine/serve/app.py) and the chat CLI (rwkv_engine/cli/chat.py) both render with it.
+The server and the chat CLI render conversations with chat templates (rwkv_engine/templates),
+whose built-in `world` renders exactly this; `render_chat` stays as the World format's short
+form for what needs no template (the Ray router's prefix key, tests). TURN_SEPARATOR, the end
+of every turn and reply, is shared by both.
 """
 
 from __future__ import annotations
@@ -50,16 +52,3 @@ def render_chat(messages: Iterable[tuple[str, str]]) -> str:
         parts.append(f"{name}: {text}{TURN_SEPARATOR}" if text else f"{name}:{TURN_SEPARATOR}")
     parts.append("Assistant:")
     return "".join(parts)
-
-
-class ReplyText:
-    """Removes the one space a World model puts after "Assistant:" from the start of a streamed reply."""
-
-    def __init__(self) -> None:
-        self._started = False
-
-    def __call__(self, delta: str) -> str:
-        if self._started or not delta:
-            return delta
-        self._started = True
-        return delta[1:] if delta.startswith(" ") else delta

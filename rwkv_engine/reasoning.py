@@ -14,7 +14,7 @@ of the prompt (`reply_start`):
 
 The thought and the answer are each stripped of leading whitespace, and the thought of the
 whitespace before </think>. A "plain" reply is all answer, less the one space a World model
-writes after "Assistant:" (chat_format.ReplyText's rule). A thought that never closes (cut by
+writes after "Assistant:" (the World format's rule, docs/formats.md D). A thought that never closes (cut by
 max_tokens) is all reasoning, with an empty answer.
 
 `ReasoningSplitter.push(text, tokens)` takes the reply piece by piece as the engine sends it and

@@ -337,6 +337,28 @@ def test_resolve(tmp_path):
     assert resolve(str(f)).render([{"role": "user", "content": ""}]) == "<user>"
 
 
+def test_gguf_metadata(tmp_path):
+    """A GGUF names its model (general.name) and may carry its template (tokenizer.chat_template)."""
+    gguf = pytest.importorskip("gguf")
+
+    def write(name, **strings):
+        path = tmp_path / name
+        w = gguf.GGUFWriter(str(path), "rwkv7")
+        for key, value in strings.items():
+            w.add_string(key.replace("__", "."), value)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(path)
+
+    named = write("model-q8_0.gguf", general__name="RWKV7 G1a3 13.3B")
+    assert resolve("auto", named, "7").name == "g1"
+    assert resolve("auto", write("other.gguf", general__name="RWKV7 World 2.9B"), "7").name == "world"
+    own = write("own.gguf", tokenizer__chat_template="{{ 'T' }}")
+    assert resolve("auto", own, "7").render([]) == "T"
+
+
 def test_bad_templates(tmp_path):
     with pytest.raises(InputError, match="neither"):
         resolve("nonexistent-template")

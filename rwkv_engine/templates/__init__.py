@@ -18,7 +18,8 @@ Built in (files beside this module, written for rwkv-engine):
 `resolve(spec, model_path, version)` picks one: a built-in name, a .jinja file, or "auto" (the
 model's own template when its files carry one -- a Hugging Face `tokenizer_config.json`
 `chat_template`, a `chat_template.jinja` or `<stem>.jinja` beside the weights, a GGUF's
-`tokenizer.chat_template` -- else `g1` for a model recognised as a G1 one, else `world`).
+`tokenizer.chat_template` -- else `g1` for a model recognised as a G1 one by its file,
+directory or Hub name, or a GGUF's `general.name`, else `world`).
 
 Nothing here imports torch: the command line resolves templates before the model loads.
 """
@@ -122,7 +123,10 @@ def resolve(
     own = model_template(model_path) if model_path else None
     if own is not None:
         return own
-    named = next((n for n in (model_path, asked) if n and is_g1(n, version)), None)
+    names = [model_path, asked]
+    if model_path and model_path.lower().endswith(".gguf"):  # (llama.cpp's files name their model inside)
+        names += _gguf_strings(Path(model_path), ("general.name", "general.basename")).values()
+    named = next((n for n in names if n and is_g1(n, version)), None)
     if named:
         t = builtin("g1")
         return ChatTemplate(t.name, t.text, f"auto: {Path(named).name} is named as a G1 model")
@@ -175,13 +179,18 @@ def _config_template(config: Path) -> str | None:
 
 
 def _gguf_template(path: Path) -> str | None:
+    return _gguf_strings(path, ("tokenizer.chat_template",)).get("tokenizer.chat_template")
+
+
+def _gguf_strings(path: Path, keys) -> dict[str, str]:
+    """The string metadata `keys` of a GGUF file that has them."""
     try:
         from gguf import GGUFReader
 
-        field = GGUFReader(path).fields.get("tokenizer.chat_template")
-        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+        fields = GGUFReader(path).fields
+        return {k: bytes(fields[k].parts[fields[k].data[0]]).decode("utf-8") for k in keys if k in fields}
     except Exception:  # noqa: BLE001  (an unreadable GGUF fails later, where the model loads)
-        return None
+        return {}
 
 
 # --- the sandbox --------------------------------------------------------------------------------

@@ -4,8 +4,8 @@
 
 (docs/formats.md D.) Every message becomes "{Role}: {text}\n\n" with the roles System
 (also for OpenAI's "developer"), User and Assistant; the prompt ends with "Assistant:" and no
-space: the model answers with a leading space, which `ReplyText` removes from what the client
-sees. "\n\n" separates turns, so message text is normalised never to contain it: CRLF -> LF,
+space: the model answers with a leading space, which the server and the chat remove from what
+the user sees (reasoning.py, "plain" replies). "\n\n" separates turns, so message text is normalised never to contain it: CRLF -> LF,
 stripped, runs of newlines folded into one (as ChatRWKV's API demos do). A reply ends at "\n\n".
 
 An assistant message of the history is rendered as "Assistant: {content}", which puts back the

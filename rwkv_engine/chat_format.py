@@ -2,21 +2,23 @@
 
     System: {system}\n\nUser: {message}\n\nAssistant: {reply}\n\nUser: {message}\n\nAssistant:
 
-(docs/formats.md D.) Every message becomes "{Role}: {text}\n\n" with the roles System
-(also for OpenAI's "developer"), User and Assistant; the prompt ends with "Assistant:" and no
-space: the model answers with a leading space, which the server and the chat remove from what
-the user sees (reasoning.py, "plain" replies). "\n\n" separates turns, so message text is normalised never to contain it: CRLF -> LF,
-stripped, runs of newlines folded into one (as ChatRWKV's API demos do). A reply ends at "\n\n".
+(docs/formats.md D.) Every message becomes "{Role}: {text}\n\n" ("{Role}:\n\n" when its text
+is empty) with the roles System (also for OpenAI's "developer"), User, Assistant and Tool (a
+tool's result; how tools and calls are written is rwkv_engine/tool_calls.py); the prompt ends
+with "Assistant:" and no space: the model answers with a leading space, which the server and the
+chat remove from what the user sees (reasoning.py, "plain" replies). "\n\n" separates turns, so
+message text is normalised never to contain it: CRLF -> LF, stripped, runs of newlines folded
+into one (as ChatRWKV's API demos do). A reply ends at "\n\n".
 
 An assistant message of the history is rendered as "Assistant: {content}", which puts back the
 space the server stripped: the history then reads exactly as the model wrote it, so a
 conversation's next prompt starts with the previous prompt plus the reply, and the prompt-state
 cache can resume it.
 
-The server and the chat CLI render conversations with chat templates (rwkv_engine/templates),
-whose built-in `world` renders exactly this; `render_chat` stays as the World format's short
-form for what needs no template (the Ray router's prefix key, tests). TURN_SEPARATOR, the end
-of every turn and reply, is shared by both.
+The server, its Ray router and the chat CLI render conversations with chat templates
+(rwkv_engine/templates), whose built-in `world` renders exactly this; `render_chat` stays as the
+World format's short form for what needs no template (tests). TURN_SEPARATOR, the end of every
+turn and reply, is shared by both. This module knows nothing of HTTP, the terminal or the engine.
 """
 
 from __future__ import annotations

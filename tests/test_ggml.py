@@ -17,8 +17,8 @@ from rwkv_engine.errors import CheckpointError, UnsupportedModelError
 from rwkv_engine.loading import gguf as gguf_file
 from rwkv_engine.loading import rwkvcpp
 from rwkv_engine.loading.ggml_quants import BY_NAME, QK_K, dequantize
-from rwkv_engine.loading.ggml_writers import quantize, write_gguf, write_rwkvcpp
 from rwkv_engine.quant.linear import Int8Linear
+from rwkv_engine.testing.ggml_writers import quantize, write_gguf, write_rwkvcpp
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402

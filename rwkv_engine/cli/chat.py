@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # (rwkv_engine.chat imports torch: only when the command runs
     from ..chat import ChatSession
 from ..chat_format import normalize_text as normalize_message
 from ..errors import InputError, RWKVEngineError, StateError
+from ..settings import ChatSettings
 from . import common
 
 HELP = "Chat with an RWKV World model in the terminal (type /help once it runs)."
@@ -64,7 +65,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--think",
         choices=["on", "off", "bit", "lot"],
-        default="off",
+        default=common.on_off(ChatSettings.think),
         help="whether a reasoning model (G1) thinks before it answers: on, off, bit (think a bit), "
         "lot (think a lot); /think changes it (default: %(default)s)",
     )
@@ -205,8 +206,6 @@ def run(args) -> int:
         except ImportError:
             pass
     model, tokenizer = common.load_model(args, progress=True)
-    from ..serve.server import ChatSettings
-
     template = ChatSettings(args.chat_template).resolve(model, args.model)
     t0 = time.perf_counter()
     drafter = common.load_drafter(args, model)

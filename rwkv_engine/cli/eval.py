@@ -73,7 +73,7 @@ def run(args) -> int:
     model, tokenizer = common.load_model(args)
     template = None
     if args.chat_template is not None:
-        from ..serve.server import ChatSettings
+        from ..settings import ChatSettings
 
         template = ChatSettings(args.chat_template).resolve(
             model, args.model, log=lambda line: print(line, file=sys.stderr)

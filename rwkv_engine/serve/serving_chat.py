@@ -47,14 +47,14 @@ async def create_chat_completion(ctx: ServingContext, request: HTTPRequest):
     params = sampling_params(
         ctx,
         req,
-        ctx.chat_defaults,
+        ctx.config.defaults.sampling,
         req.token_limit,
-        ctx.settings.max_tokens_cap,
+        ctx.config.limits.max_tokens,
         extra_stop=(TURN_SEPARATOR,),
         max_tokens_field=req.token_limit_field,
     )
     prompt = render(ctx, req.messages, req.tools if req.tool_mode != "none" else None, True, req)
-    start = reply_start(prompt, ctx.settings.chat_template.thinks)
+    start = reply_start(prompt, ctx.template.thinks)
     params, constraint = await chat_constraint(ctx, req, params, start)
     ids = await prompt_ids(ctx, prompt)
     state, state_key = await ctx.states.get(req.state)
@@ -88,11 +88,11 @@ def render(ctx: ServingContext, messages, tools, add_generation_prompt: bool, re
     """The prompt of `messages` (protocol ChatMessages) by the server's chat template."""
     listed = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        return ctx.settings.chat_template.render(
+        return ctx.template.render(
             [m.for_template() for m in messages],
             listed,
             add_generation_prompt=add_generation_prompt,
-            **req.template_kwargs(ctx.settings.think),
+            **req.template_kwargs(ctx.config.chat.think),
         )
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
@@ -134,7 +134,7 @@ async def chat_constraint(ctx: ServingContext, req: p.ChatCompletionRequest, par
 
 
 def tool_format_of(ctx: ServingContext) -> ToolFormat:
-    return FORMATS[ctx.settings.chat_template.tool_format]
+    return FORMATS[ctx.template.tool_format]
 
 
 @dataclass
@@ -258,7 +258,7 @@ class ChatOutput:
         return p.ChatCompletionResponse(
             id=self.rid,
             created=self.when,
-            model=self.ctx.settings.model_name,
+            model=self.ctx.model_name,
             choices=choices,
             usage=self.usage([c.finished for c in got]),
         )
@@ -272,9 +272,7 @@ class ChatOutput:
 
     def chunk(self, choices: list[p.ChatChunkChoice], use: p.Usage | None = None) -> str:
         return sse(
-            p.ChatCompletionChunk(
-                id=self.rid, created=self.when, model=self.ctx.settings.model_name, choices=choices, usage=use
-            )
+            p.ChatCompletionChunk(id=self.rid, created=self.when, model=self.ctx.model_name, choices=choices, usage=use)
         )
 
     def opening(self) -> tuple[str, ...]:

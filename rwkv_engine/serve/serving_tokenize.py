@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
+from ..tokenizer import EOS_TOKEN_ID
 from . import protocol as p
 from .context import ServingContext
 from .errors import APIError
@@ -15,13 +16,13 @@ from .serving_chat import render
 
 def router(ctx: ServingContext) -> APIRouter:
     r = APIRouter()
-    served = ctx.settings.model_name
-    template = ctx.settings.chat_template
+    served = ctx.model_name
+    template = ctx.template
     meta = {
         "chat_template": template.name,
         "chat_template_source": template.source,
         "reasoning": template.thinks,  # the template knows <think> (a reasoning model's format)
-        "think": ctx.settings.think,
+        "think": ctx.config.chat.think,
     }
 
     @r.get("/v1/models")
@@ -46,7 +47,7 @@ def router(ctx: ServingContext) -> APIRouter:
         else:
             ids = await encode_text(ctx, req.text, "content" if req.content is not None else "prompt")
         tokens = [_piece(ctx.tokenizer, t) for t in ids] if req.with_pieces else ids
-        return {"tokens": tokens, "count": len(ids), "max_model_len": ctx.settings.max_prompt_tokens}
+        return {"tokens": tokens, "count": len(ids), "max_model_len": ctx.config.limits.max_prompt_tokens}
 
     @r.get("/tokenizer_info")
     async def tokenizer_info(request: HTTPRequest):
@@ -60,9 +61,9 @@ def router(ctx: ServingContext) -> APIRouter:
             "eos_token": None,
             "bos_token": None,
             "pad_token": None,
-            "eos_token_id": ctx.eos_token_id,
+            "eos_token_id": EOS_TOKEN_ID,
             "vocab_size": ctx.model.config.vocab_size,
-            "model_max_length": ctx.settings.max_prompt_tokens,
+            "model_max_length": ctx.config.limits.max_prompt_tokens,
             "chat_template": template.text,
         }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .ggml_quants import BY_NAME, QK_K
+from ..loading.ggml_quants import BY_NAME, QK_K
 
 Tensor = torch.Tensor
 
@@ -117,7 +117,7 @@ def write_gguf(
     tokens: the vocabulary to store (default: the World one, cut to the model's rows)."""
     import gguf
 
-    from .gguf import world_token_texts
+    from ..loading.gguf import world_token_texts
 
     version = _version(sd)
     arch = arch or ("rwkv7" if version == "7" else "rwkv6")

@@ -171,21 +171,29 @@ class Constraint:
 class ToolCallTrigger(Constraint):
     """tool_choice "auto": free text, unless the reply starts with the marker (after `lead`
     bytes: spaces for the World format, spaces and newlines for G1's ```json blocks); from then
-    on the call's grammar applies.
+    on the call's grammar applies. `line_starts` (G1): the marker also counts at the start of
+    any line of the reply (after its newline and `lead` bytes), so text may come before the call.
 
-    While the reply so far is leading bytes plus a proper prefix of the marker, tokens that would
-    complete the marker *and* go on past it are banned (the call's grammar must see the bytes
-    after the marker as its own tokens); every other token is allowed. Once the reply leaves
-    the marker the row is unconstrained.
+    While the reply (or its last line) so far is leading bytes plus a proper prefix of the
+    marker, tokens that would complete the marker *and* go on past it are banned (the call's
+    grammar must see the bytes after the marker as its own tokens), and so, with `line_starts`,
+    are tokens that hold a whole marker after a newline of their own and go on past it; every
+    other token is allowed. Without `line_starts`, once the reply leaves the marker the row is
+    unconstrained.
     """
 
-    def __init__(self, grammar: Grammar, tokenizer, marker: str = TOOL_CALL_MARKER, lead: bytes = b" "):
+    def __init__(
+        self, grammar: Grammar, tokenizer, marker: str = TOOL_CALL_MARKER, lead: bytes = b" ", line_starts: bool = False
+    ):
         self._grammar = grammar
         self._marker = marker.encode()
         self._lead = lead
-        self._banned = _overshooting(tokenizer, grammar.vocab_size, self._marker, lead)
+        self._line_starts = line_starts
+        table = _overshooting_lines if line_starts else _overshooting
+        self._banned = table(tokenizer, grammar.vocab_size, self._marker, lead)
         self._tokenizer = tokenizer
         self._reply = b""
+        self._row = 0  # the row of `_banned` that applies now
         self._m = None
         self.active = True
 
@@ -202,18 +210,33 @@ class ToolCallTrigger(Constraint):
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         if self._m is None:
-            matched = len(self._reply.lstrip(self._lead))
-            bitmask[index] = self._banned[matched]
+            bitmask[index] = self._banned[self._row]
 
     def accept(self, token: int) -> None:
         if self._m is not None:
             return super().accept(token)
         self._reply += self._tokenizer.decode_bytes([int(token)]) if token != EOS_TOKEN_ID else b""
+        if self._line_starts:
+            return self._accept_lines(token)
         head = self._reply.lstrip(self._lead)
         if head == self._marker:
             self._m = self._grammar.matcher()
         elif not self._marker.startswith(head) or token == EOS_TOKEN_ID:
             self.active = False
+        else:
+            self._row = len(head)
+
+    def _accept_lines(self, token: int) -> None:
+        """The marker's progress at the reply's last line start (it ends with a newline, so a
+        whole marker is looked for before its own); row len(marker): the line is plain text."""
+        marker, reply = self._marker, self._reply
+        if token == EOS_TOKEN_ID:
+            self.active = False
+        elif reply.endswith(marker) and not reply[: -len(marker)].rsplit(b"\n", 1)[-1].strip(self._lead):
+            self._m = self._grammar.matcher()
+        else:
+            head = reply.rsplit(b"\n", 1)[-1].lstrip(self._lead)
+            self._row = len(head) if marker.startswith(head) else len(marker)
 
 
 @functools.lru_cache(maxsize=8)
@@ -234,6 +257,21 @@ def _overshooting(tokenizer, vocab_size: int, marker: bytes, lead: bytes = b" ")
             if raw.startswith(rest) and len(raw) > len(rest):
                 allowed[k, i] = False
     return pack_bits(allowed)
+
+
+@functools.lru_cache(maxsize=8)
+def _overshooting_lines(tokenizer, vocab_size: int, marker: bytes, lead: bytes) -> torch.Tensor:
+    """[len(marker) + 1, words] bitmasks for `ToolCallTrigger(line_starts=True)`: rows 0..len-1
+    as `_overshooting`'s (k bytes of the marker at a line start), less the tokens that hold a
+    newline, `lead` bytes and the whole marker and go on past it; row len(marker) (within a line
+    of text) bans only those."""
+    inner = re.compile(b"\n[" + re.escape(lead) + b"]*" + re.escape(marker) + b".", re.S)
+    rows = torch.ones(len(marker) + 1, ((vocab_size + 31) // 32) * 32, dtype=torch.bool)
+    rows[:-1] = unpack_bits(_overshooting(tokenizer, vocab_size, marker, lead), rows.shape[1])
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        if inner.search(tokenizer.decode_bytes([i])):
+            rows[:, i] = False
+    return pack_bits(rows)
 
 
 THOUGHT_END = b"</think>"

@@ -29,9 +29,10 @@ writes the tools and earlier calls into the prompt; this module reads what the m
 
 With either format, tool_choice: "none" renders no tool list and the reply is plain text;
 "auto" renders the tools and lets the model choose: a reply (an answer, after any thought)
-that starts with the marker (World) or the opening fence (G1) is a call (structured.
-ToolCallTrigger), any other reply is text; "required" or a named function constrain the whole
-answer to calls (to any of the tools, or to the named one).
+that starts with the marker (World) is a call, and so is (G1) an opening fence at any line start
+of the answer, after text or not (structured.ToolCallTrigger); the text before it is the reply's
+content, and any other reply is text; "required" or a named function constrain the whole answer
+to calls (to any of the tools, or to the named one).
 """
 
 from __future__ import annotations
@@ -52,7 +53,16 @@ from .structured import (
     parse_call,
 )
 
-__all__ = ["FORMATS", "ToolFormat", "parse_call", "CallStream", "G1CallStream", "parse_g1", "TOOL_CALL_MARKER"]
+__all__ = [
+    "FORMATS",
+    "ToolFormat",
+    "parse_call",
+    "CallStream",
+    "G1CallStream",
+    "parse_g1",
+    "read_g1",
+    "TOOL_CALL_MARKER",
+]
 
 
 def tool_constraints(
@@ -67,7 +77,7 @@ def tool_constraints(
     if fmt == "g1":
         grammar = g1_call_grammar(chosen, tokenizer, vocab_size, forced=choice != "auto", parallel=parallel)
         if choice == "auto":
-            return lambda: ToolCallTrigger(grammar, tokenizer, marker=G1_FENCE, lead=b" \n")
+            return lambda: ToolCallTrigger(grammar, tokenizer, marker=G1_FENCE, lead=b" \n", line_starts=True)
         return grammar.constraint
     if choice == "auto":
         grammar = call_grammar(tools, tokenizer, vocab_size, forced=False)
@@ -145,12 +155,21 @@ G1_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments
 # beginning of the closing fence after it.
 G1_TAIL = re.compile(r"\s*(\}\s*`{0,2})?$")
 G1_BLOCK = re.compile(r"\s*```json\n(.*?)\n```", re.S)
+# A call block's opening fence at a line start (the answer's start read as one: "\n" is put in
+# front), with the whitespace before it; and what, at the end of text, may still become one.
+G1_OPENING = re.compile(r"\n\s*" + re.escape(G1_FENCE))
+G1_MAYBE = re.compile(r"\n\s*(?:" + "|".join(re.escape(G1_FENCE[:k]) for k in range(len(G1_FENCE) - 1, 0, -1)) + r")?$")
 
 
-def parse_g1(answer: str) -> list[tuple[str, str]] | None:
-    """(name, arguments as the JSON text the model wrote) of each call of an answer that is
-    nothing but ```json call blocks, else None."""
-    calls, pos = [], 0
+def read_g1(answer: str) -> tuple[str, list[tuple[str, str]]] | None:
+    """(the text before the calls, [(name, arguments as the JSON text the model wrote)]) of an
+    answer that ends in ```json call blocks, the first at a line start (the g1 template writes
+    a message's text, a newline, then its calls); None when it holds no such calls."""
+    opening = G1_OPENING.search("\n" + answer)
+    if opening is None:
+        return None
+    calls, pos = [], max(opening.start() - 1, 0)
+    text = answer[:pos]
     while pos < len(answer.rstrip()):
         m = G1_BLOCK.match(answer, pos)
         if m is None:
@@ -168,40 +187,56 @@ def parse_g1(answer: str) -> list[tuple[str, str]] | None:
         else:
             calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
         pos = m.end()
-    return calls or None
+    return (text, calls) if calls else None
+
+
+def parse_g1(answer: str) -> list[tuple[str, str]] | None:
+    """The calls of `read_g1`, or None."""
+    read = read_g1(answer)
+    return None if read is None else read[1]
 
 
 class G1CallStream:
-    """`CallStream` for the G1 format: the answer is held while it may still open a ```json
-    block (whitespace and a beginning of the fence); text goes out as content; each call goes
-    out as ("call", name) once its name is written, then its arguments as they grow, holding
-    back what may still be the "}" that closes the call and the closing fence. Several blocks
-    give several calls. A call cut short ends with what was sent."""
+    """`CallStream` for the G1 format: text goes out as content, except a tail that may still
+    open a ```json block at a line start (a newline, whitespace and a beginning of the fence; at
+    the answer's start, whitespace and a beginning of the fence), which is held until it is
+    decided; each call goes out as ("call", name) once its name is written, then its arguments
+    as they grow, holding back what may still be the "}" that closes the call and the closing
+    fence. Several blocks give several calls. A call cut short ends with what was sent; a fence
+    that never got a call's name is content."""
 
     def __init__(self):
         self.held = ""
-        self.free = False  # decided: plain text
+        self.started = False  # content went out: the held text is not the answer's start
         self.calling = False
         self._pos = 0  # where the current block's JSON starts in `held`
         self._head = None  # the current call's head match, once written
+        self._calls_sent = 0
         self._sent = 0  # characters of the current block sent (up to the end of the arguments sent)
 
     def push(self, text: str) -> list[tuple[str, str]]:
-        if self.free:
-            return [("content", text)] if text else []
         self.held += text
-        if not self.calling:
-            head = self.held.lstrip()
-            if G1_FENCE.startswith(head) and len(head) < len(G1_FENCE):
-                return []
-            if not head.startswith(G1_FENCE):
-                self.free, text, self.held = True, self.held, ""
-                return [("content", text)]
-            self.calling, self._pos = True, len(self.held) - len(head) + len(G1_FENCE)
-        return self._calls()
+        if self.calling:
+            return self._calls()
+        lead = "" if self.started else "\n"  # (the answer's start is a line start)
+        opening = G1_OPENING.search(lead + self.held)
+        out = []
+        if opening is None:
+            maybe = G1_MAYBE.search(lead + self.held)
+            cut = len(self.held) if maybe is None else max(maybe.start() - len(lead), 0)
+            if cut:
+                out.append(("content", self.held[:cut]))
+                self.held, self.started = self.held[cut:], True
+            return out
+        cut = max(opening.start() - len(lead), 0)
+        if cut:
+            out.append(("content", self.held[:cut]))
+        self.held, self.calling = self.held[cut:], True
+        self._pos = opening.end() - len(lead) - cut
+        return out + self._calls()
 
     def finish(self) -> list[tuple[str, str]]:
-        if self.calling:
+        if self.calling and (self._calls_sent or self._head is not None):
             return self._calls()
         text, self.held = self.held, ""
         return [("content", text)] if text else []
@@ -214,6 +249,7 @@ class G1CallStream:
                 self._head = G1_HEAD.match(body)
                 if self._head is None:
                     return out
+                self._calls_sent += 1
                 out.append(("call", json.loads(f'"{self._head.group(1)}"')))
                 self._sent = self._head.end()
             close = body.find(G1_CLOSE, self._head.end())
@@ -241,15 +277,15 @@ class ToolFormat:
 
     name: str
     stream: type
-    parse: object  # answer -> [(name, arguments)] or None
+    parse: object  # answer -> (text before the calls, [(name, arguments)]) or None
 
     def constraints(self, tools, choice: str, tokenizer, vocab_size: int, parallel: bool = True):
         return tool_constraints(tools, choice, tokenizer, vocab_size, self.name, parallel)
 
 
-def _parse_world(answer: str) -> list[tuple[str, str]] | None:
+def _parse_world(answer: str) -> tuple[str, list[tuple[str, str]]] | None:
     call = parse_call(answer)
-    return None if call is None else [call]
+    return None if call is None else ("", [call])
 
 
-FORMATS = {"world": ToolFormat("world", CallStream, _parse_world), "g1": ToolFormat("g1", G1CallStream, parse_g1)}
+FORMATS = {"world": ToolFormat("world", CallStream, _parse_world), "g1": ToolFormat("g1", G1CallStream, read_g1)}

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import pytest
+import torch
 
-from rwkv_engine.tool_calls import G1CallStream, parse_g1
+from rwkv_engine.tool_calls import G1CallStream, parse_g1, read_g1
 
 
 def chunkings(text: str, cuts: int):
@@ -41,20 +43,26 @@ ANSWERS = {
     ONE: ("", [("get_weather", '{"city": "Oslo", "n": {"a": [1, "}"]}}')]),
     TWO: ("", [("a", "{}"), ('b"c', '{"x": "\\n```"}')]),
     '```json\n{"name":"f","arguments":{"k":1} }\n```': ("", [("f", '{"k":1}')]),
-    " ```json\n": ("", []),  # a call cut short after its fence: nothing to send
+    " ```json\n": (" ```json\n", []),  # a fence that never got a call: text
     " ```json": (" ```json", []),  # (the fence ends with its newline)
     " ``` code": (" ``` code", []),
     "```js\nx": ("```js\nx", []),
     "Sure.\n```json\n{}": ("Sure.\n```json\n{}", []),
     " ": (" ", []),
+    # text, then calls at a line start (as the g1 template writes a message with both)
+    'Both.\n ```json\n{"name": "a", "arguments": {"k": "x\\ny"}}\n```': ("Both.", [("a", '{"k": "x\\ny"}')]),
+    "See:\n\n```json\n" + ONE[9:]: ("See:", [("get_weather", '{"city": "Oslo", "n": {"a": [1, "}"]}}')]),
+    "a ```json\n{}\n```\n`": ("a ```json\n{}\n```\n`", []),  # (not at a line start)
+    "x\n``` y\n```j": ("x\n``` y\n```j", []),
 }
 
 
 @pytest.mark.parametrize("answer", list(ANSWERS))
 def test_every_chunking(answer):
     content, calls = ANSWERS[answer]
-    whole = parse_g1(answer)
-    assert (whole or []) == calls
+    whole = read_g1(answer)
+    assert (whole or ("", []))[1] == calls
+    assert whole is None or whole[0] == content
     for _, arguments in calls:
         json.loads(arguments)
     cuts = len(answer) if len(answer) <= 12 else 2
@@ -154,3 +162,50 @@ def test_calls_constrained_after_the_thought(tiny):
             assert arguments == json.dumps(value)  # the spacing the template writes back
         answered += start == "thought>"
     assert answered >= 2
+
+
+LINE_MARKER = re.compile(rb"(?:\A|\n)[ \n]*```json\n\Z")
+
+
+def test_auto_trigger_at_line_starts(tiny):
+    """tool_choice auto, G1: the call's fence counts at any line start, so text may come first.
+    The mask after each reply is checked against a regex oracle over every token (banned = it
+    completes a line-start fence and goes on past it), and a call written after text is handed
+    to the call's grammar, which accepts it as the template writes it back."""
+    from rwkv_engine.structured import unpack_bits
+    from rwkv_engine.tool_calls import tool_constraints
+
+    model, tok = tiny
+    make = tool_constraints([WEATHER], "auto", tok, 65536, fmt="g1")
+    newline = [i for i in range(65536) if b"\n" in tok.decode_bytes([i])]
+    bans = 0
+    for reply in ("", " ", "Sure", "Sure.\n", "Sure.\n ``", "Sure.\n```json", "a ``", "x\n\n `"):
+        trigger = make()
+        for t in tok.encode(reply):
+            trigger.accept(t)
+        assert not trigger.calling and trigger.active
+        mask = torch.zeros(1, (65536 + 31) // 32, dtype=torch.int32)
+        trigger.fill(mask, 0)
+        allowed = unpack_bits(mask, 65536)[0]
+        banned = set(range(65536)) - set(allowed.nonzero().flatten().tolist())
+        want = set()
+        for i in newline:
+            total = reply.encode() + tok.decode_bytes([i])
+            if any(LINE_MARKER.search(total[:e]) for e in range(len(reply.encode()) + 1, len(total))):
+                want.add(i)
+        assert banned == want, reply
+        bans += len(want)
+    assert bans  # (some token overshoots a fence, after some reply)
+    trigger = make()
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n```'
+    for t in tok.encode("Here it is:\n ```json\n"):
+        assert trigger.active and not trigger.calling
+        trigger.accept(t)
+    assert trigger.calling
+    for t in tok.encode(call):
+        trigger.accept(t)
+    assert trigger.complete
+    assert read_g1("Here it is:\n ```json\n" + call) == (
+        "Here it is:",
+        [("get_weather", '{"city": "Oslo", "days": 2}')],
+    )

@@ -222,16 +222,20 @@ class ChatOutput:
             ChoiceStream(ReasoningSplitter(start), self.format.stream() if self.format else None) for _ in range(n)
         ]
 
-    def calls(self, s: ChoiceStream, reason: str) -> list[p.ToolCall] | None:
-        """The reply's calls, when it is nothing but whole calls (and ended by itself)."""
-        parsed = self.format.parse("".join(s.answer)) if self.format and reason == "stop" else None
-        if not parsed:
-            return None
+    def calls(self, s: ChoiceStream, reason: str) -> tuple[str | None, list[p.ToolCall] | None]:
+        """The reply's content and calls: (the text before them or None, the calls) when it ends
+        in whole calls (and ended by itself), else (the whole answer, None)."""
+        answer = "".join(s.answer)
+        read = self.format.parse(answer) if self.format and reason == "stop" else None
+        if not read:
+            return answer, None
+        text, parsed = read
         ids = s.call_ids + [p.new_id("call") for _ in parsed[len(s.call_ids) :]]
-        return [
+        calls = [
             p.ToolCall(id=i, function=p.CalledFunction(name=name, arguments=arguments))
             for i, (name, arguments) in zip(ids, parsed)
         ]
+        return text or None, calls
 
     def logprobs(self, entries) -> p.ChatLogprobs | None:
         return p.ChatLogprobs(content=chat_content(self.ctx.token_text, entries)) if self.req.logprobs else None
@@ -245,8 +249,7 @@ class ChatOutput:
             for event in c.events:
                 s.read(event)
             s.close(c.finished)
-            calls = self.calls(s, c.finished.reason)
-            content = None if calls else "".join(s.answer)
+            content, calls = self.calls(s, c.finished.reason)
             choices.append(
                 p.ChatChoice(
                     index=i,
@@ -288,7 +291,7 @@ class ChatOutput:
         s = self.streams[i]
         if isinstance(event, Finished):
             before = self.sent(i, s.close(event)) or ""
-            reason = "tool_calls" if self.calls(s, event.reason) else event.reason
+            reason = "tool_calls" if self.calls(s, event.reason)[1] else event.reason
             return before + self.chunk([p.ChatChunkChoice(index=i, delta=p.Delta(), finish_reason=reason)])
         if not isinstance(event, Delta):
             return None

@@ -55,7 +55,7 @@ from .reasoning import ReasoningSplitter, reply_start
 from .sampling import SamplingParams
 from .sampling_params import CHAT_SESSION
 from .speculative import DEFAULT_MAX_DRAFT
-from .templates import ChatTemplate, builtin
+from .templates import ChatTemplate, builtin, check
 from .tokenizer import EOS_TOKEN_ID
 
 DEFAULT_SYSTEM = (
@@ -317,6 +317,9 @@ class ChatSession:
             "system": self.system,
             "system_ids": self.system_ids,
             "stateless": self.stateless,
+            # the conversation's format: a resumed session renders its next turns as these did
+            "template": {"name": self.template.name, "source": self.template.source, "text": self.template.text},
+            "think": self.think,
             "params": params,
             "turns": [dataclasses.asdict(t) for t in self.turns],
             "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
@@ -380,6 +383,7 @@ class ChatSession:
                 turns = [Turn(**t) for t in meta["turns"]]
                 system, system_ids, stateless = str(meta["system"]), list(meta["system_ids"]), bool(meta["stateless"])
                 rng = torch.frombuffer(bytearray(base64.b64decode(meta["generator"])), dtype=torch.uint8)
+                template, think = _saved_template(meta, path, self.template, self.think)
                 if "state" not in states or "system_state" not in states:
                     raise bad
         except (
@@ -399,12 +403,31 @@ class ChatSession:
             raise bad from None
         self.system, self.system_ids, self.system_state = system, system_ids, states["system_state"]
         self.stateless, self.params, self.turns = stateless, params, turns
+        self.template, self.think = template, think
         self.state, self._regen_state = states["state"], states.get("regen_state")
         self.last_stats = None
         try:
             self.generator.set_state(rng)
         except RuntimeError:  # saved on another kind of device: keep going with a fresh seed
             self._seed(self.params.seed)
+
+
+def _saved_template(meta: dict, path: Path, template: ChatTemplate, think: str) -> tuple[ChatTemplate, str]:
+    """The chat template and /think mode a session was saved with (files written before they
+    were recorded: the current ones). The template's text is checked as a template file is."""
+    saved = meta.get("template")
+    if saved is not None:
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k), str) for k in ("name", "source", "text")):
+            raise StateError(f"{path}: session.json: template is not a name, source and text")
+        template = ChatTemplate(saved["name"], saved["text"], saved["source"])
+        try:
+            check(template)
+        except InputError as e:
+            raise StateError(f"{path}: session.json: {e}") from None
+    think = meta.get("think", think)
+    if think not in THINK:
+        raise StateError(f"{path}: session.json: think is not one of {', '.join(THINK)}")
+    return template, think
 
 
 def _check_session(meta: dict, path: Path, vocab_size: int) -> None:

@@ -380,3 +380,48 @@ def test_g1_thinking_in_a_terminal(model_path, tok, tmp_path):
     hidden = Chat(model_path, tmp_path, "--think", "on", "--hide-thoughts", *flags)
     assert [hidden.send(m) for m in ("hello", "and?")] == [s.partition(UNDIM + "\n")[2] for s in shown]
     assert hidden.exit() == 0
+
+
+def test_session_file_keeps_template_and_think(model, tok, tmp_path):
+    """/save records the chat template and /think mode; /load resumes with them, so the next
+    turn's prompt is the saved template's rendering (checked against the template itself), not
+    that of the session that loads it. A file without them keeps the current ones; a template
+    that is not Jinja is refused as a bad session file."""
+    from rwkv_engine.chat import DEFAULTS, ChatSession, turn_prompt
+    from rwkv_engine.sampling import SamplingParams
+    from rwkv_engine.templates import builtin
+
+    greedy = SamplingParams(**DEFAULTS).replace(temperature=0, max_tokens=2)
+    g1 = ChatSession(model, tok, greedy, system="", template=builtin("g1"), think="bit")
+    "".join(g1.ask("hi"))
+    g1.save(tmp_path / "g1.zip")
+    world = ChatSession(model, tok, greedy)
+    world.load(tmp_path / "g1.zip")
+    assert (world.template.name, world.template.text, world.think) == ("g1", builtin("g1").text, "bit")
+    "".join(world.ask("and then?"))
+    want = builtin("g1").render([{"role": "user", "content": "and then?"}], thinking=True, reasoning_effort="low")
+    assert world.turns[-1].prompt_ids == tok.encode(want) == tok.encode(turn_prompt("and then?", world.template, "bit"))
+
+    def rewritten(name, change):
+        with zipfile.ZipFile(tmp_path / "g1.zip") as z, zipfile.ZipFile(tmp_path / name, "w") as out:
+            for entry in z.namelist():
+                data = z.read(entry)
+                if entry == "session.json":
+                    meta = json.loads(data)
+                    change(meta)
+                    data = json.dumps(meta)
+                out.writestr(entry, data)
+        return tmp_path / name
+
+    old = rewritten("old.zip", lambda m: [m.pop("template"), m.pop("think")])
+    fresh = ChatSession(model, tok, greedy, think="on")
+    fresh.load(old)
+    assert (fresh.template.name, fresh.think) == ("world", "on")
+    for name, change in (
+        ("bad_jinja.zip", lambda m: m["template"].update(text="{% if %}")),
+        ("bad_think.zip", lambda m: m.update(think="maybe")),
+        ("bad_template.zip", lambda m: m.update(template="g1")),
+    ):
+        with pytest.raises(StateError, match="session.json"):
+            fresh.load(rewritten(name, change))
+    assert (fresh.template.name, fresh.think) == ("world", "on")  # (a refused file changes nothing)

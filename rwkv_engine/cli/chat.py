@@ -167,7 +167,9 @@ class _Terminal:
                 from ..chat import plural
 
                 s.load(rest)
-                self.say(f"(loaded {rest}: {plural(len(s.turns), 'turn')})")
+                self.say(
+                    f"(loaded {rest}: {plural(len(s.turns), 'turn')}; template {s.template.name}, think={s.think})"
+                )
         else:
             raise InputError(f"unknown command {name}; /help lists the commands")
         return True
@@ -227,6 +229,7 @@ def run(args) -> int:
             raise StateError(str(e)) from None
     c = model.config
     name = Path(model.path or args.model).name
+    template = session.template  # (a resumed session keeps the template it was saved with)
     notes = [
         f"chat template {template.name} ({template.source})",
         f"system prompt {len(session.system_ids)} tokens in {time.perf_counter() - t0:.2f}s",

@@ -186,6 +186,18 @@ class TemplateFields(_Strict):
         kwargs.update(thinking=think, enable_thinking=think)
         return kwargs
 
+    def render(self, template, messages: list[ChatMessage], tools, add_generation_prompt: bool, think: bool) -> str:
+        """The prompt of `messages` (with `tools`, ToolDefs or None) by `template` (a
+        templates.ChatTemplate; InputError when it fails): what the server reads, and what the Ray
+        router keys on."""
+        listed = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        return template.render(
+            [m.for_template() for m in messages],
+            listed,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs(think),
+        )
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _no_reserved(cls, v):

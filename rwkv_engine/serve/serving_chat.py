@@ -86,14 +86,8 @@ async def create_chat_completion(ctx: ServingContext, request: HTTPRequest):
 
 def render(ctx: ServingContext, messages, tools, add_generation_prompt: bool, req: p.TemplateFields) -> str:
     """The prompt of `messages` (protocol ChatMessages) by the server's chat template."""
-    listed = [t.model_dump(exclude_none=True) for t in tools] if tools else None
     try:
-        return ctx.template.render(
-            [m.for_template() for m in messages],
-            listed,
-            add_generation_prompt=add_generation_prompt,
-            **req.template_kwargs(ctx.config.chat.think),
-        )
+        return req.render(ctx.template, messages, tools, add_generation_prompt, ctx.config.chat.think)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
 

@@ -7,6 +7,8 @@ a default is written once and a new setting touches its field and its flag.
 * `ModelSpec`: what to load (`rwkv_engine.load`, `load_tokenizer`); every command that runs a
   model builds one from the model flags.
 * Speculative decoding: the kinds, the longest pass, the default draft length and its check.
+* Chat templates: `ChatSettings` (which template renders a conversation, and whether a
+  reasoning model thinks by default), shared by serve, batch, chat and eval.
 * The server: `EngineConfig` (the scheduler), `Limits` (what one request may ask for),
   `RequestDefaults` (what it gets for fields it leaves out), `ServerSettings` (the HTTP side),
   and `Config`, all of them, which `serve.server.build` turns into an engine and an app
@@ -64,6 +66,30 @@ def served_name(model: str) -> str:
     if path.exists():
         return path.stem if path.is_file() else path.resolve().name
     return model
+
+
+# --- chat templates ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """How a conversation becomes a prompt (docs/server.md, "Chat templates and thinking")."""
+
+    template: str = "auto"  # a built-in name (world, g1), a .jinja file, or auto (templates.resolve)
+    think: bool = False  # whether a reasoning model thinks when a request (or the chat) does not say
+
+    def resolve(self, model, asked: str, log=None):
+        """The `templates.ChatTemplate`, resolved for the loaded `model` (asked for as `asked`: a path
+        or a Hub id); `log(line)` is told which and why."""
+        from .templates import resolve
+
+        path = str(model.path) if getattr(model, "path", None) else asked
+        template = resolve(self.template, path, model.config.version, asked)
+        if log is not None:
+            log(
+                f"chat template: {template.name} ({template.source}); thinking {'on' if self.think else 'off'} by default"
+            )
+        return template
 
 
 # --- speculative decoding ---------------------------------------------------------------------
@@ -176,13 +202,15 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class Config:
-    """A whole server: the model, the engine, the requests' limits and defaults, the HTTP side."""
+    """A whole server: the model, the engine, the requests' limits and defaults, the HTTP side,
+    and how chats are rendered."""
 
     model: ModelSpec
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)
     server: ServerSettings = field(default_factory=ServerSettings)
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
     @property
     def model_name(self) -> str:

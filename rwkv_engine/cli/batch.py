@@ -77,6 +77,7 @@ def config(args):
         serve.limits(args),
         ServerSettings(served_model_name=args.served_model_name),
         RequestDefaults(sampling=common.distribution_params(args), embedding_task=args.embedding_task),
+        serve.chat_settings(args),
     )
 
 

@@ -26,7 +26,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
-from ..settings import CPU_MAX_BATCH, CUDA_MAX_BATCH, Config, EngineConfig, Limits, RequestDefaults, ServerSettings
+from ..settings import (
+    CPU_MAX_BATCH,
+    CUDA_MAX_BATCH,
+    ChatSettings,
+    Config,
+    EngineConfig,
+    Limits,
+    RequestDefaults,
+    ServerSettings,
+)
 from . import common
 
 HELP = "Serve an OpenAI-compatible HTTP API (completions, chat completions) with continuous batching."
@@ -308,6 +317,25 @@ def add_engine_arguments(parser) -> None:
     )
     common.add_distribution_args(d, SamplingParams())
     common.add_speculative_args(parser)
+    add_chat_arguments(parser)
+
+
+def add_chat_arguments(parser) -> None:
+    """How chat requests become prompts: `serve` and `batch` share them."""
+    c = parser.add_argument_group("chat template and thinking (see docs/server.md)")
+    common.add_template_arg(c)
+    c.add_argument(
+        "--think",
+        choices=["on", "off"],
+        default=common.on_off(ChatSettings.think),
+        help="whether a reasoning model (G1) thinks when a chat request does not say "
+        "(reasoning_effort, chat_template_kwargs.enable_thinking) (default: %(default)s)",
+    )
+
+
+def chat_settings(args) -> ChatSettings:
+    """The chat flags (`add_chat_arguments`) as `ChatSettings`."""
+    return ChatSettings(template=args.chat_template, think=args.think == "on")
 
 
 def engine_config(args) -> EngineConfig:
@@ -360,7 +388,7 @@ def config(args, environ=None) -> Config:
         log_level=args.log_level,
     )
     defaults = RequestDefaults(sampling=common.distribution_params(args), embedding_task=args.embedding_task)
-    return Config(common.model_spec(args), engine_config(args), limits(args), server, defaults)
+    return Config(common.model_spec(args), engine_config(args), limits(args), server, defaults, chat_settings(args))
 
 
 def parse(argv: list[str]):

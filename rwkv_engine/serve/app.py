@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..settings import Config
+from ..templates import ChatTemplate
 from . import serving_chat, serving_completion, serving_embedding, serving_tokenize, webui
 from .context import ServingContext
 from .engine import Engine
@@ -50,9 +51,11 @@ from .errors import APIError, error_response
 from .security import Guard, allowed_hosts
 
 
-def create_app(engine: Engine, config: Config) -> FastAPI:
-    """The FastAPI application serving `engine` (started and stopped with the app's lifespan)."""
-    ctx = ServingContext(engine, config)
+def create_app(engine: Engine, config: Config, template: ChatTemplate | None = None) -> FastAPI:
+    """The FastAPI application serving `engine` (started and stopped with the app's lifespan).
+    template: the chat template, resolved (`build` resolves it once and logs the choice); None:
+    resolved here from `config.chat`."""
+    ctx = ServingContext(engine, config, template)
     server = config.server
 
     @asynccontextmanager

@@ -53,6 +53,7 @@ class Choice:
 
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    events: list[Delta] = field(default_factory=list)
     prompt: Prompt | None = None
     finished: Finished | None = None
 
@@ -155,6 +156,7 @@ async def collect(request: HTTPRequest, job: Job) -> list[Choice] | None:
             if isinstance(event, Delta):
                 choice.parts.append(event.text)
                 choice.logprobs += event.logprobs
+                choice.events.append(event)
             elif isinstance(event, Prompt):
                 choice.prompt = event
             elif event.reason == "error":

@@ -69,6 +69,7 @@ class Delta:
     text: str
     index: int = 0  # the choice
     logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) behind this piece, if asked for
+    generated: int = 0  # tokens the choice has generated so far, this piece's included
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ def build(config: Config, progress: bool | None = None):
     from .engine import Engine
 
     model, tokenizer = config.model.load(progress)
+    template = config.chat.resolve(model, config.model.model, log=_log(config.engine.name))
     reranker = None
     if config.engine.reranker is not None:
         from ..embedding import DEFAULT_INSTRUCTION, load_reranker
@@ -29,4 +30,10 @@ def build(config: Config, progress: bool | None = None):
         instruction = config.engine.rerank_instruction or DEFAULT_INSTRUCTION
         reranker = load_reranker(model, config.engine.reranker, instruction, progress=bool(progress))
     engine = Engine(model, tokenizer, config.engine, reranker=reranker)
-    return engine, create_app(engine, config)
+    return engine, create_app(engine, config, template)
+
+
+def _log(name: str):
+    import sys
+
+    return lambda line: print(f"{name}: {line}", file=sys.stderr, flush=True)

@@ -69,7 +69,7 @@ class Row:
 
     def emit(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text or logprobs:
-            self.send(Delta(text, self.index, logprobs))
+            self.send(Delta(text, self.index, logprobs, len(self.stream.tokens)))
 
     def send(self, event) -> None:
         if self.cancelled:

@@ -100,6 +100,14 @@ class PromptCache:
                 return k, state
         return 0, None
 
+    def get(self, start_key: str, prefix: Sequence[int]) -> State | None:
+        """The state after exactly `prefix`, or None (a reranked document's prefix: embedding.Reranking)."""
+        key = (start_key, array("q", prefix).tobytes())
+        state = self._entries.get(key)
+        if state is not None:
+            self._entries.move_to_end(key)
+        return state
+
     def clear(self) -> None:
         self._entries.clear()
         self.nbytes = 0

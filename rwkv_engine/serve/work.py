@@ -22,7 +22,7 @@ from ..sampling import Sampler
 from ..speculative import SpeculativeRow
 from ..state import State
 from .logprobs import TokenLogprob, token_logprobs
-from .messages import Delta, Finished
+from .messages import Delta, Finished, Read
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 
@@ -69,7 +69,7 @@ class Row:
 
     def emit(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text or logprobs:
-            self.send(Delta(text, self.index, logprobs))
+            self.send(Delta(text, self.index, logprobs, len(self.stream.tokens)))
 
     def send(self, event) -> None:
         if self.cancelled:
@@ -259,3 +259,50 @@ class DraftPrefill(Prefill):
         n = spec.drafter.catch_up(spec.context, min(chunk, budget))
         self.behind = spec.drafter.lag(spec.context) > spec.max_lag
         return n
+
+
+class InputsPrefill(Prefill):
+    """An `InputsRequest` in the engine: inputs read and nothing generated (an embedding or rerank
+    request). It is prefill work like a prompt, one piece of at most `prefill_chunk` padded tokens
+    per step (embedding.Embedding / Reranking), round-robin with the prompts, so a job of
+    thousands of inputs delays the decoding rows by one piece per turn, never by the whole job.
+    It holds no batch row. It is its own `rows` (one, for cancel and failure): `finish`."""
+
+    def __init__(self, item_id: int, work, sink: Callable[[object], None], metrics: Metrics, on_done):
+        self.id, self.work, self.sink, self.metrics, self.on_done = item_id, work, sink, metrics, on_done
+        self.cancelled = False
+        self.finished = False
+        self.reading = False  # admitted (one of the prompts read at once)
+
+    @property
+    def rows(self) -> list[InputsPrefill]:
+        return [self]
+
+    @property
+    def done(self) -> bool:
+        return self.work.done or self.finished
+
+    def step(self, chunk: int, budget: int) -> int:
+        if budget < chunk:  # its piece (up to a chunk) cannot be cut: it waits for a whole turn's budget
+            return 0
+        n = self.work.step()
+        self.metrics.inc("prefill_tokens_total", n)
+        return n
+
+    def deliver(self) -> None:
+        """Send the result (`Read`) and end."""
+        work = self.work
+        values = work.vectors if hasattr(work, "vectors") else work.scores
+        self.finish("stop", result=Read(values, work.tokens, getattr(work, "cached", 0)))
+
+    def finish(self, reason: str, message: str | None = None, result: Read | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.on_done(self)
+        self.metrics.inc("requests_total", outcome=reason)
+        event = result or Finished(reason, self.work.tokens, 0, 0, message)
+        try:
+            self.sink(event)
+        except Exception:
+            pass

@@ -111,3 +111,77 @@ def test_bad_weights_rejected(weight, match):
 def test_unknown_type_rejected():
     with pytest.raises(InputError, match="unknown K-quant type"):
         KQ.quantize_k(torch.zeros(2, 256), "Q3_K")
+
+
+# --- the q4k / q6k policy ---------------------------------------------------------------------
+
+
+def _meta_model(n_layer: int, n_embd: int, vocab: int = 65536):
+    """An RWKV-7 of the given shape on the meta device (the policy needs only shapes)."""
+    from rwkv_engine.config import ModelConfig
+    from rwkv_engine.models.model import RWKV
+
+    r = testing.lora_ranks("7", n_embd)
+    cfg = ModelConfig(
+        version="7",
+        n_layer=n_layer,
+        n_embd=n_embd,
+        vocab_size=vocab,
+        dim_att=n_embd,
+        ffn_dim=4 * n_embd,
+        n_head=n_embd // 64,
+        head_size=64,
+        lora_decay=r["decay"],
+        lora_iclr=r["iclr"],
+        lora_value=r["value"],
+        lora_gate=r["gate"],
+    )
+    with torch.device("meta"):
+        return RWKV(cfg)
+
+
+def _q4_k_m_bytes(model) -> int:
+    """llama.cpp's Q4_K_M of the same matrices: the head Q6_K, the rest Q4_K, no column scales."""
+    total = 0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            total += m.weight.numel() * (6.5625 if name == "head" else 4.5) / 8
+    return int(total)
+
+
+@pytest.mark.parametrize(
+    "shape,leading",
+    [
+        ((12, 768), {0: "Q6_K", 1: "Q6_K", 2: "Q6_K", 3: "Q5_K"}),  # 0.1B: the head is 37% of the weights
+        ((24, 2048), {0: "Q6_K"}),  # 1.5B
+        ((32, 4096), {0: "Q5_K"}),  # 7B
+    ],
+)
+def test_q4k_policy_reads_at_most_q4_k_m_bytes(shape, leading):
+    """q4k spends the bytes its Q5_K head saves against Q4_K_M's Q6_K on the leading blocks, column
+    scales counted: at most Q4_K_M's bytes per token, within 1% of them, on every shape."""
+    from rwkv_engine.quant.schemes import kquant_actions, kquant_read_bytes
+
+    model = _meta_model(*shape)
+    actions = kquant_actions(model, "q4k")
+    assert actions["head"] == "Q5_K"
+    up = {int(n.split(".")[1]) for n, t in actions.items() if n.startswith("blocks.") and t != "Q4_K"}
+    assert up == set(leading)
+    for i, t in leading.items():
+        assert all(t == a for n, a in actions.items() if n.startswith(f"blocks.{i}.")), i
+    ours, theirs = kquant_read_bytes(model, actions), _q4_k_m_bytes(model)
+    assert 0.99 * theirs < ours <= theirs, (ours, theirs)
+
+
+def test_q6k_policy_and_fallbacks():
+    """q6k is Q6_K throughout; a matrix no 256-block fits takes our q4 (Q4_K / Q5_K) or q8 (Q6_K);
+    matrices under the policy's size are kept, as in every scheme."""
+    from rwkv_engine.quant.schemes import kquant_actions
+
+    model = _meta_model(2, 768)
+    assert set(kquant_actions(model, "q6k").values()) == {"Q6_K"}
+    narrow = _meta_model(2, 320, vocab=128)  # 320 = 5 x 64: no K-quant block fits its rows
+    q4k, q6k = kquant_actions(narrow, "q4k"), kquant_actions(narrow, "q6k")
+    assert q4k["blocks.0.att.key"] == "q4" and q6k["blocks.0.att.key"] == "q8"
+    assert q4k["blocks.0.ffn.value"] == "Q4_K" and q6k["blocks.0.ffn.value"] == "Q6_K"  # 1280 = 5 x 256 wide
+    assert q4k["head"] == q6k["head"] == "keep"  # 128 x 320: under MIN_QUANT_WEIGHTS

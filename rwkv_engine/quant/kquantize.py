@@ -46,6 +46,7 @@ import torch
 from rwkv_engine.errors import InputError
 from rwkv_engine.loading.ggml_quants import BY_NAME, QK_K, TYPES
 from rwkv_engine.quant.primitives import _check_weight
+from rwkv_engine.quant.primitives import column_scales as column_scales_rms
 
 Tensor = torch.Tensor
 
@@ -99,17 +100,33 @@ def check_k_weight(weight: Tensor, type_name: str, what: str) -> None:
         raise InputError(f"{what}: weight values reach {peak:.4g}, beyond the fp16 scales of {type_name}")
 
 
-def quantize_k(weight: Tensor, type_name: str, search: bool = True) -> Tensor:
+def column_scales(weight: Tensor) -> Tensor:
+    """fp16 (K,) column scales for K-quant blocks: the square root of primitives.column_scales
+    (each column's RMS over the rows, normalized to mean 1).
+
+    A K-quant of weight / c with x multiplied by c (KQuantLinear's col_scales) evens out columns of
+    very different sizes; the square root beat the full RMS (q4's) for these blocks: relative
+    weight error of Q4_K on heavy-tailed random matrices 0.091 without, 0.070 with the RMS, 0.060
+    with its square root (exponents 0.4-0.75 within 5% of each other; no change on Gaussian ones).
+    """
+    return column_scales_rms(weight).float().sqrt().to(torch.float16)
+
+
+def quantize_k(weight: Tensor, type_name: str, search: bool = True, col_scales: Tensor | None = None) -> Tensor:
     """uint8 (N, K / 256 * block_bytes) raw ggml blocks of `weight` (N, K) in `type_name`
     ("Q4_K", "Q5_K", "Q6_K"): row n's blocks are row n of the result, as a GGUF stores them.
-    search=False: the plain rounding (step 4 of the module docstring)."""
+    search=False: the plain rounding (step 4 of the module docstring). With col_scales (K,),
+    the blocks hold weight / col_scales (see `column_scales`)."""
     check_k_weight(weight, type_name, f"quantize_k({type_name})")
     N, K = weight.shape
     fmt = _FORMATS[type_name]
     out = torch.empty(N * (K // QK_K), block_bytes(type_name), dtype=torch.uint8, device=weight.device)
     rows = max(1, _CHUNK_BLOCKS * QK_K // K)
     for r0 in range(0, N, rows):
-        x = weight.detach()[r0 : r0 + rows].float().reshape(-1, QK_K // fmt.sub, fmt.sub)
+        x = weight.detach()[r0 : r0 + rows].float()
+        if col_scales is not None:
+            x = x / col_scales.float()
+        x = x.reshape(-1, QK_K // fmt.sub, fmt.sub)
         b0 = r0 * (K // QK_K)
         out[b0 : b0 + x.shape[0]] = _PACK[type_name](*_quantize(x, fmt, search))
     return out.reshape(N, -1)

@@ -165,6 +165,100 @@ def default_action(name: str, module: nn.Linear, scheme: Scheme) -> Action:
     return scheme.name
 
 
+# --- the K-quant schemes' policy (q4k, q6k) ---------------------------------------------------
+# Their matrices are ggml K-quant blocks (quant/kquantize.py writes them, with column scales) for
+# the K-quant linear module. The measurements behind the policy: docs/quantization.md
+# (`bench_quant_quality.py --peer llama.cpp`).
+
+KQUANT_BASE = {"q4k": "Q4_K", "q6k": "Q6_K"}
+# q4k: the head one step below llama.cpp's Q4_K_M (which holds it in Q6_K, every other matrix in
+# Q4_K), and the bytes that saves spent on the leading blocks, in the first of these types that fits.
+Q4K_HEAD = "Q5_K"
+Q4K_LEADING = ("Q6_K", "Q5_K")
+_KQUANT_FALLBACK = {"Q4_K": "q4", "Q5_K": "q4", "Q6_K": "q8"}  # for widths not a multiple of 256
+
+
+def kquant_actions(model: nn.Module, scheme: str) -> dict[str, str]:
+    """The default policy of a K-quant scheme ("q4k" or "q6k"): {linear name: ggml type ("Q4_K",
+    "Q5_K", "Q6_K"), our scheme for a matrix whose width no K-quant block fits ("q4" for Q4_K /
+    Q5_K, "q8" for Q6_K; "q8" also where q4's groups do not fit), or "keep"}.
+
+    q6k: every matrix in Q6_K. q4k: Q4_K, but the head in Q4K_HEAD, and the leading blocks in
+    Q6_K, then Q5_K, for as many whole blocks as the head's saving on Q6_K pays for, column scales
+    counted: at most the bytes of llama.cpp's Q4_K_M of the same model, on any shape. An early
+    block's error grows through every later one (docs/quantization.md), so those bits do more
+    there than in the head. Matrices below MIN_QUANT_WEIGHTS are kept, as in every scheme.
+    Needs only the modules' shapes (a model on the meta device will do).
+    """
+    from rwkv_engine.quant import kquantize as K  # (it reads ggml's tables from loading/, which imports us)
+
+    base = KQUANT_BASE[scheme]
+    actions: dict[str, str] = {}
+    fits: list[tuple[str, nn.Linear]] = []  # the matrices K-quant blocks can hold
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or m.bias is not None:
+            continue
+        t = Q4K_HEAD if base == "Q4_K" and _is_head(name) else base
+        if m.weight.numel() < MIN_QUANT_WEIGHTS:
+            t = "keep"
+        elif m.in_features % K.QK_K:
+            t = _KQUANT_FALLBACK[t]
+            t = "q8" if t == "q4" and m.in_features % min(P.INT4_GROUP_SIZES) else t
+        else:
+            fits.append((name, m))
+        actions[name] = t
+    if base == "Q4_K":
+        _upgrade_leading_blocks(actions, fits, K.bits_per_weight)
+    return actions
+
+
+def _upgrade_leading_blocks(actions: dict[str, str], fits: list[tuple[str, nn.Linear]], bits) -> None:
+    """q4k: the leading blocks' K matrices in the first type of Q4K_LEADING that the bytes left pay
+    for, whole blocks in order, while any does; the bytes: the head's saving against Q6_K, less
+    every K matrix's column scales."""
+    budget = sum(m.weight.numel() * (bits("Q6_K") - bits(Q4K_HEAD)) / 8 for n, m in fits if _is_head(n))
+    budget -= sum(2 * m.in_features for _, m in fits)
+    blocks: dict[int, list[tuple[str, nn.Linear]]] = {}
+    for n, m in fits:
+        if _block_index(n) != float("inf"):
+            blocks.setdefault(int(_block_index(n)), []).append((n, m))
+    for i in sorted(blocks):
+        weights = sum(m.weight.numel() for _, m in blocks[i])
+        costs = {t: weights * (bits(t) - bits("Q4_K")) / 8 for t in Q4K_LEADING}
+        t = next((t for t in Q4K_LEADING if costs[t] <= budget), None)
+        if t is None:
+            return
+        budget -= costs[t]
+        for n, _ in blocks[i]:
+            actions[n] = t
+
+
+def kquant_read_bytes(model: nn.Module, actions: Mapping[str, str]) -> int:
+    """Weight bytes a decode step reads for the linears under `actions` (kquant_actions'): K types at
+    their block size plus fp16 column scales, our schemes as their modules hold them, kept ones
+    as they are."""
+    from rwkv_engine.quant import kquantize as K
+    from rwkv_engine.quant.linear import weight_bytes
+
+    total = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or m.bias is not None:
+            continue
+        t = actions.get(name, "keep")
+        if t in K.K_TYPES:
+            total += int(m.weight.numel() * K.bits_per_weight(t) / 8) + 2 * m.in_features
+        elif t == "keep":
+            total += m.weight.numel() * m.weight.element_size()
+        else:
+            target = _resolve(t, get_scheme(t), name, m.in_features)
+            total += weight_bytes(convert_weight(m.weight, target, empty=True))
+    return total
+
+
+def _is_head(name: str) -> bool:
+    return name.split(".")[-1] == "head"
+
+
 def _block_index(name: str) -> float:
     """i for a module under `blocks.{i}.`, else infinity."""
     parts = name.split(".")

@@ -20,7 +20,7 @@ for its codes c (Q6_K: c = q - 32, in -32..31). The search, for all super-blocks
    then LLOYD rounds of new codes and a new least-squares fit.
 2. The super-block scales from the largest step (and offset): 63 units (Q6_K: -128) each, in fp16.
    Then each sub-block's integers (sc_j, m_j) from the two neighbours of its real step / d and
-   offset / dmin (four pairs), the pair with the least error for its current codes.
+   offset / dmin (four pairs; Q6_K: two scales), the one with the least error for its current codes.
 3. New codes for those scales, the sub-blocks' least-squares steps and offsets for them, d and
    dmin refitted by least squares to the integers and codes (in fp16), step 2's choice again:
    ROUNDS times, each super-block keeping its best round.

@@ -178,7 +178,7 @@ Q4K_LEADING = ("Q6_K", "Q5_K")
 _KQUANT_FALLBACK = {"Q4_K": "q4", "Q5_K": "q4", "Q6_K": "q8"}  # for widths not a multiple of 256
 
 
-def kquant_actions(model: nn.Module, scheme: str) -> dict[str, str]:
+def kquant_actions(model: nn.Module, scheme: str, extra_bytes: float = 0) -> dict[str, str]:
     """The default policy of a K-quant scheme ("q4k" or "q6k"): {linear name: ggml type ("Q4_K",
     "Q5_K", "Q6_K"), our scheme for a matrix whose width no K-quant block fits ("q4" for Q4_K /
     Q5_K, "q8" for Q6_K; "q8" also where q4's groups do not fit), or "keep"}.
@@ -188,6 +188,7 @@ def kquant_actions(model: nn.Module, scheme: str) -> dict[str, str]:
     counted: at most the bytes of llama.cpp's Q4_K_M of the same model, on any shape. An early
     block's error grows through every later one (docs/quantization.md), so those bits do more
     there than in the head. Matrices below MIN_QUANT_WEIGHTS are kept, as in every scheme.
+    extra_bytes: more bytes per token for q4k's leading blocks (to compare at other budgets).
     Needs only the modules' shapes (a model on the meta device will do).
     """
     from rwkv_engine.quant import kquantize as K  # (it reads ggml's tables from loading/, which imports us)
@@ -208,16 +209,16 @@ def kquant_actions(model: nn.Module, scheme: str) -> dict[str, str]:
             fits.append((name, m))
         actions[name] = t
     if base == "Q4_K":
-        _upgrade_leading_blocks(actions, fits, K.bits_per_weight)
+        _upgrade_leading_blocks(actions, fits, K.bits_per_weight, extra_bytes)
     return actions
 
 
-def _upgrade_leading_blocks(actions: dict[str, str], fits: list[tuple[str, nn.Linear]], bits) -> None:
+def _upgrade_leading_blocks(actions: dict[str, str], fits: list[tuple[str, nn.Linear]], bits, extra: float) -> None:
     """q4k: the leading blocks' K matrices in the first type of Q4K_LEADING that the bytes left pay
     for, whole blocks in order, while any does; the bytes: the head's saving against Q6_K, less
     every K matrix's column scales."""
     budget = sum(m.weight.numel() * (bits("Q6_K") - bits(Q4K_HEAD)) / 8 for n, m in fits if _is_head(n))
-    budget -= sum(2 * m.in_features for _, m in fits)
+    budget += extra - sum(2 * m.in_features for _, m in fits)
     blocks: dict[int, list[tuple[str, nn.Linear]]] = {}
     for n, m in fits:
         if _block_index(n) != float("inf"):

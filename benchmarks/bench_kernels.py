@@ -7,6 +7,8 @@
     python benchmarks/bench_kernels.py --only batch --baseline isa:avx2 # the ISA level in use vs AVX2
     python benchmarks/bench_kernels.py --only step --model DIR --batches 1,8 --baseline HEAD
     python benchmarks/bench_kernels.py --only batch --resident --threads 1  # weights in cache: compute speed
+    python benchmarks/bench_kernels.py --only batch --formats q4_k,q6_k,int4g32   # ggml K-quants beside ours
+    python benchmarks/bench_kernels.py --only kprefill --threads 1     # K-quant prefill: integer kernel vs tiles + GEMM
 
 Decode (one token, x [1, K]): for each layer shape of the RWKV-5 World 1.5B model and each weight
 format, the torch peer and our kernel run in alternating rounds over enough copies of the
@@ -28,6 +30,13 @@ and timed in alternating rounds in the same process (ratio = baseline time / our
 level in use is printed first (RWKV_ENGINE_ISA picks another). `--resident` times one copy of each
 weight (L3-resident for all but the head) with 20 times the rounds, one call each, for the
 kernels' compute speed rather than the memory stream.
+
+K-quant prefill (`--only kprefill`): KQuantLinear's two prefill paths, the integer kernel (8 rows
+of x per pass) and dequantized tiles + torch's GEMM (fp32, or bf16 with bf16 matrix
+instructions), on Q4_K / Q6_K weights, x [T, K] for T = 64 and --prefill-tokens, in alternating
+calls (best of 4x the rounds); with --threads 1 the time is the thread's CPU time, which the other
+jobs of a shared machine do not inflate. The module takes the integer path where the GEMM is
+fp32 (quant/kquant_linear.py).
 
 Step (`--only step --model PATH`): whole decode steps of a model at each of `--batches`, with
 `--baseline` switching between the two builds every step (the same weights in the same memory).
@@ -124,6 +133,10 @@ def make_tensors(fmt: str, N: int, K: int) -> dict:
             .to(torch.bfloat16)
             .contiguous(),
         }
+    if fmt in ("q4_k", "q5_k", "q6_k"):  # ggml's K-quant blocks from the test quantizer
+        from rwkv_engine.loading.ggml_writers import quantize
+
+        return {"kq": torch.from_numpy(quantize((torch.randn(N, K, generator=g) / K**0.5).numpy(), fmt.upper()))}
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -133,7 +146,7 @@ def x_dtype(fmt: str) -> torch.dtype:
 
 def weight_nbytes(fmt: str, t: dict) -> int:
     """Bytes our kernel reads per call (weights + scales)."""
-    return sum(v.numel() * v.element_size() for k, v in t.items() if k in ("w", "q", "s", "z"))
+    return sum(v.numel() * v.element_size() for k, v in t.items() if k in ("w", "q", "s", "z", "kq"))
 
 
 @functools.cache
@@ -146,7 +159,12 @@ def _q8_half_scales(ops) -> bool:
         return False
 
 
+_KQ_IDS = {"q4_k": 12, "q5_k": 13, "q6_k": 14}
+
+
 def run_ours(fmt: str, ops, x, t):
+    if fmt in _KQ_IDS:
+        return ops.gemv_kq(x, t["kq"], _KQ_IDS[fmt], x.shape[1])
     if fmt.startswith("int8"):
         return ops.gemv_q8(x, t["q"], t["s"] if _q8_half_scales(ops) else t["s"].float())
     if fmt.startswith("int4"):
@@ -155,6 +173,10 @@ def run_ours(fmt: str, ops, x, t):
 
 
 def run_peer(fmt: str, x, t):
+    if fmt in _KQ_IDS:  # torch has no K-quant kernel: its int4 GEMV of the same shape
+        if "peer" not in t:
+            t["peer"] = make_tensors("int4g32", t["kq"].shape[0], x.shape[1])
+        return run_peer("int4g32", x, t["peer"])
     if fmt.startswith("int8"):
         return torch._weight_int8pack_mm(x, t["q"], t["s_peer"])
     if fmt.startswith("int4"):
@@ -404,6 +426,42 @@ def bench_prefill(ops, T, rounds):
         )
 
 
+def bench_kquant_prefill(ops, T, rounds):
+    """KQuantLinear's prefill paths: the integer kernel against dequantized tiles + GEMM."""
+    from rwkv_engine.loading.ggml_writers import quantize
+    from rwkv_engine.quant.kquant_linear import KQuantLinear
+
+    one = torch.get_num_threads() == 1
+    clock = time.thread_time if one else time.perf_counter
+    print(
+        f"\n## K-quant prefill, x [T, K] bf16, GFLOP/s, {'thread CPU time' if one else 'wall time'}, best of "
+        f"{4 * rounds} alternating calls; GEMM dtype here {QL.prefill_dtype(torch.bfloat16)}; the module "
+        f"takes the integer kernel where that is fp32\n"
+    )
+    print("| shape | type | T | integer kernel | tiles + GEMM | integer / tiles time |")
+    print("|---|---|---|---|---|---|")
+    for sname in ("att/ffn.r 2048x2048", "ffn.key 7168x2048"):
+        N, K = SHAPES[sname]
+        w = torch.randn(N, K) / K**0.5
+        for qtype in ("Q4_K", "Q6_K"):
+            m = KQuantLinear.from_blocks(qtype, torch.from_numpy(quantize(w.numpy(), qtype)), (N, K))
+            for t_rows in sorted({64, T}):
+                x = torch.randn(t_rows, K).bfloat16()
+                fns = {"int": lambda: m._gemv(ops, x), "tiles": lambda: QL._QuantLinearBase._prefill(m, ops, x)}
+                best = {k: float("inf") for k in fns}
+                for _ in range(4 * rounds):
+                    for k, f in fns.items():
+                        t0 = clock()
+                        f()
+                        best[k] = min(best[k], clock() - t0)
+                g = {k: 2 * t_rows * N * K / v / 1e9 for k, v in best.items()}
+                print(
+                    f"| {sname} | {qtype} | {t_rows} | {g['int']:.1f} | {g['tiles']:.1f} | "
+                    f"{best['int'] / best['tiles']:.2f} |",
+                    flush=True,
+                )
+
+
 def bench_errors():
     """Relative RMS output error of each weight format on heavy-tailed random weights."""
     from rwkv_engine.quant import primitives as P
@@ -506,7 +564,7 @@ def bench_step(ours, base, model_path: str, batches, steps: int):
         print(f"| {B} | " + " | ".join(cells) + f" | {last} |", flush=True)
 
 
-SECTIONS = ("decode", "crossover", "prefill", "errors", "batch", "step")
+SECTIONS = ("decode", "crossover", "prefill", "errors", "batch", "step", "kprefill")
 
 
 def main(argv=None):
@@ -536,8 +594,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=60, help="step section: timed decode steps per side and batch")
     ap.add_argument(
         "--only",
-        default=",".join(s for s in SECTIONS if s not in ("batch", "step")),
-        help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch and step)",
+        default=",".join(s for s in SECTIONS if s not in ("batch", "step", "kprefill")),
+        help=f"comma list of sections, from {','.join(SECTIONS)} (default: all but batch, step and kprefill)",
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -573,6 +631,8 @@ def main(argv=None):
         bench_crossover(ops, rounds)
     if "prefill" in only and not args.quick:
         bench_prefill(ops, args.prefill_tokens, max(3, rounds // 6))
+    if "kprefill" in only:
+        bench_kquant_prefill(ops, args.prefill_tokens, max(3, rounds // 3))
     if "errors" in only and not args.quick:
         bench_errors()
     return 0

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rwkv_engine  # noqa: E402
 from rwkv_engine import testing  # noqa: E402
 from rwkv_engine.config import ModelConfig  # noqa: E402
-from rwkv_engine.loading.ggml_quants import BY_NAME, dequantize  # noqa: E402
+from rwkv_engine.quant.ggml_quants import BY_NAME, dequantize  # noqa: E402
 from rwkv_engine.models.model import RWKV  # noqa: E402
 from rwkv_engine.quant import (
     kquantize,  # noqa: E402

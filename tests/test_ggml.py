@@ -13,11 +13,12 @@ import torch
 
 import rwkv_engine
 from rwkv_engine import testing
-from rwkv_engine.errors import CheckpointError, UnsupportedModelError
+from rwkv_engine.errors import CheckpointError, InputError, UnsupportedModelError
 from rwkv_engine.loading import gguf as gguf_file
 from rwkv_engine.loading import rwkvcpp
-from rwkv_engine.loading.ggml_quants import BY_NAME, QK_K, dequantize
 from rwkv_engine.loading.ggml_writers import quantize, write_gguf, write_rwkvcpp
+from rwkv_engine.quant.ggml_quants import BY_NAME, QK_K, dequantize
+from rwkv_engine.quant.kquant_linear import KQuantLinear
 from rwkv_engine.quant.linear import Int8Linear
 
 gguf = pytest.importorskip("gguf")
@@ -243,3 +244,76 @@ def test_gguf_from_llama_cpp_converter(tmp_path, version):
         assert r.returncode == 0, r.stderr[-2000:]
         err = testing.rel_rms(_logits(out), ref)
         assert err < bound, (outtype, err)
+
+
+# --- K-quants run from their blocks (quant/kquant_linear.py) ---------------------------------
+
+
+def _mixed(name: str) -> str:
+    """A Q4_K_M-like mix: Q6_K for the head and the value / FFN-value matrices, Q8_0 for the
+    receptance, Q4_K for the rest."""
+    if name == "output.weight" or "_value" in name:
+        return "Q6_K"
+    return "Q8_0" if "receptance" in name else "Q4_K"
+
+
+@pytest.mark.parametrize("version,ftype", [("7", "Q4_K"), ("7", "Q5_K"), ("7", "mixed"), ("6.0", "Q6_K")])
+def test_gguf_kquants_run_from_the_files_blocks(tmp_path, version, ftype):
+    """Each K-quant matrix becomes a KQuantLinear holding the file's own bytes (RWKV-6's rescaled
+    matrices: the block scales times the power of two, exactly); logits within the format's own
+    error of the .pth and within the activations' int8 rounding of the same file dequantized."""
+    sd = testing.random_state_dict(version, n_layer=2, n_embd=256, vocab_size=300, head_size=64, seed=3)
+    ref = _logits(testing.save_pth(sd, tmp_path / "m.pth"))
+    rescale = 1 if version == "6.0" else 0
+    path = write_gguf(sd, tmp_path / "m.gguf", _mixed if ftype == "mixed" else ftype, rescale_every=rescale)
+    model = rwkv_engine.load(path, dtype="fp32", progress=False)
+    assert model.quantization.name == "gguf"
+    reader = gguf.GGUFReader(str(path))
+    kinds = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if t.name == "output.weight" or (len(parts) == 4 and parts[2] in gguf_file._BLOCK):
+            name = "head" if t.name == "output.weight" else f"blocks.{parts[1]}.{gguf_file._BLOCK[parts[2]]}"
+            m = model.get_submodule(name)
+            if not hasattr(m, "in_features"):  # (att.ln_x)
+                continue
+            kinds.setdefault(t.tensor_type.name, set()).add(type(m).__name__)
+            if isinstance(m, KQuantLinear):
+                want = np.asarray(t.data).reshape(m.qweight.shape)
+                if rescale and name.endswith(("att.output", "ffn.value")):  # the converter's 2^-i undone
+                    got = gq.dequantize(m.qweight.numpy(), t.tensor_type)
+                    assert np.array_equal(got, gq.dequantize(want, t.tensor_type) * 2 ** int(parts[1])), name
+                else:
+                    assert np.array_equal(m.qweight.numpy(), want), name
+    assert kinds.pop("F16", {"DenseLinear"}) == {"DenseLinear"}  # (widths not a multiple of 256: F16)
+    want = {"Q4_K": {"KQuantLinear"}, "Q6_K": {"KQuantLinear"}, "Q8_0": {"Int8Linear"}}
+    assert kinds == (want if ftype == "mixed" else {ftype: {"KQuantLinear"}}), kinds
+    ours = _logits(path)
+    dense = _logits(path, quantization="q0f32")  # the same values, dequantized once, fp32 x
+    assert testing.rel_rms(ours, dense) < 0.06  # x rounded to int8 per 32 columns
+    bound = {"Q4_K": 0.5, "Q5_K": 0.25, "Q6_K": 0.12, "mixed": 0.5}[ftype]
+    assert testing.rel_rms(ours, ref) < bound
+
+
+def test_gguf_kquant_blocks_are_mapped_and_convert_keeps_them(tmp_path, monkeypatch):
+    """Without huge pages the blocks stay views of one mapping of the file (nothing copied);
+    `convert` writes them as they are (no second rounding) and the directory gives the same bits."""
+    sd = testing.random_state_dict("7", n_layer=2, n_embd=256, vocab_size=300, head_size=64, seed=4)
+    path = write_gguf(sd, tmp_path / "m.gguf", _mixed)
+    monkeypatch.setenv("RWKV_ENGINE_HUGE_PAGES", "0")
+    model = rwkv_engine.load(path, dtype="fp32", progress=False)
+    a, b = model.blocks[0].att.key.qweight, model.head.qweight
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # the one file mapping
+    r = _cli("convert", str(path), str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert "run as they are stored" in r.stderr
+    conv = rwkv_engine.load(tmp_path / "out", dtype="fp32", progress=False)
+    assert isinstance(conv.head, KQuantLinear) and conv.head.qtype == "Q6_K"
+    assert torch.equal(conv.blocks[1].att.key.qweight, model.blocks[1].att.key.qweight)
+    assert torch.equal(testing.logits_along(conv, IDS[:4], IDS[4:]), testing.logits_along(model, IDS[:4], IDS[4:]))
+
+
+def test_gguf_scheme_needs_a_gguf(tmp_path):
+    sd = _model("7")
+    with pytest.raises(InputError, match="not a GGUF file"):
+        rwkv_engine.load(testing.save_pth(sd, tmp_path / "m.pth"), quantization="gguf", progress=False)

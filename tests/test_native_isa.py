@@ -28,6 +28,7 @@ from rwkv_engine.kernels.native import build
 from rwkv_engine.quant import primitives as P
 
 from . import test_kernels_v7 as TW
+from . import test_kquant as TQ
 from . import test_lora as TL
 from . import test_native_kernels as TK
 from . import test_native_step as TS
@@ -106,6 +107,11 @@ def test_level_gemvs_match_reference(level_in_use):
     TK.test_q4_rounds_x_as_the_reference_bit_for_bit()
     TK.test_dequant_tiles_equal_reference(torch.bfloat16)
     TK.test_quantize_q4_gives_the_reference_bytes(32, True, False)
+    for qtype in TQ.KQUANT_TYPES:  # K-quants: the spec, ggml's values, batched = alone
+        TQ.test_gemv_kq_matches_reference(qtype, 37, 768)
+        TQ.test_native_dequant_is_gguf_bit_for_bit(qtype)
+    TQ.test_gemv_kq_rows_of_a_batch_equal_each_row_alone()
+    TQ.test_gemv_kq_nan_or_inf_in_x_gives_non_finite_rows(torch.float32)
 
 
 def test_level_wkv7_matches_reference(level_in_use):
@@ -341,6 +347,30 @@ def test_kernel_cases_against_pytorch(tmp_path, name):
             ), ("wkv7 row alone", N)
 
         add(_case(6, [1, 21, 2, N], *(t[1:] for t in ins), state[1:]), 2 * (n + ns), wkv_alone)
+    # K-quants (random valid blocks): the spec (x rounded to int8 per 32 columns) and batched =
+    # alone bit for bit; the decoder: the gguf package's values bit for bit
+    for qtype, N, K in [("Q4_K", 24, 2048), ("Q5_K", 9, 768), ("Q6_K", 17, 1280)]:
+        blocks, tid = TQ.random_blocks(qtype, N, K, seed=N), TQ.ktype_id(qtype)
+        w = TQ.gguf_weight(qtype, blocks, K)
+        x = x_all[:, :K].contiguous()
+        rows = {}
+        add(
+            _case(7, [N, K, 6, tid, 0], blocks, x),
+            6 * N * 4,
+            gemv_checks(qtype, rows, TQ.spec(x, w), 6, torch.float32, 2e-5),
+        )
+        for i in range(6):
+
+            def kq_alone(b, i=i, N=N, rows=rows, name=qtype):
+                assert torch.equal(_from_raw(b, torch.float32, (1, N)), rows[6][i : i + 1]), (name, i)
+
+            add(_case(7, [N, K, 1, tid, 0], blocks, x[i : i + 1]), N * 4, kq_alone)
+        for ot in (torch.float32, torch.bfloat16):
+
+            def kq_dequant(b, N=N, K=K, w=w, ot=ot, name=qtype):
+                assert torch.equal(_from_raw(b, ot, (N, K)), w.to(ot)), (name, ot)
+
+            add(_case(8, [N, K, tid, _DT[ot]], blocks), N * K * ot.itemsize, kq_dequant)
     # dequantization and the int4 quantizer: the reference's bits and bytes
     w = torch.randn(11, 256, generator=g)
     q, s, z = P.quantize_int4(w, 64)

@@ -7,7 +7,7 @@ import torch
 
 from rwkv_engine import testing
 from rwkv_engine.errors import InputError
-from rwkv_engine.loading.ggml_quants import BY_NAME, QK_K, dequantize
+from rwkv_engine.quant.ggml_quants import BY_NAME, QK_K, dequantize
 from rwkv_engine.quant import kquantize as KQ
 
 gguf = pytest.importorskip("gguf")

@@ -2,6 +2,7 @@
 
     OUT/config.json          {"model_type": "rwkv-engine", "rwkv_engine": {format, config, dtype,
                               rescale_every, quantization, linears: {name: [kind, group_size]}}}
+                              (kind "kquant": [kind, ggml type], the blocks as KQuantLinear holds them)
     OUT/model.safetensors    the model's state dict after every load-time transform (log decays,
                               folded ln0, fp16 rescale) and quantization: packed weights and scales;
                               RWKV-6/7 LoRA matrices in the source's 16-bit type (fp32 in older
@@ -43,11 +44,13 @@ def is_converted(hf_config: dict | None) -> bool:
 
 
 def _linear_kinds(model) -> dict[str, list]:
-    from ..quant import DenseLinear, Int4Linear, Int8Linear
+    from ..quant import DenseLinear, Int4Linear, Int8Linear, KQuantLinear
 
     kinds = {}
     for name, m in model.named_modules():
-        if isinstance(m, Int4Linear):
+        if isinstance(m, KQuantLinear):
+            kinds[name] = ["kquant", m.qtype]
+        elif isinstance(m, Int4Linear):
             kinds[name] = ["int4", m.group_size]
         elif isinstance(m, Int8Linear):
             kinds[name] = ["int8", m.group_size if m.group_size != m.in_features else None]
@@ -264,14 +267,16 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
 def _empty_model(cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, linears: dict) -> torch.nn.Module:
     """The model on the meta device, each linear of the kind the directory records."""
     from ..models import RWKV
-    from ..quant import DenseLinear, Int4Linear, Int8Linear
+    from ..quant import DenseLinear, Int4Linear, Int8Linear, KQuantLinear
 
     with torch.device("meta"):
         model = RWKV(cfg, dtype, rescale_every)
         for name, (kind, arg) in linears.items():
             old = model.get_submodule(name)
             K, N = old.in_features, old.out_features
-            if kind == "int4":
+            if kind == "kquant":
+                new = KQuantLinear(K, N, arg)
+            elif kind == "int4":
                 new = Int4Linear(K, N, arg)
             elif kind == "int8":
                 new = Int8Linear(K, N, arg)

@@ -20,6 +20,9 @@ class GgmlTensors:
              bf16 (its dequantized values come back in fp32, and are kept 16-bit unless -q).
     q8:      name -> getter of (qweight int8 [N, K], scales fp16 [N, K/32]) for the Q8_0 matrices:
              our int8 layout at group 32, taken as it is when the matrix is to be q8.
+    blocks:  name -> getter of the K-quant matrices' blocks (uint8 [N, K/256 * block bytes],
+             KQuantLinear's layout): a view of the file's mapping (`file_bytes`), or a copy where
+             the reader changes them (a power-of-two rescale of the block scales).
     types:   name -> the ggml type it is stored in ("F16", "Q4_K", ...).
     """
 
@@ -27,10 +30,20 @@ class GgmlTensors:
     kind: str  # "GGUF" or "rwkv.cpp"
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype, Callable[[], Tensor]]] = field(default_factory=dict)
     q8: dict[str, Callable[[], tuple[Tensor, Tensor]]] = field(default_factory=dict)
+    blocks: dict[str, Callable[[], Tensor]] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
+    _mapping: Tensor | None = None
+
+    def file_bytes(self, offset: int, n: int) -> Tensor:
+        """Bytes [offset, offset + n) of the file, uint8, without a copy: a view of one private
+        mapping of the whole file (made on first use), whose pages are read when touched."""
+        if self._mapping is None:
+            size = self.path.stat().st_size
+            self._mapping = torch.from_file(str(self.path), shared=False, size=size, dtype=torch.uint8)
+        return self._mapping[offset : offset + n]
 
     def quantized_types(self) -> list[str]:
-        from .ggml_quants import QUANTIZED
+        from ..quant.ggml_quants import QUANTIZED
 
         return sorted({t for t in self.types.values() if t in QUANTIZED})
 

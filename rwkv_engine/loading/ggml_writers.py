@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..quant.ggml_quants import BY_NAME, QK_K
 from ..quant.kquantize import K_TYPES, quantize_k
-from .ggml_quants import BY_NAME, QK_K
 
 Tensor = torch.Tensor
 
@@ -50,14 +51,15 @@ def _version(sd: dict[str, Tensor]) -> str:
 def write_gguf(
     sd: dict[str, Tensor],
     path: str | os.PathLike,
-    type_name: str = "F16",
+    type_name: str | Callable[[str], str] = "F16",
     *,
     rescale_every: int = 0,
     tokens: list[str] | None = None,
     arch: str | None = None,
 ) -> Path:
     """A GGUF of the RWKV-6/7 state dict `sd` as llama.cpp's converter names and lays it out; the
-    matrices in `type_name` (F32, F16, BF16, Q8_0, Q4_0, ...; a matrix whose width the type's
+    matrices in `type_name` (F32, F16, BF16, Q8_0, Q4_0, ...; or a function of the GGUF tensor
+    name giving each its own, as llama.cpp's Q4_K_M mixes do; a matrix whose width the type's
     block does not divide stays F16, as llama.cpp falls back), vectors in F32.
     rescale_every: RWKV-6, the converter's fp16 guard (weights divided, metadata set).
     tokens: the vocabulary to store (default: the World one, cut to the model's rows)."""
@@ -90,7 +92,7 @@ def write_gguf(
 
     def put(name: str, t: Tensor, matrix: bool = False) -> None:
         x = t.detach().float().contiguous().numpy()
-        tn = type_name if matrix else "F32"
+        tn = (type_name(name) if callable(type_name) else type_name) if matrix else "F32"
         block = {"F32": 1, "F16": 1, "BF16": 1}.get(tn, QK_K if tn.endswith("_K") else 32)
         if x.shape[-1] % block:
             tn = "F16"

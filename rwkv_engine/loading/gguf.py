@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, UnsupportedModelError
+from ..quant.ggml_quants import BY_NAME, KQUANT, TYPES, dequantize, q8_0_split, scale_blocks
 from .ggml import GgmlTensors
-from .ggml_quants import BY_NAME, TYPES, dequantize, q8_0_split
 
 _ARCHS = ("rwkv6", "rwkv7")
 
@@ -171,15 +171,29 @@ def read(path: Path) -> GgmlTensors:
         def raw(off=t.data_offset, n=t.n_bytes) -> torch.Tensor:
             return torch.from_numpy(np.array(base[off : off + n], dtype=np.uint8, copy=True))
 
-        _add(out, t.name, tid, shape, raw, arch, head_size, rescale, path)
+        def mapped(off=t.data_offset, n=t.n_bytes) -> torch.Tensor:
+            return out.file_bytes(off, n)
+
+        _add(out, t.name, tid, shape, raw, mapped, arch, head_size, rescale, path)
     if not out.tensors:
         raise CheckpointError(f"{path}: the GGUF file has no tensors")
     return out
 
 
-def _add(out: GgmlTensors, name: str, tid: int, shape, raw, arch: str, head_size, rescale: int, path: Path) -> None:
+def _add(
+    out: GgmlTensors, name: str, tid: int, shape, raw, mapped, arch: str, head_size, rescale: int, path: Path
+) -> None:
     tname = TYPES[tid][0]
     declared = {"F32": torch.float32, "F16": torch.float16}.get(tname, torch.bfloat16)
+
+    def blocks(factor: float = 1.0):
+        """A K-quant matrix's blocks [N, K/256 * bytes]: the mapped bytes, or scaled by `factor`."""
+
+        def get():
+            b = mapped().view(shape[0], -1)
+            return b if factor == 1.0 else scale_blocks(b, tid, factor, f"{path}: {name}")
+
+        return get
 
     def value(transform=None):
         def get():
@@ -193,6 +207,8 @@ def _add(out: GgmlTensors, name: str, tid: int, shape, raw, arch: str, head_size
         out.types[_TOP[name]] = tname
         if tname == "Q8_0" and len(shape) == 2:
             out.q8[_TOP[name]] = lambda: q8_0_split(raw(), shape)
+        if tname in KQUANT and len(shape) == 2:
+            out.blocks[_TOP[name]] = blocks()
         return
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if not m:
@@ -215,6 +231,8 @@ def _add(out: GgmlTensors, name: str, tid: int, shape, raw, arch: str, head_size
                 return q, (s * f if f != 1.0 else s)
 
             out.q8[target] = q8
+        if tname in KQUANT and len(shape) == 2:
+            out.blocks[target] = blocks(factor)
         return
     if part == "time_mix_lerp_fused":
         names = _FUSED[arch]

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from ..errors import CheckpointError, InputError
 from ..memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
 from ..models import RWKV
 from ..models.layers import lora_dtype
+from ..quant.ggml_quants import BY_NAME, KQUANT, QK_K, TYPES, scale_blocks
 from ..quant.schemes import applied_scheme, convert_weight, describe, get_scheme, plan, replace_module
 from . import converted
 from .formats import DTYPE_NAMES, Checkpoint, open_checkpoint, parse_dtype
@@ -101,6 +103,8 @@ class Plan:
         if scheme is None:
             scheme = _dense_scheme(dtype)
         self.targets = plan(self.model, scheme, policy=policy)
+        if scheme.weights == "ggml":
+            self.targets = self._as_stored(self.targets)
         report = {name: describe(t) for name, t in self.targets.items()}
         # The matrices the policy kept (too small to quantize) become DenseLinear in their own
         # dtype, so every matrix of a decode step runs through the same per-row kernels.
@@ -112,6 +116,26 @@ class Plan:
         self.model.quantization = applied_scheme(scheme, self.targets, dtype)
         self.model.quantization_report = report
         self.huge_pages = False  # tensors() puts the weights on huge pages (load sets it on the CPU)
+
+    def _as_stored(self, targets: dict) -> dict:
+        """The "gguf" scheme per matrix: its own type in the file. K-quants run from their blocks
+        (KQuantLinear), Q8_0 is q8 (the same codes and scales), other types are dense in the type
+        they stand for (F32 / F16 / BF16 as they are; Q4_0, Q5_1, ... dequantized to bf16)."""
+        ggml = self.ck.ggml
+        source = {t: k for k, t in self.mapping.items() if t is not None}
+        out = {}
+        for name, target in targets.items():
+            src = source.get(f"{name}.weight")
+            tname = ggml.types.get(src) if target.weights == "ggml" and src is not None else None
+            if target.weights != "ggml":
+                out[name] = target
+            elif tname in KQUANT and src in ggml.blocks:
+                out[name] = replace(target, weights="kquant", qtype=tname)
+            elif tname == "Q8_0" and src in ggml.q8:
+                out[name] = get_scheme("q8")  # group 32
+            else:
+                out[name] = _dense_scheme(self.ck.dtype(src) if src is not None else self.dtype)
+        return out
 
     @classmethod
     def of_built(cls, model) -> Plan:
@@ -140,6 +164,13 @@ class Plan:
                 continue
             module, _, leaf = target.rpartition(".")
             linear = self.targets.get(module) if leaf == "weight" else None
+            blocks = ck.ggml.blocks.get(name) if ck.ggml is not None and linear is not None else None
+            if blocks is not None and linear.weights == "kquant":
+                out = self._blocks_as_is(name, module, blocks)  # K-quants run from their blocks
+                yield out
+                if progress is not None:
+                    progress.update(out[f"{module}.qweight"].numel())
+                continue
             q8 = ck.ggml.q8.get(name) if ck.ggml is not None and linear is not None else None
             if q8 is not None and linear.weights == "int8" and linear.group_size == 32:
                 out = self._q8_as_is(name, module, q8)  # ggml's Q8_0 is our int8 at group 32
@@ -181,6 +212,26 @@ class Plan:
             yield out
             if progress is not None:
                 progress.update(nbytes)
+
+    def _blocks_as_is(self, name: str, module: str, blocks) -> dict[str, Tensor]:
+        """A K-quant matrix's blocks as KQuantLinear's buffer, no dequantization: the file's mapped
+        bytes, copied to huge pages where the weights go there (as a converted directory's); the
+        fp16 rescale, a power of two, scales the block scales (exactly, or an InputError)."""
+        b = blocks()
+        tid = BY_NAME[self.ck.ggml.types[name]]
+        N, K = self.expected[f"{module}.weight"][0]
+        want = (N, K // QK_K * TYPES[tid][2])
+        if tuple(b.shape) != want:
+            raise CheckpointError(
+                f"{self.ck.where}: tensor {name} has {tuple(b.shape)} bytes of blocks, expected {want} for this model"
+            )
+        layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
+        if self.rescale_every and name.endswith((".att.output.weight", ".ffn.value.weight")):
+            b = scale_blocks(b, tid, 2.0 ** -(layer // self.rescale_every), f"{self.ck.where}: {name}")
+        if self.huge_pages and (moved := to_huge_pages(b, mapped=True)) is not b:
+            release_pages(b)  # the file's pages of it, now copied
+            b = moved
+        return {f"{module}.qweight": b, f"{module}.col_scales": torch.ones(K, dtype=torch.float16)}
 
     def _q8_as_is(self, name: str, module: str, q8) -> dict[str, Tensor]:
         """A Q8_0 matrix's codes and scales as the module's buffers, no re-quantization (the fp16
@@ -314,6 +365,8 @@ def prepare(
     cfg = infer_config(ck)
     if ck.ggml is not None:
         quantization, scheme = _ggml_scheme(ck, quantization, scheme, group_size)
+    elif scheme is not None and scheme.weights == "ggml":
+        raise InputError(f"{path}: -q {scheme.name} keeps a GGUF file's own tensor types; this is not a GGUF file")
     implied = scheme.dtype if scheme is not None else None
     if explicit is not None:
         if implied is not None and implied != explicit:
@@ -334,15 +387,28 @@ def prepare(
 
 def _ggml_scheme(ck: Checkpoint, quantization, scheme, group_size):
     """(quantization, scheme) for a GGUF / rwkv.cpp file, and a note on stderr saying what
-    becomes of its quantized tensors: a file of Q8_0 matrices loads as q8 by default (the same
-    codes and scales); other ggml types are dequantized once, then kept 16-bit or re-quantized."""
+    becomes of its quantized tensors. By default K-quant matrices run as they are stored
+    (the "gguf" scheme; Q8_0 matrices as q8 with them) and a file of Q8_0 matrices loads as q8
+    (the same codes and scales); other ggml types are dequantized once, then kept 16-bit or,
+    with -q, re-quantized."""
     kinds = ck.ggml.quantized_types()
     if not kinds:
         return quantization, scheme
-    if scheme is None and kinds == ["Q8_0"]:
+    ks = [k for k in kinds if k in KQUANT]
+    if scheme is None and ks:
+        quantization, scheme = "gguf", get_scheme("gguf", group_size)
+    elif scheme is None and kinds == ["Q8_0"]:
         quantization, scheme = "q8", get_scheme("q8", group_size)
     if scheme is None or scheme.weights == "dense":
         what = f"{', '.join(kinds)} tensors dequantized once and kept 16-bit (-q q8 or -q q4 re-quantizes them)"
+    elif scheme.weights == "ggml":
+        parts = [f"{', '.join(ks)} matrices run as they are stored (K-quant blocks)"] if ks else []
+        if "Q8_0" in kinds:
+            parts.append("Q8_0 matrices as q8 (the same codes and scales)")
+        others = [k for k in kinds if k not in KQUANT and k != "Q8_0"]
+        if others:
+            parts.append(f"{', '.join(others)} tensors dequantized once and kept 16-bit")
+        what = "; ".join(parts)
     else:
         others = [k for k in kinds if k != "Q8_0"]
         parts = []

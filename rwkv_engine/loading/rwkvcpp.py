@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from ..quant.ggml_quants import TYPES, dequantize, nbytes, q8_0_split
 from .ggml import GgmlTensors
-from .ggml_quants import TYPES, dequantize, nbytes, q8_0_split
 
 # rwkv.cpp's type ids -> ggml's
 _TYPE = {0: 0, 1: 1, 2: 2, 3: 3, 7: 6, 8: 7, 9: 8}

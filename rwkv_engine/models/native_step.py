@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..kernels import native
+from ..quant.kquant_linear import KQuantLinear
 from ..quant.linear import _NATIVE_DENSE_DTYPES, DenseLinear, Int4Linear, Int8Linear
 from .layers import LORA_DTYPES
 
@@ -60,6 +61,8 @@ def _linear_parts(m: nn.Module) -> tuple | None:
         return (m.qweight, m.scales, None, m.col_scales) if m._native_ok() else None
     if isinstance(m, Int4Linear):
         return (m.qweight, m.scales, m.biases, m.col_scales)
+    if isinstance(m, KQuantLinear):  # ggml's blocks as they are, and the type's id
+        return (m.qweight, m.type_id, None, m.col_scales) if m._native_ok() else None
     if type(m) is nn.Linear or isinstance(m, DenseLinear):
         w = m.weight
         if m.bias is None and w.dtype in _NATIVE_DENSE_DTYPES and w.is_contiguous():

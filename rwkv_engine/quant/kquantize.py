@@ -4,7 +4,7 @@ chosen by an error search: the bytes a GGUF file holds, so the K-quant kernels s
     blocks = quantize_k(weight, "Q4_K")        # weight (N, K), K % 256 == 0 -> uint8 (N, K/256*144)
     w = ggml_quants.dequantize(blocks.reshape(-1), ggml_quants.BY_NAME["Q4_K"], (N, K))
 
-A row of K columns is K/256 super-blocks of 256 consecutive values (byte layouts: loading/ggml_quants.py,
+A row of K columns is K/256 super-blocks of 256 consecutive values (byte layouts: quant/ggml_quants.py,
 whose dequantizers read them and which `gguf.quants` matches bit for bit):
 
     Q4_K / Q5_K  8 sub-blocks of 32: w = d * sc_j * q - dmin * m_j, q in 0..15 (Q5_K: 0..31),
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from rwkv_engine.errors import InputError
-from rwkv_engine.loading.ggml_quants import BY_NAME, QK_K, TYPES
+from rwkv_engine.quant.ggml_quants import BY_NAME, QK_K, TYPES
 from rwkv_engine.quant.primitives import _check_weight
 from rwkv_engine.quant.primitives import column_scales as column_scales_rms
 

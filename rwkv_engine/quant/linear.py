@@ -276,20 +276,15 @@ class Int4Linear(_QuantLinearBase):
         _check_no_bias(linear)
         return cls.from_weight(linear.weight, group_size, search, col_scale)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        return P.dequantize_int4(self.qweight, self.scales, self.biases, dtype, self.col_scales)
+    def dequantize(self, dtype: torch.dtype = torch.float32, col_scales: bool = True) -> Tensor:
+        """The weight in `dtype` (col_scales=False: the stored weight / col_scales, in fp32 math)."""
+        return P.dequantize_int4(self.qweight, self.scales, self.biases, dtype, self.col_scales if col_scales else None)
 
     def _gemv(self, ops, x2: Tensor) -> Tensor:
         return ops.gemv_q4(x2, self.qweight, self.scales, self.biases, self.col_scales)
 
     def _reference(self, x2: Tensor) -> Tensor:
-        """Decode on the CPU (at most GEMV_MAX_ROWS rows) as the native GEMV computes it: x times
-        the column scales, rounded to int8 per 32 columns (primitives.round_activations_int8),
-        times the weight in fp32; more rows, and other devices, as the plain reference."""
-        if x2.shape[0] > GEMV_MAX_ROWS or x2.device.type != "cpu":
-            return super()._reference(x2)
-        xs = P.round_activations_int8(x2.float() * self.col_scales.float())
-        return F.linear(xs, P.dequantize_int4(self.qweight, self.scales, self.biases)).to(x2.dtype)
+        return _int8_x_reference(self, x2)
 
     def _dequant_rows(self, ops, r0: int, r1: int, dtype: torch.dtype, out: Tensor) -> Tensor:
         return ops.dequant_q4(self.qweight, self.scales, self.biases, r0, r1, dtype, out)
@@ -345,6 +340,19 @@ class DenseLinear(nn.Linear):
 
 # Weight dtypes for which the native dense GEMV beats torch's (benchmarks/bench_kernels.py).
 _NATIVE_DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _int8_x_reference(m: _QuantLinearBase, x2: Tensor, rounded: bool | None = None) -> Tensor:
+    """The plain path of a format whose native kernel rounds x to int8 (int4, K-quants): where
+    `rounded` (default: on the CPU, for at most GEMV_MAX_ROWS rows) as that kernel computes it: x
+    times the column scales, rounded to int8 per 32 columns (primitives.round_activations_int8),
+    times the weight in fp32; else the plain reference (`F.linear` with the weight in x's dtype)."""
+    if rounded is None:
+        rounded = x2.shape[0] <= GEMV_MAX_ROWS
+    if not rounded or x2.device.type != "cpu":
+        return F.linear(x2, m.dequantize(x2.dtype))
+    xs = P.round_activations_int8(x2.float() * m.col_scales.float())
+    return F.linear(xs, m.dequantize(torch.float32, col_scales=False)).to(x2.dtype)
 
 
 def _check_no_bias(linear: nn.Module) -> None:

@@ -13,6 +13,9 @@ Schemes (weights only; activations stay in the model dtype):
     q0f16    unquantized fp16                              fp16
     q8       int8, fp16 scale per 32 columns (default; group_size=-1: one scale per row)    unchanged
     q4       int4, fp16 scale + bias per 32 columns (group_size 32 / 64 / 128)             unchanged
+    gguf     a GGUF file's matrices in their own types: K-quants (Q4_K, Q5_K, Q6_K) run from
+             their blocks (KQuantLinear), Q8_0 as q8, others dequantized once to 16 bits;
+             the default for GGUF files with K-quants                                    unchanged
 
 MLC-LLM names (`qAfB_id`: A weight bits, B activation dtype) map onto these by their weight bits
 and group size; `Scheme.dtype` carries the B part for the loader:
@@ -65,6 +68,7 @@ from torch import nn
 
 from rwkv_engine.errors import InputError
 from rwkv_engine.quant import primitives as P
+from rwkv_engine.quant.kquant_linear import KQuantLinear
 from rwkv_engine.quant.linear import DenseLinear, Int4Linear, Int8Linear
 
 # Linear layers with fewer weights than this stay as they are under the default policy.
@@ -79,14 +83,17 @@ PER_CHANNEL = -1  # group_size value for one int8 scale per output row
 
 @dataclass(frozen=True)
 class Scheme:
-    """A weight format. `weights`: "dense", "int8" or "int4"; `dtype`: the model dtype it implies
-    (None: keep the model's); `group_size`: columns per scale (int8: None means per row)."""
+    """A weight format. `weights`: "dense", "int8", "int4", "kquant" (ggml K-quant blocks of type
+    `qtype`, KQuantLinear) or "ggml" (a GGUF's own types, resolved per matrix by the loader);
+    `dtype`: the model dtype it implies (None: keep the model's); `group_size`: columns per scale
+    (int8: None means per row)."""
 
     name: str
     weights: str
     group_size: int | None = None
     dtype: torch.dtype | None = None
     search: bool = True  # int4: per-group range search (see primitives.quantize_int4)
+    qtype: str | None = None  # kquant: "Q4_K", "Q5_K" or "Q6_K"
 
     def to_dict(self) -> dict:
         """JSON-friendly description (for a converted model's config)."""
@@ -95,7 +102,7 @@ class Scheme:
             "weights": self.weights,
             "group_size": self.group_size,
             "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
-        }
+        } | ({"qtype": self.qtype} if self.qtype else {})
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -104,6 +111,7 @@ SCHEMES: dict[str, Scheme] = {
     "q0f16": Scheme("q0f16", "dense", dtype=torch.float16),
     "q8": Scheme("q8", "int8", group_size=INT8_DEFAULT_GROUP),
     "q4": Scheme("q4", "int4", group_size=INT4_DEFAULT_GROUP),
+    "gguf": Scheme("gguf", "ggml"),
 }
 
 _DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -137,8 +145,9 @@ def get_scheme(name: str | Scheme, group_size: int | None = None) -> Scheme:
         return base
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise InputError(f"group_size must be an int, got {group_size!r}")
-    if base.weights == "dense":
-        raise InputError(f"scheme {base.name} does not quantize, so it takes no group_size")
+    if base.weights in ("dense", "ggml", "kquant"):
+        what = "does not quantize" if base.weights == "dense" else "has fixed blocks"
+        raise InputError(f"scheme {base.name} {what}, so it takes no group_size")
     if base.weights == "int4":
         if group_size not in P.INT4_GROUP_SIZES:
             raise InputError(f"int4 group_size must be one of {P.INT4_GROUP_SIZES}, got {group_size}")
@@ -313,6 +322,12 @@ def convert_weight(weight: torch.Tensor, target: Scheme, empty: bool = False) ->
         if not empty:
             m.weight = nn.Parameter(weight.detach().to(dt), requires_grad=False)
         return m
+    if target.weights == "kquant":
+        if empty:
+            return KQuantLinear(K, N, target.qtype, device=dev)
+        raise InputError(f"{target.name}: no quantizer writes {target.qtype} blocks (load a GGUF of that type)")
+    if target.weights == "ggml":
+        raise InputError(f"{target.name} keeps a GGUF file's own types: it applies when loading a .gguf file only")
     gs = target.group_size
     if target.weights == "int8":
         return Int8Linear(K, N, gs, device=dev) if empty else Int8Linear.from_weight(weight, gs)
@@ -415,4 +430,8 @@ def describe(s: Scheme) -> str:
         return s.name
     if s.weights == "int8":
         return f"q8 (group {s.group_size})" if s.group_size else "q8 (per channel)"
+    if s.weights == "kquant":
+        return s.qtype
+    if s.weights == "ggml":
+        return "as stored in the GGUF"
     return f"q4 (group {s.group_size})"

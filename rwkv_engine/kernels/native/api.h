@@ -12,7 +12,7 @@
 namespace rwkv_native {
 
 // Bumped whenever Api changes, so that a library and bindings of different versions never meet.
-inline constexpr int kApiVersion = 5;
+inline constexpr int kApiVersion = 6;
 
 struct Api {
   int version;
@@ -29,6 +29,8 @@ struct Api {
   decltype(&rwkv_native::quantize_q8) quantize_q8;
   decltype(&rwkv_native::column_scales) column_scales;
   decltype(&rwkv_native::wkv7_sequence) wkv7_sequence;
+  decltype(&rwkv_native::gemv_kq) gemv_kq;
+  decltype(&rwkv_native::dequant_kq) dequant_kq;
 };
 
 }  // namespace rwkv_native

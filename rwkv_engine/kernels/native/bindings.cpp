@@ -135,6 +135,28 @@ at::Tensor gemv_q4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return y;
 }
 
+// K-quant blocks [N, K / 256 * bytes of type t] (uint8) of a weight [N, K] -> the type.
+rwkv_native::KType check_kq(const at::Tensor& blocks, int64_t type, int64_t K) {
+  check_cpu_contiguous(blocks, "blocks");
+  TORCH_CHECK(rwkv_native::is_ktype(type), "ggml type must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", type);
+  const auto t = static_cast<rwkv_native::KType>(type);
+  TORCH_CHECK(K > 0 && K % 256 == 0, "K-quant rows are whole blocks of 256 columns, got K = ", K);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) == K / 256 * rwkv_native::ktype_bytes(t),
+              "blocks must be uint8 [N, ", K / 256 * rwkv_native::ktype_bytes(t), "] for K = ", K, ", got ", blocks.sizes());
+  return t;
+}
+
+at::Tensor gemv_kq(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t K,
+                   const std::optional<at::Tensor>& col_scales) {
+  const auto t = check_kq(blocks, type, K);
+  check_x(x, K);
+  const int64_t N = blocks.size(0), B = x.size(0);
+  at::Tensor y = at::empty({B, N}, x.options());
+  api().gemv_kq(t, blocks.data_ptr<uint8_t>(), col_scales_ptr(col_scales, K), N, K, x.data_ptr(), dtype_of(x, "x"), B,
+                y.data_ptr());
+  return y;
+}
+
 void check_rows(int64_t r0, int64_t r1, int64_t N) {
   TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= N, "bad row range [", r0, ", ", r1, ") for ", N, " rows");
 }
@@ -174,6 +196,15 @@ at::Tensor dequant_q4(const at::Tensor& q, const at::Tensor& scales, const at::T
   at::Tensor out = tile_out(q, r1 - r0, K, dtype, out_opt);
   api().dequant_q4(q.data_ptr<uint8_t>(), u16(scales), u16(biases), K, G, r0, r1, out.data_ptr(),
                           dtype_of(dtype));
+  return out;
+}
+
+at::Tensor dequant_kq(const at::Tensor& blocks, int64_t type, int64_t K, int64_t r0, int64_t r1, at::ScalarType dtype,
+                      const std::optional<at::Tensor>& out_opt) {
+  const auto t = check_kq(blocks, type, K);
+  check_rows(r0, r1, blocks.size(0));
+  at::Tensor out = tile_out(blocks, r1 - r0, K, dtype, out_opt);
+  api().dequant_kq(t, blocks.data_ptr<uint8_t>(), K, r0, r1, out.data_ptr(), dtype_of(dtype));
   return out;
 }
 
@@ -254,7 +285,8 @@ class DecodePlan {
  public:
   // blocks: one dict per block, name -> fp32 tensor (a LoRA matrix: fp32, bf16 or fp16), or
   // name -> tuple for a linear: (weight,) dense;
-  // (qweight int8, scales, None, col_scales) int8; (qweight uint8, scales, biases, col_scales) int4.
+  // (qweight int8, scales, None, col_scales) int8; (qweight uint8, scales, biases, col_scales) int4;
+  // (blocks uint8, ggml type id, None, col_scales) K-quant (gemv_kq).
   DecodePlan(int64_t family, bool gated, int64_t C, int64_t A, int64_t H, int64_t N, int64_t F, int64_t V,
              at::ScalarType dtype, int64_t rescale_every, const std::vector<py::dict>& blocks, const py::dict& out) {
     TORCH_CHECK(family == 4 || family == 5 || family == 6 || family == 7, "family must be 4, 5, 6 or 7");
@@ -357,7 +389,12 @@ class DecodePlan {
       return hold(parts[i].cast<at::Tensor>(), key);
     };
     l.N = N, l.K = K;
-    if (w.scalar_type() == at::kChar) {
+    if (parts.size() >= 2 && py::isinstance<py::int_>(parts[1])) {
+      l.kind = Linear::Kind::kKQuant;
+      l.kt = check_kq(w, parts[1].cast<int64_t>(), K);
+      TORCH_CHECK(w.size(0) == N, "decode plan: '", key, "' must have ", N, " rows of blocks");
+      l.kq = w.data_ptr<uint8_t>();
+    } else if (w.scalar_type() == at::kChar) {
       const auto s = part(1);
       TORCH_CHECK(s && s->scalar_type() == at::kHalf && s->dim() == 2 && s->size(0) == N, "decode plan: '", key,
                   "' int8 scales must be float16 [N, G]");
@@ -470,6 +507,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qweight"), py::arg("scales"), py::arg("r0"), py::arg("r1"), py::arg("dtype"), py::arg("out") = py::none());
   m.def("dequant_q4", &dequant_q4, "rows [r0, r1) of an int4 weight as a dense tile of `dtype` (into `out` if given)",
         py::arg("qweight"), py::arg("scales"), py::arg("biases"), py::arg("r0"), py::arg("r1"), py::arg("dtype"),
+        py::arg("out") = py::none());
+  m.def("gemv_kq", &gemv_kq,
+        "y = x @ (W * col_scales)^T for W [N, K] in ggml K-quant blocks uint8 [N, K/256*bytes] of type 12 / 13 / 14 "
+        "(Q4_K / Q5_K / Q6_K)",
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("K"), py::arg("col_scales") = py::none());
+  m.def("dequant_kq", &dequant_kq,
+        "rows [r0, r1) of a K-quant weight [N, K] as a dense tile of `dtype` (into `out` if given): ggml's values",
+        py::arg("blocks"), py::arg("type"), py::arg("K"), py::arg("r0"), py::arg("r1"), py::arg("dtype"),
         py::arg("out") = py::none());
   m.def("quantize_q4", &quantize_q4,
         "(qweight, scales, biases) of primitives.quantize_int4(w, group_size) with the given range shrink factors",

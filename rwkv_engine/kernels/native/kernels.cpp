@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace rwkv_native {
@@ -47,6 +48,7 @@ using simd::F;
 using simd::kW;
 namespace iv8 = simd::iv8;  // the vectors of the int8 GEMVs
 namespace iv4 = simd::iv4;  // and of the int4 ones
+namespace kq = simd::kq;    // and of the K-quant ones
 
 constexpr int kMaxB = 8;                   // rows of x per pass over the weights
 constexpr int64_t kMinParallel = 1 << 16;  // weights below which one thread does the whole call
@@ -713,6 +715,277 @@ struct Q4Format {
   }
 };
 
+
+// ---------------------------------------------------------------------------------------------
+// K-quants: ggml's Q4_K, Q5_K and Q6_K blocks read as the GGUF stores them (no repacking). A step
+// is one 256-column block. x is rounded to int8 per 32 columns, exactly as for int4 weights
+// (round_block, primitives.round_activations_int8), the block's unsigned codes times x are summed
+// exactly per group of 16 columns (kq::kq_block_sums: vpmaddubsw + vpmaddwd, vpdpbusd with VNNI,
+// sdot on NEON), and each group's sum is scaled once:
+//     acc += float(sum_g) * (wscale_g * xstep_g) + wbias_g * xsum_g
+// with wscale_g the group's weight scale (d * sub-block scale), xstep_g the x step of its 32
+// columns, xsum_g the sum of its rounded x, and wbias_g the offset of its codes: -dmin * min
+// (Q4_K, Q5_K; w = d sc q - dmin m) or -32 * wscale_g (Q6_K; w = d sc (q - 32)). The 16 groups'
+// factors sit in the lanes of kq::kq_lane (kq_scale8 / kq_scale16).
+
+// x [B, K] rounded for the K-quant kernels: int8 in column order, and per block the lanes of its
+// groups' x steps and sums.
+struct XK {
+  std::vector<int8_t> q;   // [B, K]
+  std::vector<float> st;   // [B, K / 256, 16] x step of each group's 32 columns, lane order
+  std::vector<float> sm;   // [B, K / 256, 16] sum of each group's rounded x, lane order
+};
+
+// rows_parallel: the rows on all threads (a call that is the job's only one: prefill).
+XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs, bool rows_parallel) {
+  std::vector<float> c;
+  if (cs != nullptr) {
+    c.resize(static_cast<size_t>(K));
+    to_float(cs, DType::kF16, 0, K, c.data());
+  }
+  XK r;
+  const int64_t nb = K / 256;
+  r.q.resize(static_cast<size_t>(B * K));
+  r.st.resize(static_cast<size_t>(B * nb * 16));
+  r.sm.resize(static_cast<size_t>(B * nb * 16));
+  auto row = [&](int64_t b) {
+    std::vector<float> xf(static_cast<size_t>(K));
+    float xh[32];
+    to_float(x, xt, b * K, K, xf.data());
+    if (cs != nullptr)
+      for (int64_t k = 0; k < K; ++k) xf[k] *= c[k];
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      float* st = r.st.data() + (b * nb + blk) * 16;
+      float* sm = r.sm.data() + (b * nb + blk) * 16;
+      for (int h = 0; h < 8; ++h) {  // 32-column x blocks
+        const int64_t k = blk * 256 + 32 * h;
+        const float dx = round_block(xf.data() + k, 32, 127.f, r.q.data() + b * K + k, xh);
+        for (int j = 0; j < 2; ++j) {  // its two groups
+          float sum = 0.f;
+          for (int i = 0; i < 16; ++i) sum += xh[16 * j + i];
+          st[kq::kq_lane(2 * h + j)] = dx, sm[kq::kq_lane(2 * h + j)] = sum;
+        }
+      }
+    }
+  };
+  if (rows_parallel && B > kMaxB) parallel_for(B, row);
+  else for (int64_t b = 0; b < B; ++b) row(b);
+  return r;
+}
+
+// The 6-bit sub-block scales and mins of Q4_K / Q5_K (12 bytes at blk + 4) as 8 bytes each
+// (byte j: sub-block j).
+inline void k_scales_mins(const uint8_t* blk, uint64_t& sc, uint64_t& m) {
+  uint32_t a, b, c;
+  std::memcpy(&a, blk + 4, 4), std::memcpy(&b, blk + 8, 4), std::memcpy(&c, blk + 12, 4);
+  // sub-blocks 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7: the nibbles of
+  // bytes 8-11 with the top 2 bits of bytes 0-3 (scales) or 4-7 (mins) above them
+  const uint64_t s03 = a & 0x3F3F3F3Fu, m03 = b & 0x3F3F3F3Fu;
+  const uint64_t s47 = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u);
+  const uint64_t m47 = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+  sc = s03 | s47 << 32, m = m03 | m47 << 32;
+}
+
+inline uint8_t byte_of(uint64_t v, int j) { return static_cast<uint8_t>(v >> (8 * j)); }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// A format: kBytes per block; pieces(blk, w): the 8 pieces of 32 codes in column order;
+// factors(blk, ws, wm): the groups' weight scales and code offsets in kq lanes; dequant(blk, out):
+// the 256 values as gguf.quants computes them in fp32 (the same operations, so the same bits).
+struct Q4KFormat {
+  static constexpr KType kType = KType::kQ4K;
+  static constexpr int64_t kBytes = 144;  // d, dmin, scales [12], qs [128]
+  static inline void pieces(const uint8_t* blk, kq::KP* w) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: columns 64c + l (low nibbles), 64c + 32 + l (high)
+      const kq::KP v = kq::kq_load(blk + 16 + 32 * c);
+      w[2 * c] = kq::kq_bits<0>(v, 0x0F), w[2 * c + 1] = kq::kq_bits<-4>(v, 0x0F);
+    }
+  }
+  static inline void factors(const uint8_t* blk, kq::F* ws, kq::F* wm) {
+    uint64_t sc, m;
+    k_scales_mins(blk, sc, m);
+    kq::kq_scale8(sc, half_at(blk), ws);
+    kq::kq_scale8(m, -half_at(blk + 2), wm);  // -(dmin * m): the product's sign flipped, exactly
+  }
+  static void dequant(const uint8_t* blk, float* out) {
+    uint64_t sc, m;
+    k_scales_mins(blk, sc, m);
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    const uint8_t* qs = blk + 16;
+    for (int c = 0; c < 4; ++c) {
+      const float d0 = d * byte_of(sc, 2 * c), m0 = dmin * byte_of(m, 2 * c);
+      const float d1 = d * byte_of(sc, 2 * c + 1), m1 = dmin * byte_of(m, 2 * c + 1);
+      for (int l = 0; l < 32; ++l) {
+        out[64 * c + l] = d0 * static_cast<float>(qs[32 * c + l] & 15) - m0;
+        out[64 * c + 32 + l] = d1 * static_cast<float>(qs[32 * c + l] >> 4) - m1;
+      }
+    }
+  }
+};
+
+struct Q5KFormat {
+  static constexpr KType kType = KType::kQ5K;
+  static constexpr int64_t kBytes = 176;  // d, dmin, scales [12], qh [32], qs [128]
+  static inline void pieces(const uint8_t* blk, kq::KP* w) {
+    // the fifth bit of column 64c + l (+ 32) is bit 2c (2c + 1) of qh[l]
+    const kq::KP qh = kq::kq_load(blk + 16);
+    const kq::KP h[8] = {kq::kq_bits<4>(qh, 0x10), kq::kq_bits<3>(qh, 0x10),  kq::kq_bits<2>(qh, 0x10),
+                         kq::kq_bits<1>(qh, 0x10), kq::kq_bits<0>(qh, 0x10),  kq::kq_bits<-1>(qh, 0x10),
+                         kq::kq_bits<-2>(qh, 0x10), kq::kq_bits<-3>(qh, 0x10)};
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const kq::KP v = kq::kq_load(blk + 48 + 32 * c);
+      w[2 * c] = kq::kq_or(kq::kq_bits<0>(v, 0x0F), h[2 * c]);
+      w[2 * c + 1] = kq::kq_or(kq::kq_bits<-4>(v, 0x0F), h[2 * c + 1]);
+    }
+  }
+  static inline void factors(const uint8_t* blk, kq::F* ws, kq::F* wm) { Q4KFormat::factors(blk, ws, wm); }
+  static void dequant(const uint8_t* blk, float* out) {
+    uint64_t sc, m;
+    k_scales_mins(blk, sc, m);
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    const uint8_t *qh = blk + 16, *qs = blk + 48;
+    for (int c = 0; c < 4; ++c) {
+      const float d0 = d * byte_of(sc, 2 * c), m0 = dmin * byte_of(m, 2 * c);
+      const float d1 = d * byte_of(sc, 2 * c + 1), m1 = dmin * byte_of(m, 2 * c + 1);
+      for (int l = 0; l < 32; ++l) {
+        const int lo = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+        const int hi = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+        out[64 * c + l] = d0 * static_cast<float>(lo) - m0;
+        out[64 * c + 32 + l] = d1 * static_cast<float>(hi) - m1;
+      }
+    }
+  }
+};
+
+struct Q6KFormat {
+  static constexpr KType kType = KType::kQ6K;
+  static constexpr int64_t kBytes = 210;  // ql [128], qh [64], scales int8 [16], d
+  static inline void pieces(const uint8_t* blk, kq::KP* w) {
+    // per 128 columns: low 4 bits from 64 bytes of ql (columns l, 32 + l: low nibbles of bytes
+    // l, 32 + l; 64 + l, 96 + l: their high nibbles), the top 2 from 32 bytes of qh (bits 2i,
+    // 2i + 1 of qh[l] for column 32i + l)
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const kq::KP l0 = kq::kq_load(blk + 64 * h), l1 = kq::kq_load(blk + 64 * h + 32);
+      const kq::KP qh = kq::kq_load(blk + 128 + 32 * h);
+      w[4 * h] = kq::kq_or(kq::kq_bits<0>(l0, 0x0F), kq::kq_bits<4>(qh, 0x30));
+      w[4 * h + 1] = kq::kq_or(kq::kq_bits<0>(l1, 0x0F), kq::kq_bits<2>(qh, 0x30));
+      w[4 * h + 2] = kq::kq_or(kq::kq_bits<-4>(l0, 0x0F), kq::kq_bits<0>(qh, 0x30));
+      w[4 * h + 3] = kq::kq_or(kq::kq_bits<-4>(l1, 0x0F), kq::kq_bits<-2>(qh, 0x30));
+    }
+  }
+  static inline void factors(const uint8_t* blk, kq::F* ws, kq::F* wm) {
+    const float d = half_at(blk + 208);
+    kq::kq_scale16(reinterpret_cast<const int8_t*>(blk + 192), d, ws);
+    for (int v = 0; v < kq::kKqVecs; ++v) wm[v] = kq::mul(ws[v], kq::set1(-32.f));  // exact
+  }
+  static void dequant(const uint8_t* blk, float* out) {
+    const float d = half_at(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+      float* o = out + 128 * h;
+      for (int i = 0; i < 4; ++i)  // columns 32i + l: groups 2i (l < 16) and 2i + 1
+        for (int l0 = 0; l0 < 32; l0 += 16) {
+          const float ds = d * static_cast<float>(sc[8 * h + 2 * i + l0 / 16]);
+          for (int l = l0; l < l0 + 16; ++l) {
+            const int lo = i % 2 == 0 ? ql[l] : ql[l + 32];
+            const int q = ((i < 2 ? lo & 15 : lo >> 4) | (((qh[l] >> (2 * i)) & 3) << 4)) - 32;
+            o[32 * i + l] = ds * static_cast<float>(q);
+          }
+        }
+    }
+  }
+};
+
+// The accumulator of one (weight row, row of x): a vector per lane vector of the group sums, so
+// that a block's multiply-adds form kKqVecs chains instead of one.
+struct KAcc {
+  kq::F v[kq::kKqVecs];
+};
+
+template <typename Fmt>
+struct KQuantKernel {
+  static constexpr int64_t kStepBytes = 256 + 2 * 16 * 4;  // prepared x per block and row of x
+  // One weight row at a time (decoding a block's codes and factors is shared by the rows of x).
+  template <int B> static constexpr int kRows = 1;
+  template <int B> static constexpr int kXRows = B;
+  using Acc = KAcc;
+  static float hsum(const Acc& a) {
+    kq::F s = a.v[0];
+    for (int v = 1; v < kq::kKqVecs; ++v) s = kq::add(s, a.v[v]);
+    return kq::hsum(s);
+  }
+
+  const uint8_t* W;
+  int64_t K;
+  const XK* x;
+  int64_t b0;  // the pass's first row of x
+
+  int64_t steps() const { return K / 256; }
+  int64_t row_bytes() const { return K / 256 * Fmt::kBytes; }
+  bool prefetch_alone() const { return row_bytes() <= kPrefetchMaxRow; }
+
+  template <int R, int Bt>
+  inline void tile(int64_t n, int b, int64_t s0, int64_t s1, Acc* acc, int stride, bool pf) const {
+    constexpr int V = kq::kKqVecs;
+    const int64_t rb = row_bytes(), nb = K / 256;
+    const uint8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = W + (n + r) * rb;
+    const int8_t* xq[Bt];
+    const float *st[Bt], *sm[Bt];
+    for (int i = 0; i < Bt; ++i) {
+      const int64_t row = b0 + b + i;
+      xq[i] = x->q.data() + row * K, st[i] = x->st.data() + row * nb * 16, sm[i] = x->sm.data() + row * nb * 16;
+    }
+    Acc fa[R][Bt];
+    load_block(fa, acc, stride);
+    const uint8_t* next = rows[0] + (Bt > 1 ? kAheadBlocks : 1) * R * rb;  // rows are contiguous
+    for (int64_t c = s0; c < s1; ++c) {
+      if (pf) prefetch_next<(Bt > 1)>(next, c * R * Fmt::kBytes, R * Fmt::kBytes);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* blk = rows[r] + c * Fmt::kBytes;
+        kq::KP w[8];
+        Fmt::pieces(blk, w);
+        kq::F ws[V], wm[V];
+        Fmt::factors(blk, ws, wm);
+#pragma GCC unroll 8
+        for (int i = 0; i < Bt; ++i) {
+          kq::I32 sums[V];
+          kq::kq_block_sums(w, xq[i] + 256 * c, sums);
+#pragma GCC unroll 4
+          for (int v = 0; v < V; ++v) {
+            kq::F& a = fa[r][i].v[v];
+            a = kq::fma(kq::to_float(sums[v]), kq::mul(ws[v], kq::load(st[i] + 16 * c + kq::kW * v)), a);
+            a = kq::fma(wm[v], kq::load(sm[i] + 16 * c + kq::kW * v), a);
+          }
+        }
+      }
+    }
+    store_block(fa, acc, stride);
+  }
+
+  float finish(int64_t, int, float v) const { return v; }
+};
+
+// fn.template operator()<Fmt>() for the format of K-quant type t.
+template <typename F>
+void with_ktype(KType t, const F& fn) {
+  switch (t) {
+    case KType::kQ4K: fn.template operator()<Q4KFormat>(); break;
+    case KType::kQ5K: fn.template operator()<Q5KFormat>(); break;
+    default: fn.template operator()<Q6KFormat>(); break;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Passes of up to kMaxB rows of x over each weight.
 
@@ -741,12 +1014,14 @@ struct Prepared {
   std::vector<uint32_t> xt; // and on AMX tiles (use_amx): each pass's x as amx::pack_x lays it out
   std::vector<float> xp;    // dense: fp32 x, permuted
   XQ xq;                    // int8 / int4: x rounded (int16 per 64 columns / int8 per 32)
+  XK xk;                    // K-quants: x rounded (int8 per 32 columns)
   std::vector<float> xsum;  // int4: sum of the rounded x over each group (the bias term)
 };
 
-Prepared prepare(const GemvCall& c, int64_t B) {
+// rows_parallel: see prepare_xk.
+Prepared prepare(const GemvCall& c, int64_t B, bool rows_parallel) {
   const Linear& l = *c.l;
-  Prepared p{&c, {}, {}, {}, {}, {}};
+  Prepared p{&c, {}, {}, {}, {}, {}, {}};
   switch (l.kind) {
     case Linear::Kind::kDense:
       if (bf16_dot(c)) {
@@ -762,6 +1037,7 @@ Prepared prepare(const GemvCall& c, int64_t B) {
       else p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16);
       break;
     case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
+    case Linear::Kind::kKQuant: p.xk = prepare_xk(c.x, c.xt, B, l.K, l.cs, rows_parallel); break;
     default: {
       p.xq = prepare_xq(c.x, c.xt, B, l.K, true, l.cs);
       // xsum[b, g] = sum of the rounded x[b] over the columns of group g, so that the result
@@ -789,7 +1065,10 @@ int64_t block_rows(const Prepared& p, int64_t Bc) {
   if (use_amx(p, Bc)) return 16;  // a tile's rows
   int64_t R = 1;
   with_batch(Bc, [&]<int B>() {
-    R = p.call->l->kind != Linear::Kind::kDense ? kIntRows<B> : DenseKernel<DenseF32>::kRows<B>;
+    const Linear::Kind kind = p.call->l->kind;
+    R = kind == Linear::Kind::kKQuant ? KQuantKernel<Q4KFormat>::kRows<B>
+        : kind != Linear::Kind::kDense ? kIntRows<B>
+                                       : DenseKernel<DenseF32>::kRows<B>;
 #if defined(RWKV_SIMD_BF16_DOT)
     if (bf16_dot(*p.call)) R = DenseBF16DotKernel::kRows<B>;
 #endif
@@ -836,6 +1115,9 @@ void run_part(const Prepared& p, int64_t B, int64_t b0, int64_t r0, int64_t r1) 
         else
           run_tiled<Bc>(IntKernel<Q8Format<false>>{{l.q8, l.s8, K, G}, view(p.xq, b0, K)}, r0, r1, N, y);
         break;
+      case Linear::Kind::kKQuant:
+        with_ktype(l.kt, [&]<typename Fmt>() { run_tiled<Bc>(KQuantKernel<Fmt>{l.kq, K, &p.xk, b0}, r0, r1, N, y); });
+        break;
       default:
         run_tiled<Bc>(IntKernel<Q4Format>{Q4Format{l.q4, l.s4, l.z4, K, G, p.xsum.data() + b0 * G}, view(p.xq, b0, K)}, r0,
                       r1, N, y);
@@ -856,7 +1138,7 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
   // Each GEMV's x on its own work item: at batch 8 the x preparations of a decode step are a
   // few ms (int8 / int4: quantizing x), and the GEMVs of one gemv_many take x of the same size.
   std::vector<Prepared> prep(n);
-  auto prepare_one = [&](int64_t i) { prep[i] = prepare(calls[i], B); };
+  auto prepare_one = [&](int64_t i) { prep[i] = prepare(calls[i], B, n == 1 && parallel); };
   if (parallel) parallel_for(n, prepare_one);
   else for (int i = 0; i < n; ++i) prepare_one(i);
   // Work items: (call, pass of x rows, rows [r0, r1)), taken in this order. An item is at most
@@ -865,31 +1147,34 @@ void gemv_many(const GemvCall* calls, int n, int64_t B) {
   // equal items a thread waited for the other's last one, 2.4 ms of a 41 ms q4 decode step
   // (Zen 4, 2 threads), though the step got only 1-3% faster (one thread alone draws most of
   // the memory bandwidth that two do).
+  // With more than kMaxB rows of x (several passes), an item runs every pass over its rows, so
+  // that they are read from memory once and stay in cache while the passes go by (rows of a
+  // K-quant prefill, batches of 9-16 rows); its rows are a multiple of every pass's row block.
   struct Item {
     int call;
-    int64_t b0, r0, r1;
+    int64_t r0, r1;
   };
-  int64_t left = 0;  // weights of the job not yet in an item (each pass of x rows reads them all)
-  for (int i = 0; i < n; ++i) left += (B + kMaxB - 1) / kMaxB * calls[i].l->N * calls[i].l->K;
+  const int64_t passes = (B + kMaxB - 1) / kMaxB;
+  int64_t left = 0;  // weights of the job not yet in an item, times the passes that read them
+  for (int i = 0; i < n; ++i) left += passes * calls[i].l->N * calls[i].l->K;
   std::vector<Item> items;
   for (int i = 0; i < n; ++i) {
     const Linear& l = *calls[i].l;
-    for (int64_t b0 = 0; b0 < B; b0 += kMaxB) {
-      const int64_t R = block_rows(prep[i], std::min<int64_t>(kMaxB, B - b0));
-      const int64_t nblocks = (l.N + R - 1) / R;
-      const int64_t step = blocks_per_item(nblocks, l.N * l.K, T), block = R * l.K;
-      for (int64_t k = 0; k < nblocks;) {
-        const int64_t guided = std::max(left / (2 * T), kMinItem) / block;
-        const int64_t take = std::min(nblocks - k, std::clamp<int64_t>(guided, 1, step));
-        items.push_back({i, b0, k * R, std::min(l.N, (k + take) * R)});
-        left -= take * block;
-        k += take;
-      }
+    int64_t R = 1;
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxB) R = std::lcm(R, block_rows(prep[i], std::min<int64_t>(kMaxB, B - b0)));
+    const int64_t nblocks = (l.N + R - 1) / R;
+    const int64_t step = blocks_per_item(nblocks, l.N * l.K, T), block = passes * R * l.K;
+    for (int64_t k = 0; k < nblocks;) {
+      const int64_t guided = std::max(left / (2 * T), kMinItem) / block;
+      const int64_t take = std::min(nblocks - k, std::clamp<int64_t>(guided, 1, step));
+      items.push_back({i, k * R, std::min(l.N, (k + take) * R)});
+      left -= take * block;
+      k += take;
     }
   }
   auto run_item = [&](int64_t j) {
     const Item& it = items[j];
-    run_part(prep[it.call], B, it.b0, it.r0, it.r1);
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxB) run_part(prep[it.call], B, b0, it.r0, it.r1);
   };
   if (!parallel) {
     for (size_t j = 0; j < items.size(); ++j) run_item(static_cast<int64_t>(j));
@@ -917,6 +1202,14 @@ void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint1
              int64_t G, const void* x, DType xt, int64_t B, void* y) {
   Linear l;
   l.kind = Linear::Kind::kQ4, l.N = N, l.K = K, l.G = G, l.q4 = q, l.s4 = s, l.z4 = z, l.cs = cs;
+  const GemvCall c{&l, x, y, xt};
+  gemv_many(&c, 1, B);
+}
+
+void gemv_kq(KType t, const uint8_t* blocks, const uint16_t* cs, int64_t N, int64_t K, const void* x, DType xt,
+             int64_t B, void* y) {
+  Linear l;
+  l.kind = Linear::Kind::kKQuant, l.N = N, l.K = K, l.kq = blocks, l.kt = t, l.cs = cs;
   const GemvCall c{&l, x, y, xt};
   gemv_many(&c, 1, B);
 }
@@ -989,6 +1282,20 @@ void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t 
       }
       if (ot != DType::kBF16) store_row(row.data(), K, out, ot, i * K);
     }
+  });
+}
+
+void dequant_kq(KType t, const uint8_t* blocks, int64_t K, int64_t r0, int64_t r1, void* out, DType ot) {
+  with_ktype(t, [&]<typename Fmt>() {
+    const int64_t rb = K / 256 * Fmt::kBytes;
+    for_rows(r1 - r0, K, 1, [&](int64_t a, int64_t b) {
+      std::vector<float> row(static_cast<size_t>(K));
+      for (int64_t i = a; i < b; ++i) {
+        const uint8_t* src = blocks + (r0 + i) * rb;
+        for (int64_t k = 0; k < K; k += 256) Fmt::dequant(src + k / 256 * Fmt::kBytes, row.data() + k);
+        store_row(row.data(), K, out, ot, i * K);
+      }
+    });
   });
 }
 

@@ -25,9 +25,21 @@ void gemv_q8(const int8_t* q, const uint16_t* s, const uint16_t* cs, int64_t N, 
 void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint16_t* cs, int64_t N, int64_t K,
              int64_t G, const void* x, DType xt, int64_t B, void* y);
 
+// ggml's K-quant block types (ids as ggml / GGUF number them): rows of 256-column blocks in the
+// GGUF's own bytes (loading/ggml_quants.py has the layouts); the formats of quant/kquant_linear.py.
+enum class KType : int { kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+constexpr int64_t ktype_bytes(KType t) { return t == KType::kQ4K ? 144 : t == KType::kQ5K ? 176 : 210; }
+inline bool is_ktype(int64_t t) { return t == 12 || t == 13 || t == 14; }
+
+// w[n, k] = the value ggml decodes for column k of row n, times cs[k]; blocks [N, K / 256 *
+// ktype_bytes(t)], K a multiple of 256. x is rounded to int8 per 32 columns (as for gemv_q4) and
+// the products summed exactly per 16 columns.
+void gemv_kq(KType t, const uint8_t* blocks, const uint16_t* cs, int64_t N, int64_t K, const void* x, DType xt,
+             int64_t B, void* y);
+
 // A linear layer y = x W^T in one of the formats above.
 struct Linear {
-  enum class Kind : int { kNone = 0, kDense, kQ8, kQ4 } kind = Kind::kNone;
+  enum class Kind : int { kNone = 0, kDense, kQ8, kQ4, kKQuant } kind = Kind::kNone;
   int64_t N = 0, K = 0, G = 1;
   const void* w = nullptr;  // dense [N, K] of dtype wt
   DType wt = DType::kF32;
@@ -36,6 +48,8 @@ struct Linear {
   const uint8_t* q4 = nullptr;  // packed int4 [N, K / 2], scales / biases fp16 [N, G]
   const uint16_t* s4 = nullptr;
   const uint16_t* z4 = nullptr;
+  const uint8_t* kq = nullptr;  // K-quant blocks [N, K / 256 * ktype_bytes(kt)]
+  KType kt = KType::kQ4K;
   const uint16_t* cs = nullptr;  // optional fp16 column scales [K]
 };
 
@@ -60,6 +74,8 @@ void gemv_many(const GemvCall* calls, int n, int64_t B);
 void dequant_q8(const int8_t* q, const uint16_t* s, int64_t K, int64_t G, int64_t r0, int64_t r1, void* out, DType ot);
 void dequant_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, int64_t K, int64_t G, int64_t r0, int64_t r1,
                 void* out, DType ot);
+// ggml's values exactly (gguf.quants' fp32 operations), then rounded to ot.
+void dequant_kq(KType t, const uint8_t* blocks, int64_t K, int64_t r0, int64_t r1, void* out, DType ot);
 
 // Asymmetric int4 quantization of w [N, K] (fp32 / bf16 / fp16) with group size gs in
 // {32, 64, 128}, trying each range shrink factor (the first is used alone when nshrink == 1),

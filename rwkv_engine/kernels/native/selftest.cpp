@@ -14,6 +14,8 @@
 //   op 5 lora_product p = K N B wt -  -     in: W [K, N] (wt), x fp32 [B, K]       out: y fp32 [B, N]
 //   op 6 wkv7_sequence p = B T H N -  -     in: r k v w a b fp32 [B, T, H, N], state [B, H, N, N]
 //                                                                       out: y [B, T, H, N], new state
+//   op 7 gemv_kq      p = N K B type xt -   in: blocks [N, K / 256 * bytes], x   out: y [B, N] (xt)
+//   op 8 dequant_kq   p = N K type ot -  -  in: blocks                         out: [N, K] (ot)
 // dtypes as kernels.h DType (0 fp32, 1 bf16, 2 fp16). Prints the ISA level.
 
 #include <cstdint>
@@ -108,6 +110,23 @@ int main(int argc, char** argv) {
       float* yo = reinterpret_cast<float*>(y.data());
       if (r.ok)
         wkv7_sequence(B, T, H, N, f(in6[0]), f(in6[1]), f(in6[2]), f(in6[3]), f(in6[4]), f(in6[5]), f(st), yo + n, yo);
+    } else if (op == 7 || op == 8) {
+      const int64_t N = p[0], K = p[1], B = op == 7 ? p[2] : 0, type = op == 7 ? p[3] : p[2], dt = op == 7 ? p[4] : p[3];
+      if (!is_ktype(type)) {
+        std::fprintf(stderr, "case %d: bad K-quant type\n", cases);
+        return 2;
+      }
+      const KType t = static_cast<KType>(type);
+      auto w = r.read(N * (K / 256) * ktype_bytes(t));
+      const uint8_t* blocks = reinterpret_cast<const uint8_t*>(w.data());
+      if (op == 7) {
+        auto x = r.read(B * K * esize(dt));
+        y.resize(B * N * esize(dt));
+        if (r.ok) gemv_kq(t, blocks, nullptr, N, K, x.data(), DType(dt), B, y.data());
+      } else {
+        y.resize(N * K * esize(dt));
+        if (r.ok) dequant_kq(t, blocks, K, 0, N, y.data(), DType(dt));
+      }
     } else {
       std::fprintf(stderr, "unknown op %lld\n", static_cast<long long>(op));
       return 2;

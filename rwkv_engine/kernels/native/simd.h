@@ -180,6 +180,62 @@ inline I32 q4_dot8(const I8* w, const int8_t* xb) {
                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 32)));
 }
 
+
+// K-quants (kernels.cpp KQuantKernel, ggml's Q4_K / Q5_K / Q6_K): a 256-column block's codes as
+// 8 pieces (KP) of 32 unsigned bytes of at most 63, each piece 32 columns in column order; x the
+// block's 256 int8 values in column order. kq_block_sums gives the exact int32 sums of the 16
+// groups of 16 columns in kKqVecs vectors, group g in lane kq_lane(g) of them (here vector g / 8,
+// even groups in lanes 0-3 and odd ones in 4-7, where two rounds of pairwise adds leave them).
+// Per-group float factors are put in the same lanes by kq_scale8 / kq_scale16.
+using KP = __m256i;
+inline constexpr int kKqVecs = 2;
+constexpr int kq_lane(int g) { return 8 * (g / 8) + (g % 2) * 4 + (g % 8) / 2; }
+inline KP kq_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline KP kq_or(KP a, KP b) { return _mm256_or_si256(a, b); }
+// Each byte shifted left by S (right by -S) and masked; the mask drops the bits a 16-bit shift
+// carries over from the neighbouring byte (the bits a byte shift would have dropped).
+template <int S>
+inline KP kq_bits(KP v, uint8_t mask) {
+  static_assert(S > -8 && S < 8);
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  if constexpr (S > 0) return _mm256_and_si256(_mm256_slli_epi16(v, S), m);
+  else if constexpr (S < 0) return _mm256_and_si256(_mm256_srli_epi16(v, -S), m);
+  else return _mm256_and_si256(v, m);
+}
+// The int32 sums of one piece times 32 bytes of x: lane l sums columns 4l .. 4l + 3 (codes at
+// most 63 times x in [-127, 127]: pairs at most 16002, no saturation in vpmaddubsw).
+inline I32 kq_dot32(KP w, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
+#endif
+}
+inline void kq_block_sums(const KP* w, const int8_t* x, I32* out) {
+  I32 p[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) p[k] = kq_dot32(w[k], x + 32 * k);
+  // within each 128-bit half, hadd(a, b) = (a0+a1, a2+a3, b0+b1, b2+b3): two rounds leave each
+  // lane one group's 4 x 4 columns
+  out[0] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  out[1] = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+}
+// Per-group float factors in the lanes of kq_block_sums: f times byte g / 2 of the 8 unsigned
+// bytes b8 (one per 32-column sub-block, Q4_K / Q5_K), or f times the signed byte g of s16 (Q6_K).
+inline void kq_scale8(uint64_t b8, float f, F* out) {
+  const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(b8)))),
+                                 _mm256_set1_ps(f));
+  out[0] = _mm256_permute2f128_ps(v, v, 0x00);  // sub-blocks 0-3 in both halves: groups 0, 2, 4, 6 | 1, 3, 5, 7
+  out[1] = _mm256_permute2f128_ps(v, v, 0x11);
+}
+inline void kq_scale16(const int8_t* s16, float f, F* out) {
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  const __m128i s = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)), order);
+  const __m256 fv = _mm256_set1_ps(f);
+  out[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)), fv);
+  out[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(s, s))), fv);
+}
 }  // namespace v256
 
 #endif
@@ -296,12 +352,14 @@ namespace iv4 = v512;
 #else
 namespace iv4 = v256;
 #endif
+namespace kq = v256;  // K-quants: 256-bit vectors (with VNNI's vpdpbusd) at every x86 level
 
 #elif defined(RWKV_SIMD_AVX2)
 
 using namespace v256;
 namespace iv8 = v256;
 namespace iv4 = v256;
+namespace kq = v256;
 
 #else  // NEON
 
@@ -364,8 +422,65 @@ inline I32 q4_dot8(const I8* w, const int8_t* xb) {
   const I32 g1 = dot_u8s8(w[2], vld1q_s8(xb + 32), w[3], vld1q_s8(xb + 48));
   return vpaddq_s32(g0, g1);
 }
+
+// K-quants: see v256::KP. A piece is two 16-byte vectors (columns 0-15, 16-31), and each group
+// of 16 columns is one sdot's four lanes, reduced pairwise in column order: group g in lane g of
+// the four vectors of kq_block_sums.
+struct KP {
+  uint8x16_t lo, hi;
+};
+inline constexpr int kKqVecs = 4;
+constexpr int kq_lane(int g) { return g; }
+inline KP kq_load(const uint8_t* p) { return {vld1q_u8(p), vld1q_u8(p + 16)}; }
+inline KP kq_or(KP a, KP b) { return {vorrq_u8(a.lo, b.lo), vorrq_u8(a.hi, b.hi)}; }
+template <int S>
+inline uint8x16_t kq_bits1(uint8x16_t v, uint8_t mask) {
+  static_assert(S > -8 && S < 8);
+  const uint8x16_t m = vdupq_n_u8(mask);
+  if constexpr (S > 0) return vandq_u8(vshlq_n_u8(v, S), m);
+  else if constexpr (S < 0) return vandq_u8(vshrq_n_u8(v, -S), m);
+  else return vandq_u8(v, m);
+}
+template <int S>
+inline KP kq_bits(KP v, uint8_t mask) { return {kq_bits1<S>(v.lo, mask), kq_bits1<S>(v.hi, mask)}; }
+// 16 codes (at most 63, read as signed bytes) times 16 bytes of x, summed in 4 lanes of 4 columns.
+inline I32 kq_dot16(uint8x16_t w, int8x16_t x) {
+  const int8x16_t s = vreinterpretq_s8_u8(w);
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(vdupq_n_s32(0), s, x);
+#else
+  const int16x8_t lo = vmull_s8(vget_low_s8(s), vget_low_s8(x));
+  const int16x8_t hi = vmull_high_s8(s, x);  // products at most 63 * 127: pairs fit int16
+  return vpaddlq_s16(vpaddq_s16(lo, hi));
+#endif
+}
+inline void kq_block_sums(const KP* w, const int8_t* x, I32* out) {
+  I32 g[16];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    g[2 * k] = kq_dot16(w[k].lo, vld1q_s8(x + 32 * k));
+    g[2 * k + 1] = kq_dot16(w[k].hi, vld1q_s8(x + 32 * k + 16));
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) out[v] = vpaddq_s32(vpaddq_s32(g[4 * v], g[4 * v + 1]), vpaddq_s32(g[4 * v + 2], g[4 * v + 3]));
+}
+inline void kq_scale8(uint64_t b8, float f, F* out) {
+  const uint16x8_t w = vmovl_u8(vcreate_u8(b8));
+  const float32x4_t a = vmulq_n_f32(vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), f);
+  const float32x4_t b = vmulq_n_f32(vcvtq_f32_u32(vmovl_high_u16(w)), f);
+  out[0] = vzip1q_f32(a, a), out[1] = vzip2q_f32(a, a), out[2] = vzip1q_f32(b, b), out[3] = vzip2q_f32(b, b);
+}
+inline void kq_scale16(const int8_t* s16, float f, F* out) {
+  const int8x16_t s = vld1q_s8(s16);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(s)), hi = vmovl_high_s8(s);
+  out[0] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), f);
+  out[1] = vmulq_n_f32(vcvtq_f32_s32(vmovl_high_s16(lo)), f);
+  out[2] = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), f);
+  out[3] = vmulq_n_f32(vcvtq_f32_s32(vmovl_high_s16(hi)), f);
+}
 namespace iv8 = ::rwkv_native::simd;
 namespace iv4 = ::rwkv_native::simd;
+namespace kq = ::rwkv_native::simd;
 
 #endif
 
@@ -377,6 +492,9 @@ constexpr bool layouts_consistent() {
   bool seen_q4[64] = {}, seen_bf16[16] = {};
   for (int pos = 0; pos < 64; ++pos) seen_q4[iv4::q4x8_column(pos)] = true;
   for (int pos = 0; pos < 16; ++pos) seen_bf16[bf16_column(pos)] = true;
+  bool seen_kq[16] = {};
+  for (int g = 0; g < 16; ++g) seen_kq[kq::kq_lane(g)] = true;
+  for (bool b : seen_kq) if (!b) return false;
   for (bool b : seen_q4) if (!b) return false;
   for (bool b : seen_bf16) if (!b) return false;
   return true;

@@ -1,4 +1,5 @@
-"""ggml's tensor types: block layouts and dequantization, shared by the GGUF and rwkv.cpp readers.
+"""ggml's tensor types: block layouts and dequantization, shared by the GGUF and rwkv.cpp readers
+(loading/) and by KQuantLinear (kquant_linear.py: the K-quant blocks run as they are stored).
 
 A quantized ggml row is a run of blocks; each block codes `block_size` consecutive values of the
 row in `type_size` bytes (little-endian). The layouts (ggml-common.h; the `gguf` package's
@@ -45,6 +46,9 @@ TYPES: dict[int, tuple[str, int, int]] = {
 }
 BY_NAME = {name: tid for tid, (name, _, _) in TYPES.items()}
 QUANTIZED = frozenset(n for n in BY_NAME if n not in ("F32", "F16", "BF16"))
+KQUANT = ("Q4_K", "Q5_K", "Q6_K")  # run from their blocks (quant/kquant_linear.py)
+# Byte offsets of a K-quant block's fp16 scale fields (d, and dmin where the type has one).
+_K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def type_name(type_id: int) -> str:
@@ -186,6 +190,26 @@ def dequantize(data: Tensor, type_id: int, shape: tuple[int, ...]) -> Tensor:
     for i in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         out[i : i + _CHUNK_BLOCKS] = fn(blocks[i : i + _CHUNK_BLOCKS])
     return out.reshape(shape)
+
+
+def scale_blocks(blocks: Tensor, type_id: int, factor: float, what: str) -> Tensor:
+    """A copy of K-quant blocks [N, bytes] whose values are `factor` (a power of two) times theirs:
+    the fp16 block scales multiplied. InputError where an fp16 field would not be exact (a
+    division into fp16's subnormals, an overflow)."""
+    from ..errors import InputError
+
+    name, _, ts = TYPES[type_id]
+    out = blocks.reshape(-1, ts).clone()
+    for o in _K_FP16_FIELDS[name]:
+        field = out[:, o : o + 2].contiguous().view(torch.float16)
+        scaled = (field.float() * factor).half()
+        if not torch.equal(scaled.float(), field.float() * factor):
+            raise InputError(
+                f"{what}: the {name} block scales times {factor:g} are not exact in fp16; "
+                "load this file with another --dtype (fp16 halves the weights of deep blocks)"
+            )
+        out[:, o : o + 2] = scaled.view(torch.uint8)
+    return out.reshape(blocks.shape)
 
 
 def q8_0_split(data: Tensor, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:

@@ -134,7 +134,7 @@ def make_tensors(fmt: str, N: int, K: int) -> dict:
             .contiguous(),
         }
     if fmt in ("q4_k", "q5_k", "q6_k"):  # ggml's K-quant blocks from the test quantizer
-        from rwkv_engine.loading.ggml_writers import quantize
+        from rwkv_engine.testing.ggml_writers import quantize
 
         return {"kq": torch.from_numpy(quantize((torch.randn(N, K, generator=g) / K**0.5).numpy(), fmt.upper()))}
     raise ValueError(f"unknown format {fmt!r}")
@@ -428,8 +428,8 @@ def bench_prefill(ops, T, rounds):
 
 def bench_kquant_prefill(ops, T, rounds):
     """KQuantLinear's prefill paths: the integer kernel against dequantized tiles + GEMM."""
-    from rwkv_engine.loading.ggml_writers import quantize
     from rwkv_engine.quant.kquant_linear import KQuantLinear
+    from rwkv_engine.testing.ggml_writers import quantize
 
     one = torch.get_num_threads() == 1
     clock = time.thread_time if one else time.perf_counter

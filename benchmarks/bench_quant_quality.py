@@ -53,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rwkv_engine  # noqa: E402
 from rwkv_engine import testing  # noqa: E402
 from rwkv_engine.config import ModelConfig  # noqa: E402
-from rwkv_engine.quant.ggml_quants import BY_NAME, dequantize  # noqa: E402
 from rwkv_engine.models.model import RWKV  # noqa: E402
 from rwkv_engine.quant import (
     kquantize,  # noqa: E402
     quantize_model,  # noqa: E402
 )
+from rwkv_engine.quant.ggml_quants import BY_NAME, dequantize  # noqa: E402
 from rwkv_engine.quant.kquantize import K_TYPES  # noqa: E402
 from rwkv_engine.quant.linear import DenseLinear, weight_bytes  # noqa: E402
 from rwkv_engine.quant.schemes import kquant_actions, kquant_read_bytes, replace_module  # noqa: E402

@@ -3,7 +3,7 @@
     python benchmarks/bench_tokenizer.py [--mb 5] [--repeat 3] [--seed 0]
 
 Builds a deterministic mixed corpus (English-like prose, code, CJK, emoji, whitespace; see
-rwkv_engine/tokenizer/corpus.py), then measures encode and decode MB/s (of UTF-8 input / output)
+rwkv_engine/testing/corpus.py), then measures encode and decode MB/s (of UTF-8 input / output)
 for each tokenizer in the same run, best of --repeat, with the ratio to the reference
 `rwkv.rwkv_tokenizer.TRIE_TOKENIZER`, and checks that every tokenizer gives the reference's ids
 and text back. The machine is shared and noisy: read the ratios, not the absolute numbers.
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     import rwkv
     from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
 
+    from rwkv_engine.testing.corpus import mixed_corpus
     from rwkv_engine.tokenizer import WorldTokenizer, native_available
-    from rwkv_engine.tokenizer.corpus import mixed_corpus
 
     text = mixed_corpus(int(args.mb * 1e6), seed=args.seed)
     size = len(text.encode("utf-8"))

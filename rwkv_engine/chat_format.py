@@ -2,19 +2,23 @@
 
     System: {system}\n\nUser: {message}\n\nAssistant: {reply}\n\nUser: {message}\n\nAssistant:
 
-(docs/formats.md D.) Every message becomes "{Role}: {text}\n\n" with the roles System
-(also for OpenAI's "developer"), User and Assistant; the prompt ends with "Assistant:" and no
-space: the model answers with a leading space, which `ReplyText` removes from what the client
-sees. "\n\n" separates turns, so message text is normalised never to contain it: CRLF -> LF,
-stripped, runs of newlines folded into one (as ChatRWKV's API demos do). A reply ends at "\n\n".
+(docs/formats.md D.) Every message becomes "{Role}: {text}\n\n" ("{Role}:\n\n" when its text
+is empty) with the roles System (also for OpenAI's "developer"), User, Assistant and Tool (a
+tool's result; how tools and calls are written is rwkv_engine/tool_calls.py); the prompt ends
+with "Assistant:" and no space: the model answers with a leading space, which `ReplyText`
+removes from what the client sees. "\n\n" separates turns, so message text is normalised never
+to contain it: CRLF -> LF, stripped, runs of newlines folded into one (as ChatRWKV's API demos
+do). A reply ends at "\n\n".
 
 An assistant message of the history is rendered as "Assistant: {content}", which puts back the
 space the server stripped: the history then reads exactly as the model wrote it, so a
 conversation's next prompt starts with the previous prompt plus the reply, and the prompt-state
 cache can resume it.
 
-This module knows nothing of HTTP, the terminal or the engine: the server
-(rwkv_engine/serve/app.py) and the chat CLI (rwkv_engine/cli/chat.py) both render with it.
+This module knows nothing of HTTP, the terminal or the engine: the server's chat route
+(rwkv_engine/serve/serving_chat.py), its Ray router (serve/ray.py, which keys requests by their
+rendered prompt) and the chat session behind `rwkv-engine chat` (rwkv_engine/chat.py) all
+render with it.
 """
 
 from __future__ import annotations

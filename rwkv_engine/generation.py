@@ -42,7 +42,7 @@ import torch
 
 from .errors import InputError
 from .sampling import Sampler, SamplingParams
-from .speculative import DEFAULT_MAX_DRAFT, Drafter, DraftModel, SpeculativeDecoder, SpeculativeStats, make_drafter
+from .speculative import DEFAULT_MAX_DRAFT, Drafter, SpeculativeDecoder, SpeculativeStats, drafter_for
 from .structured import constraint_for
 
 __all__ = ["generate", "Generation", "GenerationStats", "TextStream", "encode_prompt"]
@@ -184,7 +184,7 @@ class Generation:
         self.stream = TextStream(tokenizer, params)
         self._state = state
         self._decoder: SpeculativeDecoder | None = None
-        self._drafter = _drafter(speculative, model, params)
+        self._drafter = None if speculative is None else drafter_for(speculative, model, params)
         self._max_draft = max_draft
         self.prompt_state = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_tokens))
@@ -285,21 +285,6 @@ class Generation:
                 yield text
             if stream.done:
                 return
-
-
-def _drafter(speculative, model, params: SamplingParams) -> Drafter | None:
-    """The generation's own drafter: a name is built, a DraftModel gets this sequence's params."""
-    if speculative is None:
-        return None
-    if isinstance(speculative, str):
-        speculative = make_drafter(speculative, model)
-    if not isinstance(speculative, Drafter):
-        raise InputError(f"speculative must be 'lookup', 'draft' or a Drafter, got {speculative!r}")
-    if isinstance(speculative, DraftModel):
-        if speculative.model.config.vocab_size != model.config.vocab_size:
-            raise InputError("the draft model's vocabulary is not the target's")
-        speculative = speculative.for_params(params).priced(model)
-    return speculative
 
 
 def generate(

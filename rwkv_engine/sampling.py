@@ -29,6 +29,10 @@ is computed as `softmax(log p / T)` over the kept tokens, which is the same dist
 `p ** (1/T)` renormalised but cannot underflow to all zeros at small T; below T ~ 1e-37, where
 log p / T leaves fp32's range, it is the T -> 0 limit (`_tempered`).
 
+Steps 1-2 with the grammar mask are `Sampler.prepare`, the one function that makes what is drawn
+from, first refusing NaN or infinite logits (ModelOutputError): `Sampler.sample_batch` draws from
+it, and speculative decoding (speculative.py) decides its verified positions from it.
+
 temperature == 0 means greedy: the arg-max of the biased, penalised logits (the pip implements
 it as top_p = 0, which keeps the most probable token and its exact ties). Greedy rows do not
 consume random numbers.
@@ -63,7 +67,19 @@ __all__ = [
     "rwkv_probs",
     "sample_rows",
     "draw",
+    "check_finite",
 ]
+
+
+def check_finite(logits: Tensor, what: str = "the model's logits") -> None:
+    """ModelOutputError unless every row of logits [..., V] has a finite maximum. A NaN row has a
+    NaN maximum, an overflowed one +inf: an arg-max or a draw from either would be a token that
+    means nothing (greedy took NaN rows as token 0, "stop"). -inf alone is a ban, not an error."""
+    if not bool(torch.isfinite(logits.amax(-1)).all()):
+        raise ModelOutputError(
+            f"{what} are NaN or infinite (its weights or state are not finite, or so large that the "
+            "forward overflowed): no token can be chosen"
+        )
 
 
 def _per_row(value, like: Tensor) -> Tensor:
@@ -369,17 +385,11 @@ class Sampler:
             self._count[i] += 1
 
     @staticmethod
-    def sample_batch(samplers: Sequence[Sampler], logits: Tensor) -> list[int]:
-        """One token for each row of logits [B, V], row b sampled by samplers[b]."""
-        if logits.dim() != 2 or logits.shape[0] != len(samplers):
-            raise InputError(f"sample_batch: logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
-        # A NaN row has a NaN maximum, an overflowed one +inf: an arg-max or a draw from either
-        # would be a token that means nothing (greedy took NaN rows as token 0, "stop").
-        if not bool(torch.isfinite(logits.amax(-1)).all()):
-            raise ModelOutputError(
-                "the model's logits are NaN or infinite (its weights or state are not finite, or "
-                "so large that the forward overflowed): no token can be chosen"
-            )
+    def prepare(samplers: Sequence[Sampler], logits: Tensor) -> Tensor:
+        """What row b of logits [B, V] is drawn from by samplers[b]: fp32, bias and bans, penalties,
+        then the grammar mask (steps 1-2; counts not updated). ModelOutputError when a row is NaN
+        or infinite. The one home of that rule: `sample_batch` and speculative decoding call it."""
+        check_finite(logits)
         adjusted = logits.to(torch.float32, copy=True)
         for s, row in zip(samplers, adjusted):
             s._adjust_(row)
@@ -390,6 +400,14 @@ class Sampler:
             from .structured import apply_masks
 
             apply_masks(adjusted, constrained)
+        return adjusted
+
+    @staticmethod
+    def sample_batch(samplers: Sequence[Sampler], logits: Tensor) -> list[int]:
+        """One token for each row of logits [B, V], row b sampled by samplers[b]."""
+        if logits.dim() != 2 or logits.shape[0] != len(samplers):
+            raise InputError(f"sample_batch: logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
+        adjusted = Sampler.prepare(samplers, logits)
         params = [s.params for s in samplers]
         out = [None] * len(samplers)
         greedy = [b for b, p in enumerate(params) if p.greedy]

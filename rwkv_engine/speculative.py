@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError
-from .kernels.native import GEMV_MAX_ROWS, GEMV_ROWS_PER_READ
-from .sampling import Sampler, SamplingParams, bias_vector, rwkv_probs, sample_rows
+from .sampling import Sampler, SamplingParams, check_finite, rwkv_probs, sample_rows
+from .settings import DEFAULT_DRAFT_QUANTIZATION, DEFAULT_MAX_DRAFT, MAX_PASS_TOKENS, SPECULATIVE_KINDS, check_max_draft
 
 Tensor = torch.Tensor
 
@@ -56,20 +56,19 @@ __all__ = [
     "SpeculativeDecoder",
     "SpeculativeStats",
     "make_drafter",
+    "drafter_for",
     "DEFAULT_MAX_DRAFT",
     "quantized_twin",
     "decide",
     "KINDS",
+    "MAX_PASS_TOKENS",
+    "check_max_draft",
 ]
 
-KINDS = ("lookup", "draft")
-
-# Most tokens one pass carries (not-yet-fed tokens + drafts): the per-row GEMV's limit. A pass of
-# up to GEMV_ROWS_PER_READ tokens reads each weight once (two reads up to 16), so by default a
-# pass is the last decided token + at most DEFAULT_MAX_DRAFT drafts = 8 tokens, and a pass holds
-# at most max_draft + 1 tokens (fewer drafts when tokens from a rejected round are pending).
-MAX_PASS_TOKENS = GEMV_MAX_ROWS
-DEFAULT_MAX_DRAFT = GEMV_ROWS_PER_READ - 1
+# The kinds, the longest pass (MAX_PASS_TOKENS), the default draft length and its check are
+# settings (rwkv_engine/settings.py, free of torch for the command line). A pass holds at most
+# max_draft + 1 tokens (fewer drafts when tokens from a rejected round are pending).
+KINDS = SPECULATIVE_KINDS
 
 # The cost model that picks a row's draft length (`SpeculativeRow`), in decode steps: a pass of k
 # drafts costs 1 + k VERIFY_COST (bench_speculative.py, batch 1: a pass of 8 tokens costs 1.1-1.4
@@ -83,12 +82,6 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_DRAFTS = 2.0
 # A model draft whose cost is unknown (no target to compare it with) is taken to cost this.
 UNKNOWN_DRAFT_COST = 0.5
-
-
-def check_max_draft(value, name: str = "the draft length") -> None:
-    """InputError unless `value` is a draft length a pass can carry: an integer in [1, MAX_PASS_TOKENS - 1]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < MAX_PASS_TOKENS:
-        raise InputError(f"{name} must be an integer in [1, {MAX_PASS_TOKENS - 1}], got {value!r}")
 
 
 @dataclass
@@ -134,6 +127,14 @@ class Drafter:
     def prepare(self, context: Sequence[int]) -> None:
         """Read the context ahead of the first `propose` (with the target's prompt: prefill)."""
 
+    def lag(self, context: Sequence[int]) -> int:
+        """How many tokens of `context` the drafter has not read yet (`propose` reads them first)."""
+        return 0
+
+    def catch_up(self, context: Sequence[int], n: int) -> int:
+        """Read up to n of the tokens `lag` counts, ahead of `propose`; how many it read."""
+        return 0
+
 
 class PromptLookup(Drafter):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's last
@@ -164,7 +165,9 @@ class DraftModel(Drafter):
     It keeps its own state and the states after each token it drafted, so following what the
     target accepted costs no re-reading: the longest agreeing prefix's state is picked (O(1)
     rollback) and only the tokens after it are fed. Greedy targets draft greedily; sampled ones
-    draw from the draft's own sampling distribution (same bias, temperature, top-p, top-k).
+    draw from the draft's own sampling distribution (same bias, temperature, top-p, top-k; no
+    penalties or grammar, which the target's decision applies), prepared by `Sampler.prepare`
+    like every draw, with a generator of its own (seeded from the target's seed ^ 0x5EED).
     """
 
     def __init__(
@@ -177,8 +180,9 @@ class DraftModel(Drafter):
         self.model = model
         self.cost = cost  # see Drafter; `priced` sets it from a target
         self.params = params or SamplingParams(temperature=0.0)
-        self._bias = bias_vector(self.params, model.config.vocab_size)
-        self.generator = generator
+        seed = 0x5EED if self.params.seed is None else self.params.seed ^ 0x5EED
+        # (its counts stay empty: it never accepts a token, so no penalty applies)
+        self._sampler = Sampler(self.params.replace(seed=seed), model.config.vocab_size, generator)
         self._ctx: list[int] = []  # tokens its base state covers
         self._states: list = []  # state after _ctx + drafted[:j], j = 0..len(drafted)
         self._drafted: list[int] = []
@@ -194,9 +198,32 @@ class DraftModel(Drafter):
             self.cost = step_bytes(self.model) / max(1, step_bytes(target))
         return self
 
+    def checked(self, target) -> DraftModel:
+        """This draft, priced, once its vocabulary is found to be the target's (InputError if not)."""
+        mine, theirs = self.model.config.vocab_size, target.config.vocab_size
+        if mine != theirs:
+            raise InputError(f"the draft model's vocabulary ({mine}) is not the target's ({theirs})")
+        return self.priced(target)
+
     def prepare(self, context: Sequence[int]) -> None:
         """The draft's own prefill of the prompt, so that the first pass drafts at once."""
         self.propose(context, 0)
+
+    def lag(self, context: Sequence[int]) -> int:
+        return len(self._follow(list(context))[2])
+
+    def catch_up(self, context: Sequence[int], n: int) -> int:
+        """Read the next n tokens of the context the draft has not read (a piece of its prefill:
+        its prompt, or what it missed while drafting paused), from the state it has."""
+        context = list(context)
+        state, _, rest = self._follow(context)
+        piece = rest[:n]
+        if not piece:
+            return 0
+        logits, state = self.model.forward(piece, state=state)
+        covered = len(context) - len(rest) + len(piece)
+        self._ctx, self._states, self._logits, self._drafted = context[:covered], [state], [logits], []
+        return len(piece)
 
     def _follow(self, context: list[int]) -> tuple[object, Tensor | None, list[int]]:
         """(state, logits after it or None, tokens of context after it) from what is kept."""
@@ -218,18 +245,15 @@ class DraftModel(Drafter):
         self._ctx, self._states, self._logits, self._drafted = context, [state], [logits], []
         tokens: list[int] = []
         qs: list[Tensor] = []
-        greedy = self.params.greedy
+        greedy, p = self.params.greedy, self.params
         for i in range(k):
-            adj = logits.float() if self._bias is None else logits.float() + self._bias.to(logits.device)
+            check_finite(logits, "the draft model's logits")
+            adj = Sampler.prepare([self._sampler], logits[None])[0]
             if greedy:
                 t = int(adj.argmax())
             else:
-                if self.generator is None:
-                    self.generator = torch.Generator(device=logits.device)
-                    self.generator.manual_seed(0x5EED if self.params.seed is None else (self.params.seed ^ 0x5EED))
-                p = self.params
                 q = rwkv_probs(adj, p.temperature, p.top_p, p.top_k)
-                t = int(torch.multinomial(q, 1, generator=self.generator)[0])
+                t = int(torch.multinomial(q, 1, generator=self._sampler.generator)[0])
                 qs.append(q)
             tokens.append(t)
             if i + 1 < k:
@@ -245,7 +269,7 @@ def step_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for name, t in model.state_dict().items() if not name.startswith("emb."))
 
 
-def quantized_twin(model, quantization: str = "q4"):
+def quantized_twin(model, quantization: str = DEFAULT_DRAFT_QUANTIZATION):
     """The target loaded again from its own checkpoint with `quantization` (the default draft)."""
     import rwkv_engine
 
@@ -255,9 +279,9 @@ def quantized_twin(model, quantization: str = "q4"):
     return rwkv_engine.load(model.path, device=model.device, dtype=dtype, quantization=quantization, progress=False)
 
 
-def make_drafter(kind: str, target=None, draft=None, draft_quantization: str = "q4") -> Drafter:
-    """A drafter by name: "lookup", or "draft" (`draft`, a model or a path, else the target's
-    quantized twin)."""
+def make_drafter(kind: str, target=None, draft=None, draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION) -> Drafter:
+    """A drafter by name, to share between sequences (`drafter_for` gives each its own): "lookup",
+    or "draft" (`draft`, a model or a path, else the target's quantized twin)."""
     if kind == "lookup":
         return PromptLookup()
     if kind == "draft":
@@ -267,27 +291,25 @@ def make_drafter(kind: str, target=None, draft=None, draft_quantization: str = "
             draft = quantized_twin(target, draft_quantization)
         elif not isinstance(draft, torch.nn.Module):
             draft = rwkv_engine.load(draft, progress=False)
-        if target is not None and draft.config.vocab_size != target.config.vocab_size:
-            raise InputError(
-                f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
-                f"({target.config.vocab_size})"
-            )
-        return DraftModel(draft).priced(target) if target is not None else DraftModel(draft)
+        return DraftModel(draft) if target is None else DraftModel(draft).checked(target)
     raise InputError(f"speculative must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
+def drafter_for(drafter: str | Drafter, target, params: SamplingParams) -> Drafter:
+    """The drafter of one sequence decoding with `params` on `target` (`generate` and the serving
+    engine both take theirs from here): a name is built first (`make_drafter`); a `DraftModel`,
+    which keeps the sequence's draft state, is checked against the target and copied for these
+    params; any other drafter keeps no per-sequence state and serves as it is."""
+    if isinstance(drafter, str):
+        drafter = make_drafter(drafter, target)
+    if not isinstance(drafter, Drafter):
+        raise InputError(f"speculative must be 'lookup', 'draft' or a Drafter, got {drafter!r}")
+    if isinstance(drafter, DraftModel):
+        drafter = drafter.checked(target).for_params(params)
+    return drafter
+
+
 # --- deciding one position ------------------------------------------------------------------
-
-
-def _adjusted(sampler: Sampler, logits: Tensor) -> Tensor:
-    """What `Sampler.sample_batch` samples from: bias, bans, penalties, then the grammar mask."""
-    adjusted = sampler.adjusted_logits(logits)[None]
-    c = sampler.constraint
-    if c is not None and c.active:
-        from .structured import apply_masks
-
-        apply_masks(adjusted, [(0, c)])
-    return adjusted
 
 
 def decide(sampler: Sampler, logits: Tensor, draft: int | None, q: Tensor | None = None) -> tuple[int, bool]:
@@ -295,9 +317,11 @@ def decide(sampler: Sampler, logits: Tensor, draft: int | None, q: Tensor | None
 
     logits [V]: the target's at this position. draft: the proposed token (None: no draft, as in
     plain decoding). q: the draft's distribution it came from (None: a point mass at `draft`).
+    What is decided from is what plain decoding draws from (`Sampler.prepare`: ModelOutputError
+    on NaN or infinite logits, bias, penalties, the grammar mask).
     """
     p_ = sampler.params
-    adjusted = _adjusted(sampler, logits)
+    adjusted = Sampler.prepare([sampler], logits[None])
     if p_.greedy:
         t = int(adjusted[0].argmax())
     elif draft is None:
@@ -339,13 +363,25 @@ class SpeculativeRow:
 
     `pending` are the tokens decided since the committed state and not yet covered by it (the
     last decided token at least).
+
+    max_lag: the most tokens the drafter may read inside a pass to catch up with the context
+    (None: any number). Further behind, the row drafts nothing (`behind`) until the drafter has
+    caught up elsewhere (`Drafter.catch_up`; the serving engine schedules that as prefill work).
     """
 
     def __init__(
-        self, drafter: Drafter, sampler: Sampler, context: Sequence[int], max_draft: int = DEFAULT_MAX_DRAFT, stats=None
+        self,
+        drafter: Drafter,
+        sampler: Sampler,
+        context: Sequence[int],
+        max_draft: int = DEFAULT_MAX_DRAFT,
+        stats=None,
+        max_lag: int | None = None,
     ):
         check_max_draft(max_draft)
         self.drafter, self.sampler = drafter, sampler
+        self.max_lag = max_lag
+        self.behind = False
         self.context = list(context)
         self.pending: list[int] = []
         self.max_draft = max_draft
@@ -410,8 +446,11 @@ class SpeculativeRow:
 
     def plan(self, k: int | None = None) -> list[int]:
         """The tokens of the next pass: the pending ones, then up to k (default: `draft_length`)
-        drafts, at most max_draft + 1 tokens in all."""
-        k = min(self.draft_length() if k is None else k, self.max_draft + 1 - len(self.pending))
+        drafts, at most max_draft + 1 tokens in all (none while the drafter is `behind`)."""
+        if k is None:
+            self.behind = self.max_lag is not None and self.drafter.lag(self.context) > self.max_lag
+            k = 0 if self.behind else self.draft_length()
+        k = min(k, self.max_draft + 1 - len(self.pending))
         if self.limit is not None:
             k = min(k, self.limit - 1)
         drafts, qs = self.drafter.propose(self.context, k) if k > 0 else ([], None)

@@ -117,9 +117,10 @@ class State:
 
     def check_usable(self, model, batch_size: int | None = 1) -> None:
         """StateError unless this state can start sequences of `model`: its signature, its batch
-        size (None: any), the layout of `model.new_state` (field names, shapes, dtypes) and finite
-        values. For a state from a file (a server's --state-dir, a saved chat): a wrong shape or a
-        NaN would fail (or poison) the first forward instead."""
+        size (None: any), the layout of `model.new_state` (field names, shapes, dtypes), finite
+        values, and a model output from it that is finite (`_probe`). For a state from a file
+        (a server's --state-dir, a saved chat, --state FILE): a wrong shape, a NaN or a value too
+        large for the model's arithmetic would fail (or poison) the first forward instead."""
         if self.signature != model.config.state_signature():
             raise StateError(f"the state belongs to another model ({self.signature})")
         if batch_size is not None and self.batch_size != batch_size:
@@ -130,6 +131,39 @@ class State:
             raise StateError("the state does not have the fields, shapes and dtypes of this model's state")
         if not all(bool(t.isfinite().all()) for t in self._tensors.values()):
             raise StateError("the state holds NaN or infinite values")
+        self._probe(model)
+
+    def _probe(self, model) -> None:
+        """StateError unless the model's forward from this state stays finite.
+
+        Finite values are not enough: every tensor at 3e38 is finite, and the first product
+        with it overflows. No bound written here could say which values are too large: that
+        depends on the version's math (a matrix-valued wkv state is read through a sum over
+        the head size, then a group norm that squares it; RWKV-4's is in log space), on the
+        weights (the receptance that reads the state), on the dtype (an fp16 model overflows at
+        65504) and on the kernels. Even a reachable range is not the test, since a state whose
+        decay is near 1 grows without bound over a long text, and stays usable. So the model
+        itself is the judge: a short forward from the state (GEMV_MAX_ROWS + 1 tokens spread
+        over the vocabulary, every position's logits and the state after them) must be finite.
+
+        That length takes the prompt path (the GEMM and the chunked WKV), which holds no buffers
+        between calls, never the one-token decode step or its CUDA graphs, whose buffers the
+        server's engine thread reuses: so a server may run this on another thread. It costs one
+        short prefill per state file (the server keeps loaded states). A state that passes and
+        overflows only later, on some other text, still meets the sampler's guard
+        (ModelOutputError) as the model's own overflow would."""
+        from .kernels.native import GEMV_MAX_ROWS
+
+        T, V = GEMV_MAX_ROWS + 1, model.config.vocab_size
+        ids = torch.linspace(0, V - 1, T).long().expand(self.batch_size, T)
+        with torch.no_grad():
+            logits, after = model.forward(ids, self, all_logits=True)
+        if not (logits.isfinite().all() and all(t.isfinite().all() for _, t in after.items())):
+            peak = max(float(t.abs().max()) for t in self._tensors.values())
+            raise StateError(
+                f"the model's output from this state is NaN or infinite: its values (up to {peak:.3g}) "
+                "are too large for this model's arithmetic"
+            )
 
     # --- files ------------------------------------------------------------------------------
 

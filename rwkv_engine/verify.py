@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from .errors import InputError
-from .testing import rel_rms
 
 Tensor = torch.Tensor
 
@@ -43,6 +42,36 @@ PIP_LAYOUT = {
     6: ["att_x_prev", "att_kv", "ffn_x_prev"],
     7: ["att_x_prev", "att_kv", "ffn_x_prev"],
 }
+
+
+# --- comparison metrics (also what the tests compare with: rwkv_engine.testing re-exports them) ---
+
+
+def rel_rms(a: Tensor, b: Tensor) -> float:
+    """RMS of a - b relative to the RMS of the reference b (in fp64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation of `prompt`, n tokens."""
+    out: list[int] = []
+    logits, state = model.forward(prompt)
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits, state = model.forward(out[-1:], state)
+    return out
+
+
+def logits_along(model, prompt: list[int], steps: list[int]) -> Tensor:
+    """[len(prompt) + len(steps), vocab] logits: every prompt position in one forward, then one
+    decode step per token of `steps` (a quality comparison feeds two models the same tokens)."""
+    logits, state = model.forward(prompt, all_logits=True)
+    out = [logits]
+    for t in steps:
+        lg, state = model.forward([t], state)
+        out.append(lg[None])
+    return torch.cat(out)
 
 
 @dataclass

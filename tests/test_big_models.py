@@ -111,7 +111,7 @@ def test_native_int8_quantizer_and_column_scales_equal_the_reference(dtype):
     ops = native.load()
     g = torch.Generator().manual_seed(0)
     for N, K in ((64, 96), (300, 1024), (33, 2048)):
-        w = testing._linear(g, N, K, True).to(dtype)
+        w = testing.checkpoints._linear(g, N, K, True).to(dtype)
         w[3] = 0
         w[:, 5] = 0  # an all-zero column: scale 1
         w[7, 9] = 3e4 if dtype != torch.float16 else 6e4  # far outside the rest: clamped column scale

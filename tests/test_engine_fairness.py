@@ -8,12 +8,13 @@ the order of work, not on wall-clock time.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 import rwkv_engine
 from rwkv_engine import SamplingParams
-from rwkv_engine.serve.engine import Delta, Engine, EngineConfig, Finished, Request
+from rwkv_engine.serve.engine import Delta, Engine, EngineConfig, Finished, Prompt, Request
 from rwkv_engine.testing import random_state_dict, save_pth
 
 CHUNK = 32
@@ -56,6 +57,29 @@ class CountingModel:
         return self._model.forward(tokens, *args, **kw)
 
 
+def shorts_wait(engine: Engine, tok, counting: CountingModel, timeout: float = 120) -> int:
+    """Submit 4 short greedy prompts; how many pieces of the long prompt(s) the last of them
+    waited for its first token."""
+    greedy = SamplingParams(temperature=0, max_tokens=2, stop_token_ids=())
+    first_token_at: dict[int, int] = {}
+    done = threading.Event()
+
+    def sink_for(i):
+        def sink(e):
+            if isinstance(e, Delta | Finished) and i not in first_token_at:
+                first_token_at[i] = counting.long_chunks
+                if len(first_token_at) == 4:
+                    done.set()
+
+        return sink
+
+    submitted_at = counting.long_chunks
+    for i in range(4):
+        engine.submit(Request(tok.encode(f"Short {i}"), greedy), sink_for(i))
+    assert done.wait(timeout)
+    return max(first_token_at.values()) - submitted_at
+
+
 def test_short_prompts_are_not_held_behind_a_long_prefill(model_and_tokenizer):
     """R1: a long prompt is prefilling; short prompts that arrive then get their first token
     within a few chunks of it, not after the whole long prompt."""
@@ -66,26 +90,10 @@ def test_short_prompts_are_not_held_behind_a_long_prefill(model_and_tokenizer):
     wait_ready(engine)
     greedy = SamplingParams(temperature=0, max_tokens=2, stop_token_ids=())
     long_ids = [7] * (CHUNK * 80)
-    first_token_at: dict[int, int] = {}
-    done = threading.Event()
     try:
         long_handle = engine.submit(Request(long_ids, greedy), lambda e: None)
         assert counting.started.wait(60)
-
-        def sink_for(i):
-            def sink(e):
-                if isinstance(e, Delta | Finished) and i not in first_token_at:
-                    first_token_at[i] = counting.long_chunks
-                    if len(first_token_at) == 4:
-                        done.set()
-
-            return sink
-
-        submitted_at = counting.long_chunks
-        for i in range(4):
-            engine.submit(Request(tok.encode(f"Short {i}"), greedy), sink_for(i))
-        assert done.wait(120)
-        waited = max(first_token_at.values()) - submitted_at
+        waited = shorts_wait(engine, tok, counting)
         assert waited <= 3, f"short prompts waited {waited} chunks of the long prompt ({len(long_ids) // CHUNK} in all)"
         long_handle.cancel()
     finally:
@@ -120,21 +128,89 @@ def test_more_prompts_than_can_ever_fit_are_refused_before_queueing(model_and_to
         engine.stop()
 
 
-def test_one_request_takes_at_most_half_the_batch(model_and_tokenizer):
-    """Smaller item: with n equal to --max-batch one request held every slot; n is capped at half."""
+def test_a_request_with_more_choices_than_rows_takes_turns(model_and_tokenizer):
+    """R2: n=8 with logprobs=20 on a default CPU server (max batch 8) was a 400 "n must be an
+    integer from 1 to 4 (half of the server's max batch 8)"; OpenAI accepts n up to 128. Now the
+    choices a request may not hold at once (more than half the batch: one request never takes
+    every row) take turns: each is answered as it would be alone (choice i with seed + i), while
+    another request decodes beside them."""
     from rwkv_engine.errors import InputError
 
     model, tok = model_and_tokenizer
-    engine = Engine(model, tok, EngineConfig(max_batch=8, state_cache_bytes=0))
+    config = EngineConfig(max_batch=4, state_cache_bytes=0)
+    assert config.rows_per_request == 2 and EngineConfig(max_batch=1).rows_per_request == 1
+    engine = Engine(model, tok, config)
     engine.start()
     wait_ready(engine)
-    params = SamplingParams(temperature=0, max_tokens=1, stop_token_ids=())
+    n, prompt = 5, "Once upon a time"  # more choices than the batch has rows
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=4, stop_token_ids=())
+    other = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=())
+    texts, logprobs, finished, active, most = [""] * n, [[] for _ in range(n)], {}, set(), [0]
+    order, done = [], threading.Event()
+
+    def sink(e):
+        if isinstance(e, Delta):
+            texts[e.index] += e.text
+            logprobs[e.index] += e.logprobs
+            active.add(e.index)
+            most[0] = max(most[0], len(active))
+        elif isinstance(e, Finished):
+            finished[e.index] = e
+            active.discard(e.index)
+            if len(finished) == n:
+                order.append("many")
+                done.set()
+
+    def other_sink(e):
+        if isinstance(e, Finished):
+            order.append("other")
+
     try:
-        with pytest.raises(InputError, match=r"n must be an integer from 1 to 4 \(half of the server's max batch 8\)"):
-            engine.submit(Request([1, 2], params, n=8), lambda e: None)
-        done = threading.Event()
-        engine.submit(Request([1, 2], params, n=4), lambda e: done.set() if isinstance(e, Finished) else None)
-        assert done.wait(60)
+        with pytest.raises(InputError, match=r"n must be an integer from 1 to 128"):
+            engine.submit(Request(tok.encode(prompt), params, n=129), lambda e: None)
+        engine.submit_all(
+            [(Request(tok.encode(prompt), params, n=n, logprobs=20), sink), (Request([1, 2], other), other_sink)]
+        )
+        assert done.wait(120)
     finally:
         engine.stop()
-    assert Engine(model, tok, EngineConfig(max_batch=1)).max_choices == 1
+    assert most[0] <= config.rows_per_request  # its choices took turns in at most half the batch
+    assert order[0] == "other"  # the other request was not held behind the five choices
+    for i in range(n):
+        assert finished[i].reason == "length" and finished[i].completion_tokens == 4
+        assert len(logprobs[i]) == 4 and all(len(lp.top) == 20 for lp in logprobs[i])
+        alone = rwkv_engine.generate(model, tok, prompt, params.replace(seed=7 + i))
+        assert texts[i] == alone.read(), i
+
+
+def test_short_prompts_are_not_held_behind_large_echo_answers(model_and_tokenizer):
+    """R3 (the slow-reader soak, --max-batch 4): two echo + logprobs requests (n=2, max_tokens
+    0, 6000-token prompts: 5.8 MB answers) held all four batch rows while their prompts were
+    read, and four ordinary streams waited about 83 s for their first token. A prompt is now
+    read without holding batch rows (a request takes them for its first tokens; an echo with
+    max_tokens 0 never does), so the short prompts are read between the long ones' pieces."""
+    model, tok = model_and_tokenizer
+    counting = CountingModel(model)
+    engine = Engine(counting, tok, EngineConfig(max_batch=4, prefill_chunk=CHUNK, state_cache_bytes=0))
+    engine.start()
+    wait_ready(engine)
+    long_ids = [7] * (CHUNK * 24)
+    scoring = SamplingParams(temperature=0, max_tokens=0, stop_token_ids=())
+    prompts = []
+
+    def echo_sink(e):
+        if isinstance(e, Prompt):
+            prompts.append(e)
+
+    try:
+        for _ in range(2):
+            engine.submit(Request(long_ids, scoring, n=2, logprobs=5, echo=True), echo_sink)
+        assert counting.started.wait(60)
+        waited = shorts_wait(engine, tok, counting, timeout=300)
+        assert waited <= 8, f"short prompts waited {waited} pieces of the long prompts (48 in all)"
+        deadline = time.monotonic() + 300
+        while len(prompts) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.stop()
+    assert len(prompts) == 4 and all(len(p.logprobs) == len(long_ids) - 1 for p in prompts)

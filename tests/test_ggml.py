@@ -16,10 +16,10 @@ from rwkv_engine import testing
 from rwkv_engine.errors import CheckpointError, InputError, UnsupportedModelError
 from rwkv_engine.loading import gguf as gguf_file
 from rwkv_engine.loading import rwkvcpp
-from rwkv_engine.loading.ggml_writers import quantize, write_gguf, write_rwkvcpp
 from rwkv_engine.quant.ggml_quants import BY_NAME, QK_K, dequantize
 from rwkv_engine.quant.kquant_linear import KQuantLinear
 from rwkv_engine.quant.linear import Int8Linear
+from rwkv_engine.testing.ggml_writers import quantize, write_gguf, write_rwkvcpp
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402

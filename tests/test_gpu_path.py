@@ -208,6 +208,30 @@ print("OK")
 """
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_cuda_quant_linears_check_their_input_as_the_cpu_ones(kind):
+    """R5: CudaInt8Linear / CudaInt4Linear refuse what Int8Linear / Int4Linear refuse, with the
+    same one-line InputError, before any kernel is launched (so this runs without a GPU or
+    Triton), give an empty batch an empty answer, and describe themselves the same way."""
+    from rwkv_engine.quant import cuda as QC
+    from rwkv_engine.quant.linear import Int4Linear, Int8Linear
+
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))
+    cpu = Int8Linear.from_weight(w, group_size=32) if kind == "int8" else Int4Linear.from_weight(w, group_size=64)
+    gpu = QC.CudaInt8Linear(cpu) if kind == "int8" else QC.CudaInt4Linear(cpu)
+    for bad in (torch.zeros(2, 127), torch.zeros(()), torch.zeros(2, 128, dtype=torch.int32), [0.0] * 128):
+        with pytest.raises(InputError) as want:
+            cpu(bad)
+        with pytest.raises(InputError) as got:
+            gpu(bad)
+        assert str(got.value).split(": ", 1)[1] == str(want.value).split(": ", 1)[1]  # (each names its class)
+        assert type(gpu).__name__ in str(got.value)
+    empty = torch.zeros(3, 0, 128)
+    assert gpu(empty).shape == cpu(empty).shape == (3, 0, 48)
+    assert gpu.group_size == cpu.group_size == (32 if kind == "int8" else 64)
+    assert gpu.extra_repr() == cpu.extra_repr()
+
+
 @pytest.mark.slow
 def test_cuda_quant_linears_under_the_triton_interpreter(make_pth, tmp_path):
     """CudaInt8Linear / CudaInt4Linear: the CPU modules' weights bit for bit (no conversion of the

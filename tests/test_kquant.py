@@ -214,8 +214,8 @@ def _kquantized(path, dtype):
     """The checkpoint with every linear of a K-quant width as KQuantLinear, the three types in
     turn (a mixed file: each matrix in its own type), made by the test quantizer of ggml_writers."""
     import rwkv_engine
-    from rwkv_engine.loading.ggml_writers import quantize
     from rwkv_engine.quant.schemes import replace_module
+    from rwkv_engine.testing.ggml_writers import quantize
 
     model = rwkv_engine.load(path, dtype=dtype, progress=False)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % 256 == 0]

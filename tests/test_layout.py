@@ -95,6 +95,36 @@ def test_no_import_circle_through_the_server():
 def test_the_rule_sees_relative_and_lazy_imports(tmp_path):
     """The check itself: a relative import inside a function is found."""
     path = ROOT / "serve" / "server.py"
-    assert "rwkv_engine.serve.engine" in imported_modules(path)
-    assert "rwkv_engine.memory" in imported_modules(path)  # a lazy `from ..memory import ...`
+    assert "rwkv_engine.serve.engine" in imported_modules(path)  # a lazy `from .engine import ...`
+    assert "rwkv_engine.settings" in imported_modules(path)  # `from ..settings import ...`
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph.get(m, ()))
+    return seen
+
+
+def test_generate_and_chat_do_not_import_the_server():
+    """`generate` and `chat` load through `settings.ModelSpec`: nothing they import, lazily or
+    not, is a module of the server (its engine, its app)."""
+    graph = import_graph()
+    for start in ("rwkv_engine.cli.generate", "rwkv_engine.cli.chat", "rwkv_engine.generation", "rwkv_engine.chat"):
+        served = sorted(m for m in reachable(graph, start) if m.startswith("rwkv_engine.serve"))
+        assert not served, f"{start} reaches {served}"
+
+
+def test_settings_import_no_torch():
+    """The one home of the settings is what the flags read their defaults from: importing it
+    (and the speculative decoding constants in it) must not import torch."""
+    import subprocess
+    import sys
+
+    script = "import sys, rwkv_engine.settings; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr

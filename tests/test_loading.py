@@ -9,6 +9,7 @@ import torch
 import rwkv_engine
 from rwkv_engine import testing
 from rwkv_engine.errors import CheckpointError, InputError, RWKVEngineError, UnsupportedModelError
+from rwkv_engine.testing.ggml_writers import write_gguf, write_rwkvcpp
 
 from .conftest import SIZES, rel_rms
 
@@ -260,3 +261,70 @@ def test_prepare_returns_a_plan_for_every_source(tmp_path):
     copy = converted.convert(again, tmp_path / "copy", progress=False)
     a = rwkv_engine.load(out).forward(PROMPT)[0]
     assert torch.equal(rwkv_engine.load(copy).forward(PROMPT)[0], a)
+
+
+NON_FINITE = {  # R4: every format the loader reads, each with a NaN or an infinite weight
+    "pth": lambda sd, d: testing.save_pth(sd, d / "m.pth"),
+    "safetensors": lambda sd, d: testing.save_safetensors(sd, d / "m.safetensors"),
+    "hf-dir": lambda sd, d: testing.save_hf_dir(sd, d / "hf", "7"),
+    "hf-bin-sharded": lambda sd, d: testing.save_hf_dir(sd, d / "hfbin", "7", weights="bin", shards=2),
+    "gguf-f16": lambda sd, d: write_gguf(sd, d / "m.gguf", "F16"),
+    "gguf-q8_0": lambda sd, d: write_gguf(sd, d / "q8.gguf", "Q8_0"),  # its codes and scales taken as they are
+    "rwkv.cpp": lambda sd, d: write_rwkvcpp(sd, d / "m.bin", "FP16"),
+}
+
+
+@pytest.fixture(scope="module")
+def finite_v7():
+    return testing.random_state_dict("7", **SIZES, seed=4)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # (numpy, quantizing the NaN for Q8_0)
+@pytest.mark.parametrize("value", ["NaN", "-inf"])
+@pytest.mark.parametrize("fmt", sorted(NON_FINITE))
+def test_non_finite_weights_refused_at_load(finite_v7, fmt, value, tmp_path):
+    """A checkpoint holding a NaN or an infinite weight is refused by the loader, naming the
+    tensor (the check runs as each tensor is read), not at its first token."""
+    name = "blocks.1.att.key.weight"
+    sd = {k: v.clone() for k, v in finite_v7.items()}
+    sd[name][3, 5] = float(value)
+    kw = {"policy": {"*": "q8"}} if fmt == "gguf-q8_0" else {}  # (tiny matrices stay dense by default)
+    kind = "NaN" if value == "NaN" else "infinite"
+    with pytest.raises(CheckpointError, match=rf"tensor {name} holds {kind} values") as e:
+        rwkv_engine.load(NON_FINITE[fmt](sd, tmp_path), progress=False, **kw)
+    assert "\n" not in str(e.value)
+
+
+def test_non_finite_time_state_refused(tmp_path):
+    """A state-tuned checkpoint's time_state (the initial state, not a module's weight) too."""
+    sd = testing.random_state_dict("7", **SIZES, seed=4, time_state=True)
+    sd["blocks.2.att.time_state"][0, 1, 2] = float("nan")
+    with pytest.raises(CheckpointError, match="tensor blocks.2.att.time_state holds NaN values"):
+        rwkv_engine.load(testing.save_pth(sd, tmp_path / "tuned.pth"))
+
+
+def test_non_finite_converted_directory_refused(finite_v7, tmp_path):
+    """`convert` refuses a NaN checkpoint, so every directory it writes was checked as its
+    weights were read, and records so (`checked_finite`: its load reads them once, not twice);
+    a directory without the record (written before convert checked) is checked at load, naming
+    the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from rwkv_engine.cli import main
+
+    sd = {k: v.clone() for k, v in finite_v7.items()}
+    sd["head.weight"][7, 0] = float("nan")
+    assert main(["convert", str(testing.save_pth(sd, tmp_path / "nan.pth")), str(tmp_path / "nan")]) != 0
+    assert not (tmp_path / "nan").exists()
+    out = tmp_path / "good"
+    assert main(["convert", str(testing.save_pth(finite_v7, tmp_path / "good.pth")), str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["rwkv_engine"].pop("checked_finite") is True
+    (out / "config.json").write_text(json.dumps(config))  # as an older convert wrote it
+    rwkv_engine.load(out)
+    weights = out / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["blocks.2.ffn.value.weight"][0, 0] = float("-inf")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="tensor blocks.2.ffn.value.weight holds infinite values"):
+        rwkv_engine.load(out)

@@ -112,7 +112,11 @@ def test_native_step_with_16_bit_lora(ckpts, version, src, quantization):
     ln, sn = _run(model, True)
     assert model._native_step[1] is not None, "the native step was not used"
     lt, st = _run(model, False)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}[model.dtype]
+    # The default dtype follows the CPU (fp32 without AVX-512 BF16); the native q4 GEMV rounds its
+    # input to int8 where the modules do not, so q4 takes test_native_step's q4 tolerance on any dtype.
+    tol = (
+        2e-2 if quantization == "q4" else {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}[model.dtype]
+    )
     assert rel_rms(ln, lt) < tol
     for name in sn.fields:
         assert rel_rms(getattr(sn, name), getattr(st, name)) < tol, name

@@ -7,8 +7,8 @@ import torch
 
 from rwkv_engine import testing
 from rwkv_engine.errors import InputError
-from rwkv_engine.quant.ggml_quants import BY_NAME, QK_K, dequantize
 from rwkv_engine.quant import kquantize as KQ
+from rwkv_engine.quant.ggml_quants import BY_NAME, QK_K, dequantize
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402

@@ -49,7 +49,7 @@ def ref(model_path):
 @pytest.fixture(scope="module")
 def cluster(model_path):
     from rwkv_engine.serve.ray import build_app, free_port
-    from rwkv_engine.serve.server import Config, EngineConfig, ModelSpec
+    from rwkv_engine.settings import Config, EngineConfig, ModelSpec
 
     ray.init(
         num_cpus=4,

@@ -307,8 +307,15 @@ def test_prompt_lists_equal_single_requests(ref, server, client):
     base = dict(model=MODEL, max_tokens=2)
     for bad in ([], [[]], [1, "a"], [[1, 2], [True]], [["a"]]):
         assert post(server, "/v1/completions", {**base, "prompt": bad}).status_code == 400, bad
-    r = post(server, "/v1/completions", {**base, "prompt": "x", "n": 9})  # more than --max-batch 8
-    assert r.status_code == 400 and "n must" in r.json()["error"]["message"]
+    # R2: more choices than one request may hold rows at once (--max-batch 8) take turns.
+    r = post(server, "/v1/completions", {**base, "prompt": "x", "n": 9, "logprobs": 20, **sampled(60)})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(9))
+    assert [c["text"] for c in choices] == [reference(ref, "x", 2, sampled(60 + i)).text for i in range(9)]
+    assert all(len(c["logprobs"]["token_logprobs"]) == 2 for c in choices)
+    r = post(server, "/v1/completions", {**base, "prompt": "x", "n": 129})  # OpenAI's limit is 128
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
     assert post(server, "/v1/completions", {**base, "prompt": "x", "best_of": 2}).status_code == 400
 
 
@@ -399,13 +406,62 @@ def test_lm_eval_local_completions_loglikelihood(ref, server):
         assert ll == pytest.approx(want, abs=1e-3), (context, continuation)
         assert greedy == all(int(logp[t - 1].argmax()) == whole[t] for t in range(len(ctx), len(whole)))
 
-    # generate_until: the same batches of token-id prompts; the server's completion defaults apply
-    # to what lm-eval leaves out (it sends temperature 0, so: greedy with RWKV's penalties).
-    contexts = ["The cat sat on the", "Two plus two is", "Paris is in"]
+    # generate_until: the same batches of token-id prompts; what lm-eval leaves out takes the
+    # API's defaults (it sends temperature 0, so: plain greedy decoding, no penalties).
+    contexts = ["The cat sat on the", "Two plus two is", "Paris is in", LOOPING]
     gen = [
-        Instance(request_type="generate_until", doc={}, arguments=(c, {"until": ["\n"], "max_gen_toks": 8}), idx=i)
+        Instance(request_type="generate_until", doc={}, arguments=(c, {"until": ["\n"], "max_gen_toks": 16}), idx=i)
         for i, c in enumerate(contexts)
     ]
-    defaults = dict(temperature=0.0, top_p=0.85, presence_penalty=0.2, frequency_penalty=0.2, penalty_decay=0.996)
-    want = [reference(ref, tok.encode(c), 8, defaults, stop=("\n",)).text for c in contexts]
+    want = [reference(ref, tok.encode(c), 16, PLAIN_GREEDY, stop=("\n",)).text for c in contexts]
     assert any(want) and lm.generate_until(gen, disable_tqdm=True) == want
+
+
+# --- sampling fields a request leaves out ---------------------------------------------------------
+
+PLAIN_GREEDY = dict(temperature=0.0, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+# The prompt whose greedy continuation repeats a token at its 13th (on the test model): where a
+# penalty a request never asked for changes the answer.
+LOOPING = "User: hi\n\nAssistant:"
+
+
+def test_omitted_fields_take_openai_defaults(ref, client):
+    """R7: a request that names only temperature 0 gets plain greedy decoding, as on any other
+    OpenAI-compatible server of the same weights: omitted penalties are the API's 0, on both
+    endpoints (they were RWKV's 0.2 for completions and 0.5 for chat, which change this answer)."""
+    plain = reference(ref, LOOPING, 16, PLAIN_GREEDY).text
+    assert (
+        plain != reference(ref, LOOPING, 16, {**PLAIN_GREEDY, "presence_penalty": 0.2, "frequency_penalty": 0.2}).text
+    )
+    got = client.completions.create(model=MODEL, prompt=LOOPING, max_tokens=16, temperature=0)
+    assert got.choices[0].text == plain
+
+    reply = reference(ref, LOOPING, 16, PLAIN_GREEDY, stop=("\n\n",)).text.removeprefix(" ")
+    chat_preset = {**PLAIN_GREEDY, "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    assert reply != reference(ref, LOOPING, 16, chat_preset, stop=("\n\n",)).text.removeprefix(" ")
+    messages = [{"role": "user", "content": "hi"}]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == reply
+
+
+def test_serve_sampling_flags_set_the_defaults(ref, files):
+    """R7: `serve --presence-penalty X --frequency-penalty Y` gives requests that name no
+    penalties those values (here RWKV's completion preset, 0.2: the answer the old default gave),
+    on the app `serve` builds; a bad value is one clear error naming the flag."""
+    from fastapi.testclient import TestClient
+
+    from rwkv_engine.cli import serve
+    from rwkv_engine.errors import InputError
+    from rwkv_engine.serve.server import build
+
+    penalized = {**PLAIN_GREEDY, "presence_penalty": 0.2, "frequency_penalty": 0.2}
+    config, _ = serve.parse([str(files["model"]), "--presence-penalty", "0.2", "--frequency-penalty", "0.2"])
+    engine, app = build(config, progress=False)
+    with TestClient(app, base_url="http://127.0.0.1") as http:  # (a loopback Host, as the server checks)
+        body = {"prompt": LOOPING, "max_tokens": 16, "temperature": 0}
+        got = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert got == reference(ref, LOOPING, 16, penalized).text != reference(ref, LOOPING, 16, PLAIN_GREEDY).text
+        named = http.post("/v1/completions", json={**body, "presence_penalty": 0, "frequency_penalty": 0}).json()
+        assert named["choices"][0]["text"] == reference(ref, LOOPING, 16, PLAIN_GREEDY).text  # the request wins
+    with pytest.raises(InputError, match=r"^--top-p must be in \(0, 1\]"):
+        serve.parse([str(files["model"]), "--top-p", "0"])

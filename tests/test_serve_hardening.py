@@ -227,8 +227,9 @@ def test_health_says_starting_until_the_warm_up_is_done(model_and_tokenizer):
 
     from fastapi.testclient import TestClient
 
-    from rwkv_engine.serve.app import AppSettings, create_app
+    from rwkv_engine.serve.app import create_app
     from rwkv_engine.serve.engine import Engine
+    from rwkv_engine.settings import Config, ModelSpec, ServerSettings
 
     model, tok = model_and_tokenizer
     release, calls = threading.Event(), []
@@ -246,7 +247,7 @@ def test_health_says_starting_until_the_warm_up_is_done(model_and_tokenizer):
             return model.forward(*args, **kw)
 
     engine = Engine(SlowFirstForward(), tok)
-    with TestClient(create_app(engine, AppSettings(model_name=MODEL))) as http:
+    with TestClient(create_app(engine, Config(ModelSpec(MODEL), server=ServerSettings(allowed_hosts=("*",))))) as http:
         r = http.get("/health")
         assert r.status_code == 503 and r.json() == {"status": "starting"}
         release.set()

@@ -191,8 +191,9 @@ def _write_state(path, tensors: dict, signature: str) -> None:
 
 def test_crafted_states_get_a_400_or_one_clean_error(rel_server, files):
     """R6: a --state-dir file holding a 0-dim tensor was a 500 with its traceback logged twice; a
-    state of finite 3e38 values a 500 "model step failed" with a traceback (NaN logits). Now:
-    400, and one clean per-request error naming NaN logits; no traceback in the log."""
+    state of finite 3e38 values a 500 "model step failed" with a traceback (NaN logits). Now both
+    are a 400 before any work (issue 34, R1: the state file is the client's choice, refused when
+    the model's output from it is not finite); no traceback in the log."""
     import rwkv_engine
 
     model = rwkv_engine.load(files["model"])
@@ -206,7 +207,8 @@ def test_crafted_states_get_a_400_or_one_clean_error(rel_server, files):
     r = httpx.post(rel_server.url + COMPLETIONS, json={**base, "state": "flat.safetensors"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "state", r.text
     r = httpx.post(rel_server.url + COMPLETIONS, json={**base, "state": "huge.safetensors"}, timeout=60)
-    assert r.status_code in (400, 500) and "NaN or infinite" in r.json()["error"]["message"], r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] == "state", r.text
+    assert "NaN or infinite" in r.json()["error"]["message"], r.text
     assert "Traceback" not in rel_server.log()
     assert httpx.post(rel_server.url + COMPLETIONS, json=base, timeout=60).status_code == 200
 
@@ -216,11 +218,11 @@ def test_an_unexpected_route_error_is_logged_once(files, capfd):
     it, then Starlette re-raised it to uvicorn, which logged it again). Now once, with a 500."""
     import rwkv_engine
     from rwkv_engine.serve.app import create_app
-    from rwkv_engine.serve.context import AppSettings
     from rwkv_engine.serve.engine import Engine
+    from rwkv_engine.settings import Config, ModelSpec
 
     model = rwkv_engine.load(files["model"])
-    app = create_app(Engine(model, rwkv_engine.load_tokenizer(model)), AppSettings(model_name=MODEL))
+    app = create_app(Engine(model, rwkv_engine.load_tokenizer(model)), Config(ModelSpec(MODEL)))
 
     async def boom():
         raise ZeroDivisionError("a bug")

@@ -304,6 +304,71 @@ def test_cli_generate_speculative_matches_plain(make_pth, capsys):
     assert "--max-draft" in capsys.readouterr().err
 
 
+# --- NaN and infinite logits: one error on every route ---------------------------------------
+
+
+class Wrapped(torch.nn.Module):
+    """A model behind a module of its own (its attributes read through), whose forward a test
+    replaces."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+class BadLogits(Wrapped):
+    """The model, with `bad` (NaN or +inf) at token 5 of every logit row of a forward that starts
+    from a state: what a weight or state gone bad gives once decoding runs (the prompt's own
+    forward, from the fresh state, stays finite, so the first token is drawn as usual)."""
+
+    def __init__(self, inner, bad: float):
+        super().__init__(inner)
+        self.bad = bad
+
+    def forward(self, tokens, state=None, all_logits=False):
+        logits, after = self.inner.forward(tokens, state=state, all_logits=all_logits)
+        if state is not None:
+            logits = logits.clone()
+            logits[..., 5] = self.bad
+        return logits, after
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nan_or_infinite_logits_fail_every_route(bad, make_pth, tok):
+    """The speculative route had its own copy of the sampling rule, without its finiteness check:
+    a 2 x 128 RWKV-7 with a NaN head gave no tokens and no error through
+    generate(speculative="lookup") at temperature 0, and a bare RuntimeError at temperature 1
+    (plain decoding raised ModelOutputError); a +inf logit was taken as the arg-max. Every route,
+    greedy and sampled, plain, prompt lookup and draft model, through `generate` and through the
+    server's engine, now ends in ModelOutputError (the engine: that request's error)."""
+    from rwkv_engine.errors import ModelOutputError
+    from rwkv_engine.serve.engine import EngineConfig, Request
+
+    path = make_pth("7", n_layer=2, n_embd=128, vocab_size=65536)
+    clean = rwkv_engine.load(path)
+    model = BadLogits(clean, bad)
+    prompt = "a b c a b c a b c a b"  # prompt lookup finds drafts in it
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[]),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=8, stop_token_ids=[]),
+    ]
+    for p in params:
+        for spec in (None, "lookup", DraftModel(clean), DraftModel(model)):
+            with pytest.raises(ModelOutputError, match="NaN or infinite"):
+                generate(model, tok, prompt, p, speculative=spec).read()
+    requests = [Request(tok.encode(prompt), p, speculative=s) for p in params for s in ("off", "lookup", "draft")]
+    config = EngineConfig(max_batch=6, draft=str(path), state_cache_bytes=0)
+    results, _ = run_engine(model, tok, requests, config)
+    for request, (_, fin) in zip(requests, results):
+        assert fin.reason == "error" and "NaN or infinite" in fin.message, (request.speculative, fin)
+
+
 # --- the serving engine: speculating and plain rows in one batch ------------------------------
 
 
@@ -359,11 +424,14 @@ def test_engine_verify_passes_are_cut_to_the_native_step(model):
 
 def test_default_draft_length_fills_one_read_of_the_weights():
     from rwkv_engine.cli.common import add_speculative_args
-    from rwkv_engine.kernels.native import GEMV_ROWS_PER_READ
+    from rwkv_engine.kernels.native import GEMV_MAX_ROWS, GEMV_ROWS_PER_READ
+    from rwkv_engine.settings import MAX_PASS_TOKENS
 
     ap = argparse.ArgumentParser()
     add_speculative_args(ap)
     assert ap.parse_args([]).max_draft == DEFAULT_MAX_DRAFT == GEMV_ROWS_PER_READ - 1
+    # (settings.py writes the kernels' limits as numbers: it must not import torch)
+    assert MAX_PASS_TOKENS == GEMV_MAX_ROWS
     row = SpeculativeRow(PromptLookup(), Sampler(SamplingParams(), 65536), list(range(5, 20)) + [5])
     row._accepted = row._drafted  # drafts that were always right: the longest draft pays
     row.take(6)  # "5 6" occurred before, followed by 7, 8, ...
@@ -442,6 +510,57 @@ def test_engine_draft_rows(model, tok, version, make_pth):
     for (prompt, params, _), (text, _) in zip(requests, results):
         assert text == generate(model, tok, prompt, params).read()
     assert engine.speculative.acceptance_rate == 1.0
+
+
+class CountingDraft(Wrapped):
+    """A draft model recording each forward's length and whether it ran inside a decode step."""
+
+    def __init__(self, inner, inside: list[bool]):
+        super().__init__(inner)
+        self.inside, self.reads = inside, []
+
+    def forward(self, tokens, state=None, all_logits=False):
+        self.reads.append((len(tokens), self.inside[0]))
+        return self.inner.forward(tokens, state=state, all_logits=all_logits)
+
+
+def test_engine_draft_reads_are_scheduled_like_prompts(tok, make_pth, monkeypatch):
+    """R6: the server read a speculating row's prompt on the draft model in one piece inside a
+    decode step (every row waited for it), and after a pause the draft read every token it had
+    missed there too. Long reads of the draft are now prefill work: pieces of at most
+    --prefill-chunk tokens between decode steps, round-robin with the prompts; inside a decode
+    step the draft reads at most one pass (MAX_PASS_TOKENS tokens)."""
+    from rwkv_engine.serve.engine import Engine, EngineConfig
+    from rwkv_engine.settings import MAX_PASS_TOKENS
+
+    inside = [False]
+    model = rwkv_engine.load(make_pth("7", **WORLD))  # (one version: the engine's scheduling is under test)
+    # A draft that is nearly always wrong and costs about a target step: drafting pauses, for
+    # up to 32 passes, so the draft falls behind by more than a pass.
+    draft = CountingDraft(rwkv_engine.load(make_pth("7", **{**WORLD, "n_layer": 1, "seed": 9})), inside)
+    step = Engine._decode_step
+
+    def decode_step(self):
+        inside[0] = True
+        try:
+            step(self)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(Engine, "_decode_step", decode_step)
+    chunk = 32
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[])
+    prompt = " ".join(f"w{i}" for i in range(60))  # some 120 tokens
+    requests = [(prompt, greedy, "draft"), ("Hello", greedy, None)]
+    config = EngineConfig(max_batch=2, prefill_chunk=chunk, draft=draft, state_cache_bytes=0)
+    results, engine = run_engine(model, tok, spec_requests(tok, requests), config)
+    for (text, params, _), (got, _) in zip(requests, results):
+        assert got == generate(model, tok, text, params).read()
+    n_prompt = len(tok.encode(prompt))
+    assert max(n for n, within in draft.reads if within) <= MAX_PASS_TOKENS
+    scheduled = [n for n, within in draft.reads if not within]
+    assert max(scheduled) <= chunk and sum(scheduled) > n_prompt  # the prompt, then a catch-up
+    assert engine.speculative.drafted > 0
 
 
 def test_chat_session_speculative_replies_match_plain(model, tok):

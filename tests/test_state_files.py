@@ -69,7 +69,30 @@ def test_bad_state_files_refused(tuned, tmp_path):
         rwkv_engine.load_state(base, tuned["base"])  # a whole checkpoint is not a state
 
 
-def test_cli_generate_state(tuned, tmp_path):
+def _huge_states(tuned, base, where):
+    """R1: finite but huge states (every value 3e38) as a time_state file and a State.save file."""
+    testing.save_pth({k: torch.full_like(v, 3e38) for k, v in tuned["states"].items()}, where / "huge.pth")
+    State({k: torch.full_like(v, 3e38) for k, v in base.new_state().items()}, base.new_state().signature).save(
+        where / "huge.safetensors"
+    )
+    return ["huge.pth", "huge.safetensors"]
+
+
+def test_huge_state_files_refused(tuned, tmp_path):
+    """A state whose values are finite but too large for the model's arithmetic is refused at
+    load, as a NaN one is: the model's output from it would be NaN or infinite."""
+    base = rwkv_engine.load(tuned["base"], dtype="fp32")
+    for name in _huge_states(tuned, base, tmp_path):
+        with pytest.raises(StateError, match="NaN or infinite") as e:
+            rwkv_engine.load_state(base, tmp_path / name)
+        assert "\n" not in str(e.value)
+    moderate = {k: v * 100 for k, v in tuned["states"].items()}  # large, and still usable: loads
+    testing.save_pth(moderate, tmp_path / "moderate.pth")
+    state = rwkv_engine.load_state(base, tmp_path / "moderate.pth")
+    assert base.forward(IDS, state)[0].isfinite().all()
+
+
+def test_cli_generate_state(tuned, tmp_path, capsys):
     args = ["--prompt", "User: hi\n\nAssistant:", "--max-tokens", "8", "--temperature", "0", "--dtype", "fp32"]
     merged = _cli("generate", str(tuned["merged"]), *args)
     assert merged.returncode == 0, merged.stderr
@@ -81,6 +104,14 @@ def test_cli_generate_state(tuned, tmp_path):
     bad = _cli("generate", str(tuned["base"]), "--state", str(tmp_path / "nan.pth"), *args)
     assert bad.returncode == 2 and "NaN" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+    from rwkv_engine.cli import main
+
+    base = rwkv_engine.load(tuned["base"], dtype="fp32")
+    huge = tmp_path / _huge_states(tuned, base, tmp_path)[0]  # R1: refused before the chat starts
+    capsys.readouterr()
+    assert main(["chat", str(tuned["base"]), "--state", str(huge), "--dtype", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "NaN or infinite" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_server_state_per_request(tuned):
@@ -100,6 +131,7 @@ def test_server_state_per_request(tuned):
     after.save(states / "ours.safetensors")
     nan = {k: torch.full_like(v, float("nan")) for k, v in tuned["states"].items()}
     testing.save_pth(nan, states / "nan.pth")
+    huge = _huge_states(tuned, base, states)
 
     def want(model, state=None):
         params = rwkv_engine.SamplingParams(max_tokens=12, **GREEDY)
@@ -125,5 +157,10 @@ def test_server_state_per_request(tuned):
         with pytest.raises(openai.BadRequestError) as e:
             ask("nan.pth")
         assert e.value.param == "state" and "NaN" in str(e.value)
+        for name in huge:  # R1: finite but too large, the client's file: 400 before any work
+            with pytest.raises(openai.BadRequestError) as e:
+                ask(name)
+            assert e.value.param == "state" and "NaN or infinite" in str(e.value), e.value
+        assert ask("persona.pth") == want(merged)  # the server is unharmed
     finally:
         server.stop()

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from rwkv_engine.errors import RWKVEngineError
+from rwkv_engine.testing.corpus import mixed_corpus
 from rwkv_engine.tokenizer import (
     HFTokenizer,
     IncrementalDetokenizer,
@@ -26,7 +27,6 @@ from rwkv_engine.tokenizer import (
     native_available,
 )
 from rwkv_engine.tokenizer import world as world_module
-from rwkv_engine.tokenizer.corpus import mixed_corpus
 
 rwkv = pytest.importorskip("rwkv")
 from rwkv.rwkv_tokenizer import TRIE_TOKENIZER  # noqa: E402

@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 
-from rwkv_engine.serve.app import CHAT_DEFAULTS
+from rwkv_engine.sampling_params import SamplingParams
 from rwkv_engine.testing import random_state_dict, save_pth
 from rwkv_engine.tokenizer.world import load_vocab
 
@@ -31,6 +31,7 @@ from .test_serve import MODEL, Server
 httpx = pytest.importorskip("httpx")
 
 API_KEY = "page-key"
+
 CANCELLED = 'rwkv_engine_requests_total{outcome="cancelled"}'
 MARKUP_BOOST = 2.0  # the factor on the head rows of markup tokens (3 and more: every reply the same)
 
@@ -92,12 +93,13 @@ def test_page_and_assets_are_served_with_types_and_cache_headers(server, keyed):
     # The defaults the page shows are the server's.
     meta = re.search(r'<meta name="rwkv-defaults" content="([^"]*)">', page.text).group(1)
     shown = json.loads(meta.replace("&quot;", '"'))
+    api = SamplingParams()  # (no sampling flags: the OpenAI API's defaults)
     assert shown == {
-        "temperature": CHAT_DEFAULTS.temperature,
-        "top_p": CHAT_DEFAULTS.top_p,
+        "temperature": api.temperature,
+        "top_p": api.top_p,
         "max_tokens": 4096,
-        "presence_penalty": CHAT_DEFAULTS.presence_penalty,
-        "frequency_penalty": CHAT_DEFAULTS.frequency_penalty,
+        "presence_penalty": api.presence_penalty,
+        "frequency_penalty": api.frequency_penalty,
     }
 
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):

@@ -69,13 +69,14 @@ def add_arguments(parser) -> None:
 def config(args):
     """The flags as a server `Config`: requests come from this process, so the server settings
     are those of a loopback server with no key (`ServerSettings`'s defaults)."""
-    from ..serve.server import Config, ServerSettings
+    from ..settings import Config, RequestDefaults, ServerSettings
 
     return Config(
         common.model_spec(args),
         dataclasses.replace(serve.engine_config(args), name="rwkv-engine batch"),
         serve.limits(args),
         ServerSettings(served_model_name=args.served_model_name),
+        RequestDefaults(sampling=common.distribution_params(args)),
     )
 
 
@@ -137,10 +138,10 @@ def run(args) -> int:
         else:
             from ..serve.server import build
 
-            engine, app, settings = build(cfg)
+            engine, app = build(cfg)
             engine.start()
             try:
-                client = AppClient(app, settings.model_name)
+                client = AppClient(app, cfg.model_name)
                 asyncio.run(client.answer_all(lines, write, concurrency))
             finally:
                 engine.stop()

@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..errors import InputError
+from ..settings import (
+    DEFAULT_DRAFT_QUANTIZATION,
+    DEFAULT_MAX_DRAFT,
+    MAX_PASS_TOKENS,
+    SPECULATIVE_KINDS,
+    ModelSpec,
+    check_max_draft,
+)
 
 # Nothing here imports torch: `--help` and flag errors stay instant. Sampling defaults are
 # plain dicts of SamplingParams fields, turned into a SamplingParams by `sampling_params`.
@@ -158,6 +166,11 @@ class _Defaults:
         self.__dict__.update(values)
 
 
+# The flags of the distribution sampled from: `generate` and `chat` sample with them, `serve` and
+# `batch` give them to requests that leave the fields out (SamplingParams fields, as flags).
+DISTRIBUTION_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "penalty_decay")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
     """The sampling flags, with `defaults` (SamplingParams fields) shown in --help and used for flags not given."""
     d = _Defaults(
@@ -171,6 +184,30 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         }
     )
     g = parser.add_argument_group("sampling (RWKV order: penalties, softmax, top-p, top-k, then temperature)")
+    add_distribution_args(g, d)
+    g.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default: %(default)s)"
+    )
+    g.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same text (default: random)")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help=r"stop when this text appears; it is not printed; repeatable; \n and \t are understood",
+    )
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        type=_logit_bias,
+        metavar="ID=VALUE",
+        help="add VALUE to the logit of token ID (-inf bans it); repeatable",
+    )
+
+
+def add_distribution_args(g, d) -> None:
+    """The DISTRIBUTION_FIELDS flags in the argument group `g`, their defaults the attributes of `d`."""
     g.add_argument(
         "--temperature",
         type=float,
@@ -204,45 +241,27 @@ def add_sampling_args(parser: argparse.ArgumentParser, defaults: dict) -> None:
         default=d.penalty_decay,
         help="occurrence counts are multiplied by this every token (default: %(default)s)",
     )
-    g.add_argument(
-        "--max-tokens", type=int, default=d.max_tokens, help="most tokens to generate (default: %(default)s)"
-    )
-    g.add_argument("--seed", type=int, default=d.seed, help="random seed; same seed, same text (default: random)")
-    g.add_argument(
-        "--stop",
-        action="append",
-        default=None,
-        metavar="TEXT",
-        help=r"stop when this text appears; it is not printed; repeatable; \n and \t are understood",
-    )
-    g.add_argument(
-        "--logit-bias",
-        action="append",
-        default=None,
-        type=_logit_bias,
-        metavar="ID=VALUE",
-        help="add VALUE to the logit of token ID (-inf bans it); repeatable",
-    )
 
 
 def sampling_params(args: argparse.Namespace, defaults: dict):
     """SamplingParams: `defaults` with the sampling flags of `args` applied (InputError on bad values)."""
-    from ..sampling import SamplingParams
-
-    changes = dict(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        penalty_decay=args.penalty_decay,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
+    changes = {f: getattr(args, f) for f in DISTRIBUTION_FIELDS}
+    changes.update(max_tokens=args.max_tokens, seed=args.seed)
     if args.stop:
         changes["stop"] = tuple(defaults.get("stop", ())) + tuple(unescape(s) for s in args.stop)
     if args.logit_bias:
         changes["logit_bias"] = {**defaults.get("logit_bias", {}), **dict(args.logit_bias)}
+    return _from_flags(defaults, changes)
+
+
+def distribution_params(args: argparse.Namespace):
+    """SamplingParams of the DISTRIBUTION_FIELDS flags, the rest its defaults (InputError on bad values)."""
+    return _from_flags({}, {f: getattr(args, f) for f in DISTRIBUTION_FIELDS})
+
+
+def _from_flags(defaults: dict, changes: dict):
+    from ..sampling_params import SamplingParams
+
     try:
         return SamplingParams(**{**defaults, **changes})
     except InputError as e:
@@ -255,10 +274,8 @@ def sampling_params(args: argparse.Namespace, defaults: dict):
         raise InputError(msg) from None
 
 
-def model_spec(args: argparse.Namespace, huge_pages: str | None = None):
-    """The model flags as a `serve.server.ModelSpec` (what to load, for every command)."""
-    from ..serve.server import ModelSpec
-
+def model_spec(args: argparse.Namespace, huge_pages: str | None = None) -> ModelSpec:
+    """The model flags as a `settings.ModelSpec` (what to load, for every command)."""
     return ModelSpec(
         model=args.model,
         device=args.device,
@@ -286,7 +303,7 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("speculative decoding (the same output, fewer passes over the weights)")
     g.add_argument(
         "--speculative",
-        choices=("lookup", "draft"),
+        choices=SPECULATIVE_KINDS,
         default=None,
         help="draft tokens by prompt lookup (n-gram match over the prompt and the text so far) or with a "
         "draft model, and verify them in one pass of the model",
@@ -300,23 +317,23 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--draft-quantization",
-        default="q4",
+        default=DEFAULT_DRAFT_QUANTIZATION,
         metavar="SCHEME",
-        help="quantization of the twin draft when no --draft is given (default: q4)",
+        help="quantization of the twin draft when no --draft is given (default: %(default)s)",
     )
     g.add_argument(
         "--max-draft",
         type=int,
-        default=7,  # speculative.DEFAULT_MAX_DRAFT (this module stays free of torch)
+        default=DEFAULT_MAX_DRAFT,
         metavar="N",
-        help="most tokens drafted per pass, 1-15 (default: 7: with the last token, 8 rows, one read of each weight)",
+        help=f"most tokens drafted per pass, 1-{MAX_PASS_TOKENS - 1} (default: %(default)s: with the last token, "
+        "8 rows, one read of each weight)",
     )
 
 
 def check_speculative_args(args: argparse.Namespace) -> None:
     """InputError on bad speculative flags (before the model load)."""
-    if not 1 <= args.max_draft <= 15:
-        raise InputError(f"--max-draft must be in [1, 15], got {args.max_draft}")
+    check_max_draft(args.max_draft, "--max-draft")
     if args.speculative != "draft" and args.draft is not None:
         raise InputError("--draft needs --speculative draft")
 

@@ -16,8 +16,9 @@ RWKV_ENGINE_API_KEY environment variable; a bind outside loopback without a key 
 warning; the request checks (Host, Origin, key, body deadline) are serve/security.py's, the
 connection cap and header deadline serve/connections.py's.
 
-This module only turns the flags into typed settings (`config`): the server is assembled by
-serve/server.py and run by serve/launch.py (or serve/ray.py with --ray).
+This module only turns the flags into a `settings.Config` (`config`), each flag's default read
+from its field there: the server is assembled by serve/server.py and run by serve/launch.py (or
+serve/ray.py with --ray).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
+from ..settings import CPU_MAX_BATCH, CUDA_MAX_BATCH, Config, EngineConfig, Limits, RequestDefaults, ServerSettings
 from . import common
 
 HELP = "Serve an OpenAI-compatible HTTP API (completions, chat completions) with continuous batching."
@@ -48,9 +50,6 @@ def _int_at_least(minimum: int):
 
 
 _positive = _int_at_least(1)
-
-CPU_MAX_BATCH = 8
-CUDA_MAX_BATCH = 64
 
 
 def _max_batch(text: str) -> int:
@@ -94,13 +93,13 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument(
         "--host",
-        default="127.0.0.1",
+        default=ServerSettings.host,
         help="address to listen on; 0.0.0.0 exposes the server to the network (default: %(default)s)",
     )
     g.add_argument(
         "--port",
         type=_port,
-        default=8000,
+        default=ServerSettings.port,
         metavar="PORT",
         help="TCP port; 0 = any free port (default: %(default)s)",
     )
@@ -135,7 +134,7 @@ def add_arguments(parser) -> None:
     g.add_argument(
         "--shutdown-timeout",
         type=_non_negative,
-        default=30,
+        default=ServerSettings.shutdown_timeout,
         metavar="SECONDS",
         help="on SIGTERM, wait this long for requests in flight (default: %(default)s)",
     )
@@ -160,7 +159,7 @@ def add_arguments(parser) -> None:
     s.add_argument(
         "--header-timeout",
         type=_seconds,
-        default=10.0,
+        default=ServerSettings.header_timeout,
         metavar="SECONDS",
         help="close a connection whose request headers are not complete this long after their first "
         "byte (default: %(default)g)",
@@ -168,27 +167,27 @@ def add_arguments(parser) -> None:
     s.add_argument(
         "--write-timeout",
         type=_seconds,
-        default=30.0,
+        default=ServerSettings.write_timeout,
         metavar="SECONDS",
         help="close a connection whose client reads none of a queued answer for this long (default: %(default)g)",
     )
     s.add_argument(
         "--body-timeout",
         type=_seconds,
-        default=30.0,
+        default=ServerSettings.body_timeout,
         metavar="SECONDS",
         help="answer 408 to a request whose body is not complete this long after its headers (default: %(default)g)",
     )
     s.add_argument(
         "--max-connections",
         type=_positive,
-        default=512,
+        default=ServerSettings.max_connections,
         metavar="N",
         help="most open connections; one more is answered 503 and closed (default: %(default)s)",
     )
     g.add_argument(
         "--log-level",
-        default="info",
+        default=ServerSettings.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn log level (default: %(default)s)",
     )
@@ -229,21 +228,22 @@ def add_engine_arguments(parser) -> None:
         type=_max_batch,
         metavar="N",
         default="auto",
-        help=f"most requests decoded together in one batched forward (default: {CUDA_MAX_BATCH} where "
-        f"CUDA is available: one CUDA graph replay; else {CPU_MAX_BATCH})",
+        help=f"most sequences (choices of requests) decoded together in one batched forward, and most "
+        f"prompts read at once (default: {CUDA_MAX_BATCH} where CUDA is available: one CUDA graph replay; "
+        f"else {CPU_MAX_BATCH})",
     )
     e.add_argument(
         "--max-queue",
         type=_positive,
         metavar="N",
-        default=64,
-        help="most requests waiting for a batch slot; more get 429 (default: %(default)s)",
+        default=EngineConfig.max_queue,
+        help="most requests waiting beyond the --max-batch running ones; more get 429 (default: %(default)s)",
     )
     e.add_argument(
         "--prefill-chunk",
         type=_positive,
         metavar="N",
-        default=256,
+        default=EngineConfig.prefill_chunk,
         help="prompt tokens prefilled between two decode steps; also the prompt-cache "
         "granularity (default: %(default)s)",
     )
@@ -251,37 +251,41 @@ def add_engine_arguments(parser) -> None:
         "--state-cache-mb",
         type=_non_negative,
         metavar="MB",
-        default=1024,
+        default=EngineConfig.state_cache_bytes >> 20,
         help="memory for cached prompt-prefix states, in MiB; 0 = off (default: %(default)s)",
     )
     e.add_argument(
         "--max-prompt-tokens",
         type=_positive,
         metavar="N",
-        default=16384,
+        default=Limits.max_prompt_tokens,
         help="longest prompt accepted, in tokens (default: %(default)s)",
     )
     e.add_argument(
         "--max-tokens",
         type=_positive,
         metavar="N",
-        default=4096,
+        default=Limits.max_tokens,
         help="most tokens a request may generate; the default of chat requests (default: %(default)s)",
     )
     e.add_argument(
         "--max-body-kb",
         type=_positive,
         metavar="KB",
-        default=4096,
+        default=Limits.max_body_bytes >> 10,
         help="largest request body, in KiB (default: %(default)s)",
     )
+    from ..sampling_params import SamplingParams
+
+    d = parser.add_argument_group(
+        "request defaults (what a request's omitted sampling fields take: the OpenAI API's unless set here)"
+    )
+    common.add_distribution_args(d, SamplingParams())
     common.add_speculative_args(parser)
 
 
-def engine_config(args):
+def engine_config(args) -> EngineConfig:
     """The engine flags (`add_engine_arguments`) as an `EngineConfig`."""
-    from ..serve.server import EngineConfig
-
     return EngineConfig(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -294,21 +298,18 @@ def engine_config(args):
     )
 
 
-def limits(args):
+def limits(args) -> Limits:
     """The request limits (`add_engine_arguments`) as `Limits`."""
-    from ..serve.server import Limits
-
     return Limits(
         max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_body_bytes=args.max_body_kb << 10
     )
 
 
-def config(args, environ=None):
+def config(args, environ=None) -> Config:
     """serve's parsed flags as a `Config` (the API key read from where the flags say)."""
     import os
 
     from ..serve.security import api_key
-    from ..serve.server import Config, ServerSettings
 
     if args.state_dir is not None and not args.state_dir.is_dir():
         raise InputError(f"--state-dir {args.state_dir}: not a directory")
@@ -327,7 +328,8 @@ def config(args, environ=None):
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
-    return Config(common.model_spec(args), engine_config(args), limits(args), server)
+    defaults = RequestDefaults(sampling=common.distribution_params(args))
+    return Config(common.model_spec(args), engine_config(args), limits(args), server, defaults)
 
 
 def parse(argv: list[str]):

@@ -45,8 +45,7 @@ def run(args) -> int:
     import rwkv_engine
     from rwkv_engine.errors import InputError
     from rwkv_engine.loading.formats import DTYPES
-    from rwkv_engine.testing import greedy_tokens
-    from rwkv_engine.verify import compare, format_report, trace_model, trace_rwkv_package
+    from rwkv_engine.verify import compare, format_report, greedy_tokens, trace_model, trace_rwkv_package
 
     if args.steps < 0:
         raise InputError("--steps must be >= 0")

@@ -1,7 +1,8 @@
 """rwkv-engine's own model directory: a loaded (and possibly quantized) model written to disk.
 
     OUT/config.json          {"model_type": "rwkv-engine", "rwkv_engine": {format, config, dtype,
-                              rescale_every, quantization, linears: {name: [kind, group_size]}}}
+                              rescale_every, quantization, linears: {name: [kind, group_size]},
+                              checked_finite}}
                               (kind "kquant": [kind, ggml type], the blocks as KQuantLinear holds them)
     OUT/model.safetensors    the model's state dict after every load-time transform (log decays,
                               folded ln0, fp16 rescale) and quantization: packed weights and scales;
@@ -31,7 +32,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import CheckpointError, InputError
 from ..quant.schemes import replace_module
-from .formats import DTYPE_NAMES, SafetensorsWriter, dtype_of
+from .formats import DTYPE_NAMES, SafetensorsWriter, check_finite, dtype_of
 from .progress import Progress
 
 FORMAT = 1
@@ -69,6 +70,10 @@ def _meta(model, scheme) -> dict:
         "rescale_every": model.rescale_every,
         "quantization": scheme.to_dict() if scheme is not None else None,
         "linears": _linear_kinds(model),
+        # Every tensor was checked finite as it was read for writing (convert: the checkpoint's,
+        # by Checkpoint.get; save: the model's): `load` need not read them all a second time.
+        # Directories written before this record are checked when loaded.
+        "checked_finite": True,
     }
 
 
@@ -156,6 +161,7 @@ def save(model, out: str | os.PathLike, tokenizer_source: Path | None = None) ->
 
     def write(w: SafetensorsWriter) -> None:
         for k, v in tensors.items():
+            check_finite(v, f"{out}: tensor {k}")
             w.write(k, v)
 
     return _write_dir(Path(out), model, specs, write, tokenizer_source)
@@ -250,10 +256,15 @@ def load(path: Path, hf_config: dict, dtype: torch.dtype | None, quantization) -
     # written before they kept it): the type they have in the file.
     model.set_lora_dtype(lora_dtype({tensors[k].dtype for k in model.lora_names() if k in tensors}))
     _check_tensors(weights, tensors, model.state_dict())
+    unchecked = not meta.get("checked_finite")  # (written before convert checked every tensor)
     for k, t in tensors.items():  # the weights a decode step streams, to huge pages (memory.py)
         if k != "emb.weight" and (moved := to_huge_pages(t, mapped=True)) is not t:
             release_pages(t)  # the file's pages of it, now copied
-            tensors[k] = moved
+            tensors[k] = t = moved
+        if unchecked:
+            check_finite(t, f"{weights}: tensor {k}")  # each as it is loaded (the copy's pages are resident)
+    for k, t in initial.items() if unchecked else ():
+        check_finite(t, f"{weights}: tensor {_INITIAL}{k}")
     model.load_state_dict(tensors, strict=True, assign=True)
     _read_embedding_rows(model, weights)
     model.initial_state = initial

@@ -56,6 +56,25 @@ def dtype_of(name: str) -> torch.dtype:
 _PIP_CONVERTED_KEYS = ("_strategy", "_version", "_rescale_layer")
 
 
+def check_finite(t: Tensor, what: str) -> None:
+    """CheckpointError naming `what` (a file and a tensor) unless every value of `t` is finite.
+
+    A NaN or infinite weight loads, then makes the logits NaN at the first token (or at the
+    first use of an embedding row), so the loaders refuse it while they read: each tensor once,
+    as it is read (`Checkpoint.get`; converted.load for directories written before `convert`
+    checked, see converted._meta), never in a second pass over the model.
+    One `aminmax`: exact (a NaN propagates into both, an infinity is one of them), no
+    temporary the size of the tensor (as `isfinite().all()` makes), and cheaper than the copy
+    the load makes of each tensor anyway (benchmarks/bench_load_check.py)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    lo, hi = (float(v) for v in torch.aminmax(t))
+    if math.isfinite(lo) and math.isfinite(hi):
+        return
+    kind = "NaN" if math.isnan(lo) or math.isnan(hi) else "infinite"
+    raise CheckpointError(f"{what} holds {kind} values: the file is damaged (no finite logits can come from it)")
+
+
 class Checkpoint:
     """The tensors of a checkpoint, read lazily: names, shapes, and one tensor at a time."""
 
@@ -67,6 +86,7 @@ class Checkpoint:
         self.mapped: set[str] = set()  # tensors that live in a read-only file mapping
         self.hf_config: dict | None = None
         self.ggml = None  # the GgmlTensors of a GGUF / rwkv.cpp file
+        self._finite: set[str] = set()  # the tensors `get` has checked (one read twice is checked once)
 
     def add(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, getter: Callable[[], Tensor], mapped: bool = False
@@ -92,7 +112,14 @@ class Checkpoint:
         return self._dtypes[name]
 
     def get(self, name: str) -> Tensor:
-        return self._getters[name]()
+        """The tensor `name` as read (dequantized, in BlinkDL's layout), refused if it holds NaN or
+        infinite values: every reader's tensors come through here, each as the load needs it, so
+        the check reads the pages the load's transform or copy reads right after."""
+        t = self._getters[name]()
+        if name not in self._finite:
+            check_finite(t, f"{self.where}: tensor {name}")
+            self._finite.add(name)
+        return t
 
     def weights_dtype(self) -> torch.dtype:
         """The dtype that holds most of the bytes of the checkpoint's matrices."""

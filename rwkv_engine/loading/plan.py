@@ -22,7 +22,7 @@ from ..models.layers import lora_dtype
 from ..quant.ggml_quants import BY_NAME, KQUANT, QK_K, TYPES, scale_blocks
 from ..quant.schemes import applied_scheme, convert_weight, describe, get_scheme, plan, replace_module
 from . import converted
-from .formats import DTYPE_NAMES, Checkpoint, open_checkpoint, parse_dtype
+from .formats import DTYPE_NAMES, Checkpoint, check_finite, open_checkpoint, parse_dtype
 from .infer import infer_config
 from .names import canonical_name, stored_transposed
 from .progress import Progress
@@ -237,6 +237,7 @@ class Plan:
         """A Q8_0 matrix's codes and scales as the module's buffers, no re-quantization (the fp16
         rescale, a power of two, divides the scales exactly)."""
         qweight, scales = q8()
+        check_finite(scales, f"{self.ck.where}: tensor {name}")  # (the codes are integers; `get` is not called)
         want = self.expected[f"{module}.weight"][0]
         if tuple(qweight.shape) != want:
             raise CheckpointError(

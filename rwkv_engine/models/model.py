@@ -57,6 +57,31 @@ def prefill_end(start: int, total: int, chunk: int, rows: int = 1) -> int:
     return total if total - end <= GEMV_MAX_ROWS // max(rows, 1) else end
 
 
+def prefill_cuts(total: int, chunk: int) -> list[int]:
+    """Where a prefill of `total` tokens in pieces of `chunk` (`prefill_end`) cuts, in order: the
+    positions whose state a resumed prefill may start from and give the same bits as a cold one
+    (the server's prompt-state cache keeps the states at these cuts)."""
+    cuts, end = [], prefill_end(0, total, chunk)
+    while end < total:
+        cuts.append(end)
+        end = prefill_end(end, total, chunk)
+    return cuts
+
+
+def decode_rows(model, tokens: Tensor, batch: State, all_logits: bool = False) -> tuple[Tensor, State]:
+    """`model.forward(tokens [B, T], batch, all_logits)`, on the CPU in groups of at most
+    GEMV_MAX_ROWS rows x tokens: each group runs the native step, so every row's logits and state
+    are those of its sequence alone (one forward of more rows would take the batched GEMM, whose
+    rounding depends on the batch). T > 1: a speculative verify pass of the rows' pending tokens
+    and drafts. The prefill half of the same rule is `prefill_end`."""
+    B, T = tokens.shape
+    G = max(1, GEMV_MAX_ROWS // T)
+    if B <= G or model.device.type != "cpu":
+        return model.forward(tokens, state=batch, all_logits=all_logits)
+    parts = [model.forward(tokens[i : i + G], state=batch[i : i + G], all_logits=all_logits) for i in range(0, B, G)]
+    return torch.cat([p[0] for p in parts]), State.cat([p[1] for p in parts])
+
+
 def check_tokens(tokens, vocab_size: int, device) -> tuple[Tensor, bool]:
     """tokens -> (LongTensor [B, T] on `device`, whether the input was 1-D); InputError if they are not ids < vocab_size."""
     if isinstance(tokens, Tensor):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import primitives as P
-from .linear import Int4Linear, Int8Linear
+from .linear import Int4Linear, Int8Linear, QuantLinear
 
 Tensor = torch.Tensor
 
@@ -124,9 +124,9 @@ def args_dims(args: tuple, x2: Tensor) -> tuple[int, int, int]:
     return K, G, K // G
 
 
-class _CudaQuantLinear(nn.Module):
-    """The source module's buffers, adopted as they are; `forward` hands `KERNEL_ARGS` to the
-    `KERNEL`-th kernel of `_kernels()`."""
+class _CudaQuantLinear(QuantLinear):
+    """The source module's buffers, adopted as they are; `_matmul` hands `KERNEL_ARGS` to the
+    `KERNEL`-th kernel of `_kernels()` (the input check, reshaping and repr: the CPU modules')."""
 
     BUFFERS: tuple[str, ...]
     KERNEL: int
@@ -138,24 +138,12 @@ class _CudaQuantLinear(nn.Module):
         for name in self.BUFFERS:
             self.register_buffer(name, getattr(src, name).contiguous())
 
-    def _scaled_input(self, x: Tensor) -> Tensor:
-        """x [..., K] -> [M, K] contiguous, times the column scales (the weight is stored / them)."""
-        x2 = x.reshape(-1, self.in_features)
-        return (x2.float() * self.col_scales.float()).to(x.dtype).contiguous()
-
-    def forward(self, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
+    def _matmul(self, x2: Tensor) -> Tensor:
+        """x2 [M, K] times the column scales (the weight is stored divided by them), through the kernel."""
+        xs = (x2.float() * self.col_scales.float()).to(x2.dtype).contiguous()
         kernel = _kernels()[self.KERNEL]
         args = tuple(getattr(self, name) for name in self.KERNEL_ARGS)
-        y = _launch(kernel, self._scaled_input(x), self.out_features, args)
-        return y.to(x.dtype).reshape(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
-
-    @property
-    def group_size(self) -> int:
-        return self.in_features // self.scales.shape[1]
+        return _launch(kernel, xs, self.out_features, args).to(x2.dtype)
 
 
 class CudaInt8Linear(_CudaQuantLinear):

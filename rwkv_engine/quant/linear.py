@@ -119,11 +119,37 @@ def _check_input(x: Tensor, in_features: int, who: str) -> None:
         raise InputError(f"{who}: input dtype must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-class _QuantLinearBase(nn.Module):
-    """Shared forward of the quantized linears; subclasses define the weight format."""
+class QuantLinear(nn.Module):
+    """What every quantized linear shares, on the CPU (`_QuantLinearBase`) and on CUDA
+    (quant/cuda.py): the input check, the [..., K] -> [..., N] reshaping, the empty batch, and
+    how it describes itself. A subclass holds `scales` [N, G] and computes `_matmul`."""
 
     in_features: int
     out_features: int
+
+    def forward(self, x: Tensor) -> Tensor:
+        _check_input(x, self.in_features, type(self).__name__)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty(*lead, self.out_features)
+        return self._matmul(x2).reshape(*lead, self.out_features)
+
+    def _matmul(self, x2: Tensor) -> Tensor:
+        """x2 [M, K] (M >= 1) -> [M, N] in x2's dtype."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+
+class _QuantLinearBase(QuantLinear):
+    """The CPU's quantized linears: the native kernels, else the dequantized matrix; subclasses
+    define the weight format."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """The (out_features, in_features) weight this module multiplies by, in `dtype`."""
@@ -138,20 +164,12 @@ class _QuantLinearBase(nn.Module):
     def _native_ok(self) -> bool:
         return True
 
-    def forward(self, x: Tensor) -> Tensor:
-        _check_input(x, self.in_features, type(self).__name__)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        M = x2.shape[0]
-        if M == 0:
-            return x.new_empty(*lead, self.out_features)
-        ops = native.load() if x.device.type == "cpu" and self.qweight.device.type == "cpu" else None
+    def _matmul(self, x2: Tensor) -> Tensor:
+        ops = native.load() if x2.device.type == "cpu" and self.qweight.device.type == "cpu" else None
         if ops is not None and self._native_ok():
             x2 = x2.contiguous()
-            y = self._gemv(ops, x2) if M <= GEMV_MAX_ROWS else self._prefill(ops, x2)
-        else:
-            y = self._reference(x2)
-        return y.reshape(*lead, self.out_features)
+            return self._gemv(ops, x2) if x2.shape[0] <= GEMV_MAX_ROWS else self._prefill(ops, x2)
+        return self._reference(x2)
 
     def _reference(self, x2: Tensor) -> Tensor:
         """The plain path: the dequantized weight in x's dtype and `F.linear`."""
@@ -166,13 +184,6 @@ class _QuantLinearBase(nn.Module):
             xs.to(ct), self.out_features, ct, lambda r0, r1, out: self._dequant_rows(ops, r0, r1, ct, out)
         )
         return y.to(x2.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
-
-    @property
-    def group_size(self) -> int:
-        return self.in_features // self.scales.shape[1]
 
 
 class Int8Linear(_QuantLinearBase):

@@ -13,9 +13,9 @@ Three layers, each usable without the ones above it:
                a request is parsed (`parsing`), submitted to the engine and answered whole or
                streamed (SSE) (`jobs`).
 
-`server` builds the whole from typed settings (`Config`: `ModelSpec`, `EngineConfig`, `Limits`,
-`ServerSettings`), `launch` serves it with uvicorn, `ray` scales it out; `security` and
-`connections` guard it; `metrics` renders the engine's counters in the Prometheus text format.
-The command line (`rwkv_engine/cli/serve.py`) only turns its flags into those settings;
-docs/server.md is the user guide.
+`server` builds the whole from its settings (`rwkv_engine.settings.Config`: `ModelSpec`,
+`EngineConfig`, `Limits`, `RequestDefaults`, `ServerSettings`), `launch` serves it with uvicorn,
+`ray` scales it out; `security` and `connections` guard it; `metrics` renders the engine's
+counters in the Prometheus text format. The command line (`rwkv_engine/cli/serve.py`) only turns
+its flags into those settings; docs/server.md is the user guide.
 """

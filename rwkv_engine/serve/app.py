@@ -20,11 +20,11 @@ a 4xx with OpenAI's error body, decided before the request reaches the engine, s
 touches the requests that run. A client that disconnects (or cancels its stream) cancels its
 request in the engine, which frees the batch slot at its next step.
 
-Sampling fields a request leaves out take RWKV's usual values, not OpenAI's (whose top_p = 1
-and no penalties make RWKV models ramble): chat as ChatRWKV's chat demo, completions as the
-`rwkv` package's PIPELINE_ARGS (docs/formats.md D). Chat replies stop at "\\n\\n"; both
-stop at token 0 (end of text). A completion's max_tokens defaults to 16 (as OpenAI's), a
-chat's to the server's cap.
+Every setting comes from the server's `Config` (rwkv_engine/settings.py): the limits, the HTTP
+side, and what the sampling fields a request leaves out take (`RequestDefaults`: the OpenAI API's
+defaults, temperature 1, top_p 1, no penalties, unless `serve --top-p ...` says otherwise), on
+both endpoints. Chat replies stop at "\\n\\n"; both routes stop at token 0 (end of
+text). A completion's max_tokens defaults to 16 (as OpenAI's), a chat's to the server's cap.
 """
 
 from __future__ import annotations
@@ -40,28 +40,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..sampling import CHAT, COMPLETION
-from ..tokenizer import EOS_TOKEN_ID
+from ..settings import Config
 from . import serving_chat, serving_completion, serving_tokenize, webui
-from .context import AppSettings, ServingContext
+from .context import ServingContext
 from .engine import Engine
 from .errors import APIError, error_response
-from .security import Guard
-
-CHAT_DEFAULTS, COMPLETION_DEFAULTS = CHAT, COMPLETION
-COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+from .security import Guard, allowed_hosts
 
 
-def create_app(engine: Engine, settings: AppSettings) -> FastAPI:
+def create_app(engine: Engine, config: Config) -> FastAPI:
     """The FastAPI application serving `engine` (started and stopped with the app's lifespan)."""
-    ctx = ServingContext(
-        engine,
-        settings,
-        chat_defaults=CHAT_DEFAULTS,
-        completion_defaults=COMPLETION_DEFAULTS,
-        completion_max_tokens=COMPLETION_MAX_TOKENS,
-        eos_token_id=EOS_TOKEN_ID,
-    )
+    ctx = ServingContext(engine, config)
+    server = config.server
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,14 +63,14 @@ def create_app(engine: Engine, settings: AppSettings) -> FastAPI:
     app = FastAPI(title="rwkv-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(
         Guard,
-        api_key=settings.api_key,
-        allowed_hosts=settings.allowed_hosts,
-        cors_origins=settings.cors_origins,
-        body_timeout=settings.body_timeout,
+        api_key=server.api_key,
+        allowed_hosts=allowed_hosts(server.host, list(server.allowed_hosts)),
+        cors_origins=tuple(server.cors_origins),
+        body_timeout=server.body_timeout,
         count_error=lambda status: engine.metrics.inc("http_errors_total", status=str(status)),
     )
     add_error_handlers(app, ctx)
-    app.include_router(webui.router(CHAT_DEFAULTS, settings.max_tokens_cap))
+    app.include_router(webui.router(config.defaults.sampling, config.limits.max_tokens))
 
     @app.get("/health")
     async def health():

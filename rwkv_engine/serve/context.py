@@ -1,14 +1,14 @@
-"""What every route of the app shares: the engine, the settings, the tokenizer, the saved states."""
+"""What every route of the app shares (`ServingContext`): the engine, the server's `Config`,
+the tokenizer's texts and the saved states requests may start from (`SavedStates`)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import StateError
-from ..sampling import SamplingParams
+from ..settings import Config
 from ..state import State, load_state
 from . import protocol as p
 from .engine import Engine
@@ -16,40 +16,17 @@ from .errors import APIError
 from .logprobs import TokenText
 
 
-@dataclass
-class AppSettings:
-    """What the routes read (serve/server.py builds it from the typed server settings)."""
-
-    model_name: str
-    api_key: str | None = None
-    max_prompt_tokens: int = 16384
-    max_tokens_cap: int = 4096
-    max_body_bytes: int = 4 << 20
-    state_dir: Path | None = None
-    allowed_hosts: tuple[str, ...] | None = None  # None: any Host header (see security.Guard)
-    cors_origins: tuple[str, ...] = ()
-    body_timeout: float = 30.0
-
-
-@dataclass
 class ServingContext:
-    """The shared state of the routes. The sampling presets and the end-of-text id come from
-    app.py, which owns them."""
+    """The shared state of the routes. Settings are read from `config` (rwkv_engine/settings.py),
+    the one place they are written; nothing here copies them."""
 
-    engine: Engine
-    settings: AppSettings
-    chat_defaults: SamplingParams
-    completion_defaults: SamplingParams
-    completion_max_tokens: int
-    eos_token_id: int
-    created: int = field(default_factory=p.now)
-
-    def __post_init__(self):
-        self.tokenizer = self.engine.tokenizer
-        self.model = self.engine.model
-        self.metrics = self.engine.metrics
+    def __init__(self, engine: Engine, config: Config):
+        self.engine, self.config = engine, config
+        self.model_name = config.model_name
+        self.tokenizer, self.model, self.metrics = engine.tokenizer, engine.model, engine.metrics
         self.token_text = TokenText(self.tokenizer)
-        self.states = SavedStates(self.settings.state_dir, self.model)
+        self.states = SavedStates(config.server.state_dir, self.model)
+        self.created = p.now()
 
 
 class SavedStates:

@@ -1,53 +1,65 @@
 """The serving engine: one model, many concurrent requests, continuous batching.
 
-One thread, the engine thread, owns the model. Each turn of its loop it
+One thread, the engine thread, owns the model and is the scheduler. Each turn of its loop
+(`Engine._turn`) it
 
-1. drops cancelled requests (their batch slot is free for the next turn) and admits waiting
-   requests while fewer than `max_batch` hold a slot;
-2. prefills up to `prefill_chunk` prompt tokens, round-robin over the admitted requests whose
-   prompt is not read yet: the next chunk of the first, which then goes to the back of the line,
-   then (if the budget is not spent) of the next one; a prompt that is done samples its first
-   token and joins the decoding batch. So a short prompt that arrives while a long one is
-   being read waits for about one chunk of it, not for the whole of it;
-3. runs one decode step for every decoding request together: their last tokens as [B, 1]
-   through `model.forward` (one call per GEMV_MAX_ROWS rows on the CPU, see below), their
-   states concatenated into one batch `State` [B, ...], then `Sampler.sample_batch`, each row
-   with the request's own parameters and random generator.
+1. drops cancelled requests (their batch rows are free for this turn) and admits waiting
+   requests while fewer than `max_batch` prompts are being read or wait for their first row;
+2. prefills up to `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
+   piece of the first, which then goes to the back of the line, then (if the budget is not
+   spent) of the next one. The work is a request's prompt, or a speculating row's draft model
+   reading what it has not read (its prompt, or what it missed while drafting paused). So a
+   short prompt that arrives while a long one is being read waits for about one piece of it,
+   not for the whole of it. A prompt is read without holding batch rows: a long one, or an
+   echo that only scores its prompt, keeps no other request from starting;
+3. starts choices of requests whose prompt is read on the free batch rows (`_start_choices`):
+   each samples its first token from the prompt's last logits and joins the decoding batch (one
+   `State` [B, ...]). A request holds at most `rows_per_request` rows (half the batch) at once,
+   so one request never takes every row; the choices of a request with more take turns;
+4. runs one decode step for every decoding row together (`DecodeBatch.step`, decode.py): each
+   row's feed (its
+   last token, or a speculating row's pending tokens and drafts) goes through `model.forward`
+   in one pass per feed length (`decode_rows`: on the CPU, groups of GEMV_MAX_ROWS rows x
+   tokens), then each row decides its tokens: plain rows by `Sampler.sample_batch`, each with
+   the request's own parameters and random generator, speculating rows by speculative
+   acceptance (speculative.py), both drawing from `Sampler.prepare`.
 
-So new prompts delay the running requests by about one chunk of prefill per decode step;
-they are never paused for a whole prompt. A request leaves the batch when its `TextStream` ends (stop
-token, stop string, max_tokens) or when it is cancelled; the batch state drops its row.
+So new prompts delay the running requests by about one chunk of prefill per decode step; they
+are never paused for a whole prompt. A row leaves the batch when its `TextStream` ends (stop
+token, stop string, max_tokens) or when it is cancelled; the batch state drops it.
 
 Batched = alone, bit for bit (on the CPU, with the native kernels): a request gets the tokens
 `rwkv_engine.generate` gives it alone, greedy or sampled with a seed, whatever else is running.
-* Decode: a one-token forward of at most GEMV_MAX_ROWS rows runs the fused native step, whose
+* Decode: a forward of at most GEMV_MAX_ROWS rows x tokens runs the fused native step, whose
   kernels compute each row on its own (models/native_step.py), so row i of the batch has the
-  logits and state of that sequence stepped alone. A larger batch is stepped in groups of
-  GEMV_MAX_ROWS rows for that reason (a [B, 1] forward of more rows would take the batched
-  GEMM, whose rounding depends on the batch).
-* Speculative verify passes (a row's pending tokens and drafts, [B, T]) go through the same
-  native step in groups of at most GEMV_MAX_ROWS rows x tokens (`decode_rows`); each token gets
-  the bits of a one-token step, so a speculating row decides what it decides alone.
-* Sampling: `Sampler.sample_batch` samples row by row, each with the request's own counts and
-  generator, as `generate` does for one sequence.
+  logits and state of that sequence stepped alone; larger batches are stepped in groups of that
+  many (`models.model.decode_rows`). A speculative verify pass ([B, T]) gives each token the
+  bits of a one-token step, so a speculating row decides what it decides alone.
+* Sampling: row by row, each with the request's own counts and generator, as `generate` does.
 * Prefill: a prompt is read in pieces of `prefill_chunk` tokens and `generate` reads it in one
-  `forward` (pieces of PREFILL_CHUNK inside); both cut it with `models.model.prefill_end`,
-  which never leaves a last piece short enough for the GEMV, so every piece of either runs
-  the GEMM and the chunked WKV (RWKV-7 on the CPU: the native recurrence), whose results for a
-  token do not depend on where the prompt is cut: the logits and state are the same bit for bit (for a `prefill_chunk` that is a multiple
-  of 32, the WKV chunk; the default is 256).
+  `forward`; both cut it where `models.model.prefill_end` cuts, which never leaves a last piece
+  short enough for the GEMV, so every piece runs the GEMM and the chunked WKV, whose results for
+  a token do not depend on where the prompt is cut (for a `prefill_chunk` that is a multiple of
+  32, the WKV chunk; the default is 256).
 
-Prompt-state cache: prompts are prefilled in chunks aligned to multiples of `prefill_chunk`
-from their first token, and the state after every full chunk is kept in an LRU map keyed by
-(start state, token-id prefix), bounded in bytes. A new prompt resumes from the longest cached
-prefix at which its own cold prefill would cut (shorter than the prompt by more than
-GEMV_MAX_ROWS tokens: see `prefill_end`). Because the chunks are aligned, a resumed prefill runs
-the very same forward calls on the very same state as a cold one: the cache changes how fast
-an answer starts, never what it is.
+Prompt-state cache (prompt_cache.py): the state after every full chunk of a prompt is kept; a new
+prompt resumes from the longest cached prefix at which its own cold prefill would cut, so a
+resumed prefill runs the very same forward calls on the very same state as a cold one.
 
-Choices (`Request.n` > 1): the prompt is prefilled once; at its end the state is copied into n
-rows, each choice sampled with its own `Sampler` (choice i of a seeded request uses seed + i, so
-it equals the same request with n = 1 and that seed) and ending on its own.
+Choices (`Request.n` > 1, up to 128): the prompt is prefilled once; each choice is sampled with
+its own `Sampler` (choice i of a seeded request uses seed + i, so it equals the same request with
+n = 1 and that seed), starts when a row is free for it and ends on its own.
+
+Where the next steps attach (none of them is built here):
+* A mixed step (a prefill piece and the decode passes in one forward under one token budget) is
+  an arrangement of `_turn`: `PromptPrefill.piece` gives a piece's forward arguments and
+  `PromptPrefill.absorb` takes its output; in `DecodeBatch.step`, `_feeds` gives the decode
+  rows' tokens, `passes` runs their forwards and `_decide` takes their logits.
+* A request that only reads its prompt (an embedding) is another `Prefill`: it needs no batch
+  row (admission counts prompts, not rows), and `_prefilled` is where its end would pool the
+  hidden states and finish it instead of starting choices.
+* A disk-backed state store sits behind `PromptCache.put` and `PromptCache.lookup`, the only
+  two calls the prefill makes to the cache (prompt_cache.py).
 
 Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each sampled token's
 `Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
@@ -71,185 +83,40 @@ import sys
 import threading
 import time
 import traceback
-from array import array
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError, RWKVEngineError
+from ..errors import InputError
 from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
-from ..models.model import prefill_end
+from ..models.model import decode_rows
 from ..sampling import Sampler, SamplingParams
-from ..speculative import (
-    DEFAULT_MAX_DRAFT,
-    KINDS,
-    PromptLookup,
-    SpeculativeRow,
-    SpeculativeStats,
-    check_max_draft,
-    make_drafter,
-)
+from ..settings import MAX_CHOICES, MAX_PASS_TOKENS, SPECULATIVE_KINDS, EngineConfig
+from ..speculative import SpeculativeRow, SpeculativeStats, drafter_for, make_drafter
 from ..state import State
-from ..structured import Constraint, grammar_for
-from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from ..structured import grammar_for
+from .decode import DecodeBatch, token_entries
+from .logprobs import MAX_TOP_LOGPROBS
+from .messages import Delta, EngineStopped, Finished, Prompt, QueueFull, Request, Sink
 from .metrics import Metrics
+from .prompt_cache import PromptCache
+from .work import DraftPrefill, Group, Prefill, PromptPrefill, Row, fail
 
-
-@dataclass
-class EngineConfig:
-    max_batch: int = 8  # sequences decoded together (= batch slots)
-    max_queue: int = 64  # requests waiting for a slot; beyond: QueueFull
-    prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
-    state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
-    speculative: str | None = None  # the requests' default: "lookup", "draft" or None (plain decoding)
-    draft: str | None = None  # the draft model's checkpoint ("draft"; None: the model's quantized twin)
-    draft_quantization: str = "q4"  # of the twin draft
-    max_draft: int = DEFAULT_MAX_DRAFT  # most tokens drafted per pass
-    name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
-
-    def __post_init__(self):
-        for name in ("max_batch", "max_queue", "prefill_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.state_cache_bytes, int) or self.state_cache_bytes < 0:
-            raise InputError(f"state_cache_bytes must be >= 0, got {self.state_cache_bytes!r}")
-        if self.speculative not in (None, *KINDS):
-            raise InputError(f"speculative must be one of {', '.join(KINDS)} or None, got {self.speculative!r}")
-        check_max_draft(self.max_draft, "max_draft")
-
-
-@dataclass
-class Request:
-    """What to generate: a continuation of `prompt_ids` from `start_state` (None = fresh)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    start_state: State | None = None
-    start_key: str = ""  # names start_state in the prompt cache; "" is the fresh state
-    n: int = 1  # choices sampled from the one prefill
-    logprobs: int | None = None  # report each token's log-probability and this many alternatives
-    echo: bool = False  # send a Prompt event (with logprobs: the prompt's log-probabilities)
-    # A fresh grammar Constraint for each choice (default: from params.json_schema / json_object).
-    constraint: Callable[[], Constraint] | None = None
-    # Speculative decoding: "lookup", "draft", "off", or None for the engine's default. The output
-    # is the same either way; a request with logprobs decodes plainly.
-    speculative: str | None = None
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """The prompt of an echo request: log-probabilities of its tokens (the first has none), or
-    None when the request asked for no log-probabilities."""
-
-    logprobs: tuple[TokenLogprob, ...] | None
-    index: int = 0
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    index: int = 0  # the choice
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) behind this piece, if asked for
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" | "length" | "cancelled" | "error"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    message: str | None = None  # what went wrong, for "error"
-    index: int = 0  # the choice
-
-
-Sink = Callable[[object], None]
-
-
-class QueueFull(RWKVEngineError):
-    """Every batch slot is taken and `max_queue` requests already wait."""
-
-    retry_after = 1  # seconds
-
-
-class EngineStopped(RWKVEngineError):
-    """The engine is not running (not started yet, or shutting down)."""
-
-
-def decode_rows(model, tokens: torch.Tensor, batch: State, all_logits: bool = False) -> tuple[torch.Tensor, State]:
-    """`model.forward(tokens [B, T], batch, all_logits)`, on the CPU in groups of at most
-    GEMV_MAX_ROWS rows x tokens: each group runs the native step, so every row's logits and
-    state are those of its sequence alone (one forward of more rows would take the batched GEMM).
-    T > 1: a speculative verify pass of the rows' pending tokens and drafts."""
-    B, T = tokens.shape
-    G = max(1, GEMV_MAX_ROWS // T)
-    if B <= G or model.device.type != "cpu":
-        return model.forward(tokens, state=batch, all_logits=all_logits)
-    parts = [model.forward(tokens[i : i + G], state=batch[i : i + G], all_logits=all_logits) for i in range(0, B, G)]
-    return torch.cat([p[0] for p in parts]), State.cat([p[1] for p in parts])
-
-
-def _host(state: State) -> State:
-    """A GPU state copied to pinned host memory (the cache lives in host RAM; `model.forward`
-    moves a state from there to its device, a DMA from pinned pages); other states as they are."""
-    if state.device.type != "cuda":
-        return state
-    pinned = {}
-    for k, v in state.items():
-        pinned[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v)
-    return State(pinned, state.signature)
-
-
-class PromptCache:
-    """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes."""
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity = capacity_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[tuple[str, bytes], State] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @staticmethod
-    def _size(key: tuple[str, bytes], state: State) -> int:
-        return state.nbytes + len(key[1]) + len(key[0])
-
-    def put(self, start_key: str, prefix: Sequence[int], state: State) -> None:
-        key = (start_key, array("q", prefix).tobytes())
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        size = self._size(key, state)
-        if size > self.capacity:
-            return
-        while self._entries and self.nbytes + size > self.capacity:
-            old_key, old = self._entries.popitem(last=False)
-            self.nbytes -= self._size(old_key, old)
-        self._entries[key] = _host(state)
-        self.nbytes += size
-
-    def lookup(self, start_key: str, ids: Sequence[int], chunk: int) -> tuple[int, State | None]:
-        """(k, state after ids[:k]) for the longest cached k at which a cold prefill of `ids` cuts
-        (a multiple of `chunk` with more than GEMV_MAX_ROWS tokens after it: `prefill_end`), or (0, None)."""
-        if not self._entries:
-            return 0, None
-        raw = array("q", ids).tobytes()
-        width = raw and len(raw) // len(ids)
-        for k in range((len(ids) - GEMV_MAX_ROWS - 1) // chunk * chunk, 0, -chunk):
-            key = (start_key, raw[: k * width])
-            state = self._entries.get(key)
-            if state is not None:
-                self._entries.move_to_end(key)
-                return k, state
-        return 0, None
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineConfig",
+    "EngineStopped",
+    "Finished",
+    "Handle",
+    "Prompt",
+    "PromptCache",
+    "QueueFull",
+    "Request",
+    "decode_rows",
+]
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -260,44 +127,18 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class Handle:
-    """A submitted request; `cancel()` frees its slot (a no-op once it has finished)."""
+    """A submitted request; `cancel()` frees its slots (a no-op once it has finished)."""
 
-    def __init__(self, engine: Engine, seq: _Sequence):
+    def __init__(self, engine: Engine, group: Group):
         self._engine = engine
-        self._seq = seq
+        self._group = group
 
     @property
     def id(self) -> int:
-        return self._seq.id
+        return self._group.id
 
     def cancel(self) -> None:
         self._engine.cancel(self)
-
-
-class _Sequence:
-    """One choice of a request inside the engine (a batch row once decoding). The first choice
-    of a request (its `group`) is the one that is queued and prefilled."""
-
-    def __init__(self, seq_id: int, request: Request, sink: Sink, sampler: Sampler, stream: TextStream, index: int = 0):
-        self.id = seq_id
-        self.index = index  # the choice
-        self.group = [self]  # every choice of the request (the same list in each)
-        self.request = request
-        self.sink = sink
-        self.sampler = sampler
-        self.stream = stream
-        self.cancelled = False
-        self.finished = False
-        self.admitted = False  # holds a batch slot (Engine._admit)
-        self.started = False  # prefill begun (cache looked up)
-        self.pos = 0  # prompt tokens read
-        self.cached = 0  # of which taken from the prompt cache
-        self.state: State | None = None  # during prefill
-        self.next_token: int | None = None  # sampled, not yet fed to the model
-        self.prompt_logprobs: list[TokenLogprob] = []  # during an echo's prefill
-        # Speculating rows: the row's pending tokens replace next_token; the batch row is the
-        # committed state (speculative.SpeculativeRow).
-        self.spec: SpeculativeRow | None = None
 
 
 class Engine:
@@ -310,17 +151,21 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.cache = PromptCache(self.config.state_cache_bytes)
         self._cond = threading.Condition()
-        self._waiting: deque[_Sequence] = deque()  # guarded by _cond
+        self._waiting: deque[Group] = deque()  # guarded by _cond
         self._wake = False  # guarded by _cond: a cancel to handle
         self._stopping = False
-        self._prefilling: deque[_Sequence] = deque()  # engine thread only
-        self._decoding: list[_Sequence] = []  # engine thread only; row i of _batch
-        self._batch: State | None = None
-        self._joining: list[tuple[_Sequence, State]] = []  # prefilled this turn, join before decoding
+        self._live = 0  # guarded by _cond: requests submitted and not finished
+        # Engine thread only (read by `gauges`, which only copies and counts): prefill work
+        # round-robin; requests whose prompt is read, with choices to start; rows with their first
+        # token, to join the batch this turn (with the state they start from); the decoding rows.
+        self._prefilling: deque[Prefill] = deque()
+        self._starting: deque[Group] = deque()
+        self._joining: list[tuple[Row, State]] = []
+        self._batch = DecodeBatch(model, self.config.name)
+        self._reading = 0  # requests admitted with no choice started (Group.reading)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
-        self._holding = 0  # batch rows (choices) admitted and not finished (written by the engine thread only)
-        self._ready = False  # warmed up (see _warm_up)
+        self._warm = False  # warmed up (see _warm_up)
         self.speculative = SpeculativeStats()  # of every speculating row (engine thread)
         self._draft = None  # the draft model's DraftModel, loaded at the first request that needs it
 
@@ -339,7 +184,7 @@ class Engine:
     @property
     def ready(self) -> bool:
         """Alive and warmed up: the first request will not wait for kernels to be built."""
-        return self._ready and self.alive
+        return self._warm and self.alive
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; requests still queued or running finish with reason "error"."""
@@ -364,26 +209,21 @@ class Engine:
                 f"{len(requests)} prompts in one request; this server takes at most {capacity} at once "
                 f"(max batch {self.config.max_batch} + max queue {self.config.max_queue})"
             )
-        groups = [self._prepare(request) for request, _ in requests]
+        prepared = [self._prepare(request) for request, _ in requests]
         with self._cond:
             if not self.alive:
                 raise EngineStopped("the engine is not running")
-            # Requests not yet admitted while slots are free take a slot at the next turn:
-            # only those beyond the free slots wait.
-            free = max(0, self.config.max_batch - self._holding)
-            waiting = len(self._waiting) - free
-            if waiting + len(requests) > self.config.max_queue:
-                raise QueueFull(f"the server is busy: {max(0, waiting)} requests are already waiting")
+            # max_batch requests run (their prompts read, their choices decoded); the others wait.
+            if self._live + len(requests) > capacity:
+                waiting = max(0, self._live - self.config.max_batch)
+                raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
+            self._live += len(requests)
             handles = []
-            for (request, sink), (samplers, streams) in zip(requests, groups):
-                group = [
-                    _Sequence(next(self._ids), request, sink, s, t, i)
-                    for i, (s, t) in enumerate(zip(samplers, streams))
-                ]
-                for s in group:
-                    s.group = group
-                self._waiting.append(group[0])
-                handles.append(Handle(self, group[0]))
+            for (request, sink), (samplers, streams) in zip(requests, prepared):
+                group = Group(next(self._ids), request, sink, self.metrics, self._request_done)
+                group.rows = [Row(group, i, s, t) for i, (s, t) in enumerate(zip(samplers, streams))]
+                self._waiting.append(group)
+                handles.append(Handle(self, group))
             self._cond.notify_all()
         return handles
 
@@ -394,8 +234,10 @@ class Engine:
         if request.start_state is not None and request.start_state.batch_size != 1:
             raise InputError(f"a start state must hold one sequence, got {request.start_state.batch_size}")
         self._check_choices(request)
-        if request.speculative not in (None, "off", *KINDS):
-            raise InputError(f"speculative must be one of {', '.join(KINDS)} or off, got {request.speculative!r}")
+        if request.speculative not in (None, "off", *SPECULATIVE_KINDS):
+            raise InputError(
+                f"speculative must be one of {', '.join(SPECULATIVE_KINDS)} or off, got {request.speculative!r}"
+            )
         params = [choice_params(request.params, i) for i in range(request.n)]
         constraint = request.constraint
         if constraint is None:
@@ -404,45 +246,40 @@ class Engine:
         samplers = [Sampler(p, vocab, constraint=constraint and constraint()) for p in params]
         return samplers, [TextStream(self.tokenizer, p) for p in params]
 
-    @property
-    def max_choices(self) -> int:
-        """The most choices (`n`) one request may have: half the batch, so one request never
-        takes every slot (for a batch of 1, 1)."""
-        return max(1, self.config.max_batch // 2)
-
     def _check_choices(self, request: Request) -> None:
-        n, k, top = request.n, request.logprobs, self.max_choices
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= top:
-            raise InputError(
-                f"n must be an integer from 1 to {top} (half of the server's max batch {self.config.max_batch}), "
-                f"got {n!r}"
-            )
+        n, k = request.n, request.logprobs
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise InputError(f"n must be an integer from 1 to {MAX_CHOICES}, got {n!r}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise InputError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {k!r}")
 
     def cancel(self, handle: Handle) -> None:
         """Cancel every choice of the request."""
-        leader = handle._seq
+        group = handle._group
         with self._cond:
-            live = [s for s in leader.group if not (s.finished or s.cancelled)]
+            live = [r for r in group.rows if not (r.finished or r.cancelled)]
             if not live:
                 return
-            for s in live:
-                s.cancelled = True
-            if leader in self._waiting:
-                self._waiting.remove(leader)
-                for s in live:
-                    self._finish(s, "cancelled")
+            for r in live:
+                r.cancelled = True
+            if group in self._waiting:
+                self._waiting.remove(group)
+                for r in live:
+                    r.finish("cancelled")
             else:
                 self._wake = True
                 self._cond.notify_all()
 
     def gauges(self) -> dict[str, float]:
+        """requests_running: batch rows held and prompts being read; requests_waiting: requests
+        queued, and requests whose prompt is read waiting for a batch row."""
         with self._cond:
             waiting = len(self._waiting)
+        reading = sum(isinstance(w, PromptPrefill) for w in list(self._prefilling))
+        starting = sum(g.running == 0 and not g.cancelled for g in list(self._starting))
         return {
-            "requests_running": self._rows(),
-            "requests_waiting": waiting,
+            "requests_running": len(self._batch) + len(self._joining) + reading,
+            "requests_waiting": waiting + starting,
             "prompt_cache_entries": len(self.cache),
             "prompt_cache_bytes": self.cache.nbytes,
             "prompt_cache_capacity_bytes": self.cache.capacity,
@@ -451,7 +288,7 @@ class Engine:
             "speculative_tokens_per_pass": self.speculative.tokens_per_pass,
         }
 
-    # --- the engine thread --------------------------------------------------------------------
+    # --- the engine thread: the loop and its turn ---------------------------------------------------
 
     def _warm_up(self) -> None:
         """One prefill and one decode step on a throwaway state before the first request: the
@@ -473,10 +310,10 @@ class Engine:
                 print(f"{self.config.name}: the warm-up forward failed; nothing can be served:", file=sys.stderr)
                 traceback.print_exception(e, file=sys.stderr)
                 return
-            self._ready = True
+            self._warm = True
             while True:
                 with self._cond:
-                    while not (self._stopping or self._waiting or self._prefilling or self._decoding or self._wake):
+                    while not (self._stopping or self._wake or self._waiting or self._has_work()):
                         self._cond.wait()
                     if self._stopping:
                         break
@@ -484,351 +321,220 @@ class Engine:
                     self._drop_cancelled()
                     self._admit()
                 try:
-                    # Prompt tokens up to one chunk per turn: one chunk of a long prompt, or
-                    # several short prompts, so that a burst of new requests joins quickly.
-                    budget = self.config.prefill_chunk
-                    if self._prefilling:
-                        t0 = time.perf_counter()
-                        while self._prefilling and budget > 0:
-                            budget -= self._prefill_step()
-                        self.metrics.inc("engine_seconds_total", time.perf_counter() - t0, phase="prefill")
-                    if self._joining:
-                        self._join()
-                    if self._decoding:
-                        self._decode_step()
+                    self._turn()
                 except Exception as e:  # a bug here: drop what is in flight, keep serving
                     self._fail(self._clear(), e)
         finally:
             self._shutdown()
 
-    def _clear(self) -> list[_Sequence]:
-        """Forget every admitted request; returns them."""
-        seqs = [s for leader in self._prefilling for s in leader.group] + self._decoding + [s for s, _ in self._joining]
+    def _has_work(self) -> bool:
+        return bool(self._prefilling or self._starting or self._batch.rows)
+
+    def _turn(self) -> None:
+        """One turn's model work: prefill under the token budget, then choices start on the free
+        rows (their first token) and join the batch, then one decode step.
+
+        (Each part is its own method so that a turn can be arranged differently, e.g. a prefill
+        piece and the decode step's passes run as one forward under one token budget.)"""
+        if self._prefilling:
+            t0 = time.perf_counter()
+            self._prefill(self.config.prefill_chunk)
+            self.metrics.inc("engine_seconds_total", time.perf_counter() - t0, phase="prefill")
+        if self._starting:
+            self._start_choices()
+        if self._joining:
+            self._batch.join(self._joining)
+            self._joining = []
+        if self._batch.rows:
+            self._decode_step()
+
+    def _clear(self) -> list[Row]:
+        """Forget every admitted request; returns their rows."""
+        rows = [r for w in self._prefilling if isinstance(w, PromptPrefill) for r in w.group.rows]
+        rows += [r for g in self._starting for r in g.to_start]
+        rows += self._batch.clear() + [r for r, _ in self._joining]
         self._prefilling.clear()
-        self._decoding, self._batch, self._joining = [], None, []
-        return seqs
-
-    def _join(self) -> None:
-        """Add the requests prefilled this turn to the decoding batch (one concatenation)."""
-        states = [st for _, st in self._joining]
-        self._batch = State.cat(states if self._batch is None else [self._batch, *states])
-        self._decoding += [s for s, _ in self._joining]
+        self._starting.clear()
         self._joining = []
+        return rows
 
-    def _rows(self) -> int:
-        """Batch rows held: decoding, joining, and the choices of the requests being prefilled.
-        (Also read by `gauges` from other threads: it only copies and counts.)"""
-        return sum(len(s.group) for s in list(self._prefilling)) + len(self._joining) + len(self._decoding)
+    # --- admission and prefill ----------------------------------------------------------------------
 
     def _admit(self) -> None:
-        while self._waiting and self._rows() + len(self._waiting[0].group) <= self.config.max_batch:
-            seq = self._waiting.popleft()
-            for s in seq.group:
-                s.admitted = True
-            self._holding += len(seq.group)
-            self._prefilling.append(seq)
-            self.metrics.inc("prompt_tokens_total", len(seq.request.prompt_ids))
+        """Admit waiting requests while fewer than max_batch prompts are being read (or wait for
+        their first row). A prompt is read without holding batch rows: its choices take them
+        when they start (`_start_choices`), so a long prompt, or an echo that never decodes,
+        keeps no other request from starting."""
+        while self._waiting and self._reading < self.config.max_batch:
+            group = self._waiting.popleft()
+            group.reading = True
+            self._reading += 1
+            self._prefilling.append(PromptPrefill(group, self.model, self.cache, self.metrics))
+            self.metrics.inc("prompt_tokens_total", len(group.request.prompt_ids))
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self._prefilling if any(c.cancelled for c in s.group)]:
-            self._prefilling.remove(seq)
-            for s in seq.group:
-                self._finish(s, "cancelled")
-        if any(s.cancelled for s in self._decoding):
-            keep = [i for i, s in enumerate(self._decoding) if not s.cancelled]
-            for s in self._decoding:
-                if s.cancelled:
-                    self._finish(s, "cancelled")
-            self._keep_rows(keep)
+        for work in [w for w in self._prefilling if w.done or any(r.cancelled for r in w.rows)]:
+            self._prefilling.remove(work)
+            for r in work.rows:
+                r.finish("cancelled")
+        for group in [g for g in self._starting if g.cancelled]:
+            self._starting.remove(group)
+            for r in group.to_start:
+                r.finish("cancelled")
+            group.to_start.clear()
+        rows = self._batch.rows
+        if any(r.cancelled for r in rows):
+            for r in rows:
+                if r.cancelled:
+                    r.finish("cancelled")
+            self._batch.keep([i for i, r in enumerate(rows) if not r.cancelled])
 
-    def _keep_rows(self, keep: list[int]) -> None:
-        if len(keep) == len(self._decoding):
-            return
-        self._decoding = [self._decoding[i] for i in keep]
-        self._batch = self._batch[keep] if keep else None
-
-    def _prefill_step(self) -> int:
-        """Prefill the next chunk of the first prefilling request, then move it to the back of the
-        line (round-robin); the number of tokens (>= 1)."""
-        seq = self._prefilling[0]
-        req, chunk = seq.request, self.config.prefill_chunk
-        ids = req.prompt_ids
-        try:
-            if not seq.started:
-                seq.started = True
-                # An echo needs the logits of every prompt position: it reads the whole prompt.
-                seq.pos, seq.state = (0, None) if req.echo else self.cache.lookup(req.start_key, ids, chunk)
-                seq.cached = seq.pos
-                if seq.pos:
-                    self.metrics.inc("prompt_cache_hits_total")
-                    self.metrics.inc("prompt_cache_hit_tokens_total", seq.pos)
-                else:
-                    self.metrics.inc("prompt_cache_misses_total")
-                    seq.state = req.start_state
-            start = seq.pos
-            end = prefill_end(start, len(ids), chunk)
-            echo_logprobs = req.echo and req.logprobs is not None
-            logits, seq.state = self.model.forward(ids[start:end], state=seq.state, all_logits=echo_logprobs)
-            if echo_logprobs:
-                # Row r predicts token start + r + 1; the last row predicts the first generated token.
-                seq.prompt_logprobs += token_logprobs(
-                    logits[:-1], ids[start + 1 : end], [req.logprobs] * (end - start - 1)
-                )
-                if end < len(ids):  # the row that predicts the next chunk's first token
-                    seq.prompt_logprobs += token_logprobs(logits[-1:], ids[end : end + 1], [req.logprobs])
-                logits = logits[-1]
-            self.metrics.inc("prefill_tokens_total", end - start)
-            seq.pos = end
-            if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
-                self.cache.put(req.start_key, ids[:end], seq.state)
-            done = end - start
-            if end < len(ids):
+    def _prefill(self, budget: int) -> None:
+        """Pieces of the prefill work, round-robin, until `budget` tokens are read: the first
+        work's next piece, which then goes to the back of the line, then the next one's."""
+        chunk = self.config.prefill_chunk
+        while self._prefilling and budget > 0:
+            work = self._prefilling[0]
+            if not work.done:
+                try:
+                    budget -= max(1, work.step(chunk))
+                except Exception as e:  # one request's failure must not stop the others
+                    self._prefilling.popleft()
+                    self._fail(work.rows, e)
+                    continue
+            if not work.done:
                 self._prefilling.rotate(-1)
-                return done
+                continue
             self._prefilling.popleft()
-            self._first_token(seq, logits)
-            return done
-        except Exception as e:  # one request's failure must not stop the others
-            if seq in self._prefilling:
-                self._prefilling.remove(seq)
-            self._fail(seq.group, e)
-            return 1
+            try:
+                self._prefilled(work)
+            except Exception as e:
+                self._fail(work.rows, e)
 
-    def _first_token(self, leader: _Sequence, logits: torch.Tensor) -> None:
-        """The prompt is read: sample each choice's first token from its last logits [V]."""
-        state, leader.state = leader.state, None
-        req, group = leader.request, leader.group
+    def _prefilled(self, work: Prefill) -> None:
+        """What follows a finished piece of prefill work: a request's prompt read starts its
+        choices; a draft model that caught up lets its row draft again. (Another kind of work
+        ends its own way: an embedding request, say, would pool its hidden states here and
+        finish, taking no batch row.)"""
+        if isinstance(work, PromptPrefill):
+            self._prompt_read(work)
+        elif isinstance(work, DraftPrefill):
+            work.row.catching_up = False
+
+    def _prompt_read(self, work: PromptPrefill) -> None:
+        """A request's prompt is read: echo it; then its choices wait to start (`_starting`)."""
+        group = work.group
+        req, rows = group.request, group.rows
         if req.echo:
-            prompt = None
-            if req.logprobs is not None:
-                prompt, leader.prompt_logprobs = tuple(leader.prompt_logprobs), []
-            for seq in group:
-                self._send(seq, Prompt(prompt, seq.index))
+            prompt = tuple(work.prompt_logprobs) if req.logprobs is not None else None
+            for row in rows:
+                row.send(Prompt(prompt, row.index))
         if req.params.max_tokens == 0:
-            for seq in group:
-                self._emit(seq, seq.stream.finish("length"))
-                self._finish(seq, seq.stream.finish_reason)
+            for row in rows:
+                row.emit(row.stream.finish("length"))
+                row.finish(row.stream.finish_reason)
             return
-        tokens = Sampler.sample_batch([s.sampler for s in group], logits[None].expand(len(group), -1))
-        entries = self._logprobs(group, logits[None].expand(len(group), -1), tokens)
-        for seq, token, entry in zip(group, tokens, entries):
-            if self._push(seq, token, entry):
-                seq.next_token = token
-                self._speculate(seq, token)
-                self._joining.append((seq, state))
+        group.logits, group.state = work.logits, work.state
+        group.to_start.extend(r for r in rows if not r.finished)
+        self._starting.append(group)
 
-    def _speculate(self, seq: _Sequence, token: int) -> None:
+    def _start_choices(self) -> None:
+        """Start waiting choices on the free batch rows, requests in the order their prompts were
+        read, at most `rows_per_request` rows per request at once: each samples its first token
+        from the prompt's last logits; those that go on join the batch."""
+        free = self.config.max_batch - len(self._batch) - len(self._joining)
+        cap = self.config.rows_per_request
+        for group in list(self._starting):
+            while free > 0 and group.to_start and group.running < cap:
+                rows = [group.to_start.popleft() for _ in range(min(free, cap - group.running, len(group.to_start)))]
+                try:
+                    joined = self._first_tokens(group, rows)
+                except Exception as e:
+                    self._fail(rows, e)
+                    continue
+                free -= joined
+            if not group.to_start:
+                self._starting.remove(group)
+                group.logits = group.state = None
+
+    def _first_tokens(self, group: Group, rows: list[Row]) -> int:
+        """Sample each of `rows`' first token from the prompt's last logits; the rows that go on
+        join the batch. Returns how many joined."""
+        logits = group.logits[None].expand(len(rows), -1)
+        tokens = Sampler.sample_batch([r.sampler for r in rows], logits)
+        joined = 0
+        for row, token, entry in zip(rows, tokens, token_entries(rows, logits, tokens)):
+            if row.push(token, entry):
+                row.next_token = token
+                self._speculate(row, token)
+                row.decoding = True
+                group.running += 1
+                self._joining.append((row, group.state))
+                joined += 1
+        if joined and group.reading:
+            group.reading = False
+            self._reading -= 1
+        return joined
+
+    def _speculate(self, row: Row, token: int) -> None:
         """Make a row that asked for speculative decoding (and no log-probabilities) speculate."""
-        req = seq.request
+        req = row.group.request
         kind = self.config.speculative if req.speculative is None else req.speculative
         if kind in (None, "off") or req.logprobs is not None:
             return
-        if kind == "lookup":
-            drafter = PromptLookup()
-        else:
-            if self._draft is None:
-                cfg = self.config
-                self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
-            drafter = self._draft.for_params(seq.sampler.params)
-        row = SpeculativeRow(drafter, seq.sampler, req.prompt_ids, self.config.max_draft, self.speculative)
-        row.limit = seq.sampler.params.max_tokens
-        row.take(token)
-        seq.spec = row
+        if kind == "draft" and self._draft is None:
+            cfg = self.config
+            self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
+        drafter = drafter_for(self._draft if kind == "draft" else kind, self.model, row.sampler.params)
+        # A draft more than one pass behind the row's context catches up as prefill work
+        # (DraftPrefill, queued by the decode step), never inside a decode step.
+        spec = SpeculativeRow(
+            drafter, row.sampler, req.prompt_ids, self.config.max_draft, self.speculative, max_lag=MAX_PASS_TOKENS
+        )
+        spec.limit = row.sampler.params.max_tokens
+        spec.take(token)
+        row.spec = spec
 
-    @staticmethod
-    def _logprobs(rows: list[_Sequence], logits: torch.Tensor, tokens: list[int | None]) -> list[TokenLogprob | None]:
-        """Row i's TokenLogprob for tokens[i] from logits [B, V], for the rows that asked for it
-        (and were sampled: a row whose sampling failed has no token)."""
-        want = [i for i, s in enumerate(rows) if s.request.logprobs is not None and tokens[i] is not None]
-        out: list[TokenLogprob | None] = [None] * len(rows)
-        if want:
-            got = token_logprobs(logits[want], [tokens[i] for i in want], [rows[i].request.logprobs for i in want])
-            for i, entry in zip(want, got):
-                out[i] = entry
-        return out
+    # --- the decode step ------------------------------------------------------------------------------
 
     def _decode_step(self) -> None:
-        if any(s.spec is not None for s in self._decoding):
-            self._mixed_step()
-        else:
-            self._plain_step()
-
-    def _mixed_step(self) -> None:
-        """A decode step with speculating rows: the plain rows as in `_plain_step`, the speculating
-        ones in one verify pass per pass length (their pending tokens + drafts); a row's batch
-        state moves on when the pass covered every token it decided (see speculative.py)."""
-        rows, batch, metrics = self._decoding, self._batch, self.metrics
-        t0 = time.perf_counter()
-        sp = self.speculative
+        """One step of the decoding batch (`DecodeBatch.step`), counted; then a speculating row
+        whose draft fell more than a pass behind gets the draft's catch-up queued as prefill work."""
+        metrics, sp = self.metrics, self.speculative
         counts = (sp.passes, sp.drafted, sp.accepted, sp.emitted)
-        alive = [True] * len(rows)
-        moved: dict[int, State] = {}  # row -> its new state [1, ...]
-        plain = [i for i, s in enumerate(rows) if s.spec is None]
-        passes: dict[int, list[tuple[int, list[int]]]] = {}
-        try:
-            for i, s in enumerate(rows):
-                if s.spec is not None:
-                    feed = s.spec.plan()
-                    passes.setdefault(len(feed), []).append((i, feed))
-            if plain:
-                tokens = torch.tensor([[rows[i].next_token] for i in plain], dtype=torch.long)
-                plain_logits, plain_after = decode_rows(self.model, tokens, batch[plain])
-            verified = []
-            for members in passes.values():
-                idx = [i for i, _ in members]
-                feed = torch.tensor([f for _, f in members], dtype=torch.long)
-                logits, after = decode_rows(self.model, feed, batch[idx], all_logits=True)
-                verified.append((idx, logits, after))
-        except Exception as e:
-            self._decoding, self._batch = [], None
-            self._fail(rows, e)
-            return
-        t1 = time.perf_counter()
-        if plain:
-            prow = [rows[i] for i in plain]
-            sampled = self._sample(prow, plain_logits)
-            entries = self._logprobs(prow, plain_logits, sampled)
-            for j, (i, token, entry) in enumerate(zip(plain, sampled, entries)):
-                moved[i] = plain_after[j]
-                alive[i] = token is not None and self._push(rows[i], token, entry)
-                if alive[i]:
-                    rows[i].next_token = token
-        for idx, logits, after in verified:
-            for j, i in enumerate(idx):
-                seq = rows[i]
-                try:
-                    for token in seq.spec.decide(logits[j]):
-                        if seq.spec.committed_all:
-                            moved[i] = after[j]
-                        if not self._push(seq, token):
-                            alive[i] = False
-                            break
-                except Exception as e:
-                    self._fail([seq], e)
-                    alive[i] = False
         metrics.inc("decode_steps_total")
-        metrics.inc("decode_rows_total", len(rows))
-        sp = self.speculative
+        metrics.inc("decode_rows_total", len(self._batch))
+        for phase, seconds in zip(("forward", "sample", "stream"), self._batch.step()):
+            metrics.inc("engine_seconds_total", seconds, phase=phase)
         for name, now, before in zip(
             ("passes", "drafted_tokens", "accepted_tokens", "emitted_tokens"),
             (sp.passes, sp.drafted, sp.accepted, sp.emitted),
             counts,
         ):
-            metrics.inc(f"speculative_{name}_total", now - before)
-        keep = [i for i in range(len(rows)) if alive[i]]
-        for i in (i for i in keep if i in moved):
-            for name, t in batch.items():  # the batch is the engine's own (cat / index copies)
-                t[i].copy_(getattr(moved[i], name)[0])
-        self._keep_rows(keep)
-        t2 = time.perf_counter()
-        metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
-        metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
+            if now != before:
+                metrics.inc(f"speculative_{name}_total", now - before)
+        for row in self._batch.rows:
+            if row.spec is not None and row.spec.behind and not row.catching_up:
+                self._prefilling.append(DraftPrefill(row))
 
-    def _plain_step(self) -> None:
-        rows, metrics = self._decoding, self.metrics
-        try:
-            t0 = time.perf_counter()
-            tokens = torch.tensor([[s.next_token] for s in rows], dtype=torch.long)
-            logits, self._batch = decode_rows(self.model, tokens, self._batch)
-        except Exception as e:
-            self._decoding, self._batch = [], None
-            self._fail(rows, e)
-            return
-        t1 = time.perf_counter()
-        sampled = self._sample(rows, logits)
-        entries = self._logprobs(rows, logits, sampled)
-        t2 = time.perf_counter()
-        metrics.inc("decode_steps_total")
-        metrics.inc("decode_rows_total", len(rows))
-        keep = []
-        for i, (seq, token, entry) in enumerate(zip(rows, sampled, entries)):
-            if token is not None and self._push(seq, token, entry):
-                seq.next_token = token
-                keep.append(i)
-        self._keep_rows(keep)
-        metrics.inc("engine_seconds_total", t1 - t0, phase="forward")
-        metrics.inc("engine_seconds_total", t2 - t1, phase="sample")
-        metrics.inc("engine_seconds_total", time.perf_counter() - t2, phase="stream")
+    # --- the end of a request ------------------------------------------------------------------------
 
-    def _sample(self, rows: list[_Sequence], logits: torch.Tensor) -> list[int | None]:
-        """A token for each row of logits [B, V]; None for a row whose sampling raised (that
-        request fails, the others go on). After a failure each row is sampled again alone from
-        its generator's state before the batch call, so it draws what it would have drawn."""
-        samplers = [s.sampler for s in rows]
-        saved = [None if s.generator is None else s.generator.get_state() for s in samplers]
-        try:
-            return Sampler.sample_batch(samplers, logits)
-        except Exception:
-            pass
-        out = []
-        for i, (seq, sampler, gen_state) in enumerate(zip(rows, samplers, saved)):
-            if gen_state is None:
-                sampler.generator = None
-            else:
-                sampler.generator.set_state(gen_state)
-            try:
-                out.append(Sampler.sample_batch([sampler], logits[i : i + 1])[0])
-            except Exception as e:
-                self._fail([seq], e)
-                out.append(None)
-        return out
+    def _request_done(self, group: Group) -> None:
+        """Every choice of a request has finished: its prompt slot and state are free."""
+        if group.reading:
+            group.reading = False
+            self._reading -= 1
+        group.logits = group.state = None
+        with self._cond:
+            self._live -= 1
 
-    def _push(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> bool:
-        """Give a sampled token to the request's stream; False when the request has ended."""
-        before = len(seq.stream.tokens)
-        text = seq.stream.push(token)
-        self.metrics.generated(len(seq.stream.tokens) - before)
-        self._emit(seq, text, () if logprob is None else (logprob,))
-        if seq.stream.done:
-            self._finish(seq, seq.stream.finish_reason)
-            return False
-        if seq.cancelled:
-            self._finish(seq, "cancelled")
-            return False
-        return True
-
-    def _emit(self, seq: _Sequence, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        if text or logprobs:
-            self._send(seq, Delta(text, seq.index, logprobs))
-
-    def _send(self, seq: _Sequence, event) -> None:
-        if seq.cancelled:
-            return
-        try:
-            seq.sink(event)
-        except Exception:  # the receiver is gone: treat as a cancel
-            seq.cancelled = True
-
-    def _finish(self, seq: _Sequence, reason: str, message: str | None = None) -> None:
-        if seq.finished:
-            return
-        seq.finished = True
-        seq.state = None
-        if seq.admitted:
-            self._holding -= 1
-        self.metrics.inc("requests_total", outcome=reason)
-        event = Finished(
-            reason, len(seq.request.prompt_ids), len(seq.stream.tokens), seq.group[0].cached, message, seq.index
-        )
-        try:
-            seq.sink(event)
-        except Exception:
-            pass
-
-    def _fail(self, seqs: list[_Sequence], error: Exception) -> None:
-        if isinstance(error, RWKVEngineError):
-            message = str(error)
-        else:
-            print(f"{self.config.name}: a model step failed:", file=sys.stderr)
-            traceback.print_exception(error, file=sys.stderr)
-            message = f"the model step failed ({type(error).__name__}); the request was dropped"
-        for seq in seqs:
-            self._finish(seq, "error", message)
+    def _fail(self, rows: list[Row], error: Exception) -> None:
+        fail(rows, error, self.config.name)
 
     def _shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-            left = [s for leader in self._waiting for s in leader.group] + self._clear()
+            left = [r for group in self._waiting for r in group.rows] + self._clear()
             self._waiting.clear()
-        for seq in left:
-            self._finish(seq, "error", "the server is shutting down")
+        for row in left:
+            row.finish("error", "the server is shutting down")

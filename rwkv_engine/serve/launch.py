@@ -16,8 +16,9 @@ import socket
 import sys
 import threading
 
+from ..settings import Config
 from .security import exposure_warning
-from .server import Config, build
+from .server import build
 
 
 def run(config: Config) -> int:
@@ -66,10 +67,10 @@ def serve(config: Config, sock: socket.socket) -> int:
     from .connections import guarded_protocol
 
     settings = config.server
-    engine, app, app_settings = build(config)
+    engine, app = build(config)
     host, port = sock.getsockname()[:2]
     print_banner(
-        app_settings.model_name,
+        config.model_name,
         url(host, port),
         f"max batch {config.engine.max_batch}, queue {config.engine.max_queue}",
         host,

@@ -17,11 +17,8 @@ PREFIX = "rwkv_engine_"
 
 # name -> (type, help)
 METRICS: dict[str, tuple[str, str]] = {
-    "requests_running": (
-        "gauge",
-        "Batch slots held (one per choice of a request; prefilling their prompt or decoding).",
-    ),
-    "requests_waiting": ("gauge", "Requests queued for a batch slot."),
+    "requests_running": ("gauge", "Batch rows decoding (one per choice of a request), and prompts being read."),
+    "requests_waiting": ("gauge", "Requests queued, and requests whose prompt is read waiting for a batch row."),
     "requests_total": (
         "counter",
         "Requests the engine finished, by outcome (stop, length, cancelled, error); each choice counts.",

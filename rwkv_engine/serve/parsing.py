@@ -21,7 +21,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "freque
 
 
 def authorize(ctx: ServingContext, request: HTTPRequest) -> None:
-    key = ctx.settings.api_key
+    key = ctx.config.server.api_key
     if key is not None and not key_matches(request.headers.get("authorization", ""), key):
         raise APIError(
             401, "missing or incorrect API key: send the header 'Authorization: Bearer KEY'", code="invalid_api_key"
@@ -29,7 +29,7 @@ def authorize(ctx: ServingContext, request: HTTPRequest) -> None:
 
 
 async def read_json(ctx: ServingContext, request: HTTPRequest) -> dict:
-    limit = ctx.settings.max_body_bytes
+    limit = ctx.config.limits.max_body_bytes
     too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -61,7 +61,7 @@ def parse(ctx: ServingContext, kind: type[p._Strict], obj: dict):
     except ValidationError as e:
         param, message = p.describe_validation_error(e)
         raise APIError(400, message, param=param or None) from None
-    name = ctx.settings.model_name
+    name = ctx.model_name
     if req.model is not None and req.model != name:  # (optional in /tokenize)
         raise APIError(
             404,
@@ -88,7 +88,7 @@ def sampling_params(
     max_tokens_field: str = "max_tokens",
 ) -> SamplingParams:
     """`defaults` with the request's sampling fields applied; max_tokens capped by the server."""
-    cap = ctx.settings.max_tokens_cap
+    cap = ctx.config.limits.max_tokens
     if max_tokens is None:
         max_tokens = min(default_max, cap)
     if max_tokens > cap:
@@ -119,7 +119,7 @@ async def prompt_ids(ctx: ServingContext, prompt: str | list[int]) -> list[int]:
     ids = await encode_text(ctx, prompt, "prompt") if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError(400, "the prompt is empty: there is nothing to continue", param="prompt")
-    limit = ctx.settings.max_prompt_tokens
+    limit = ctx.config.limits.max_prompt_tokens
     if len(ids) > limit:
         raise APIError(
             400,

@@ -3,16 +3,20 @@
 Requests are validated strictly (a number must be a JSON number, not a string; unknown fields
 are refused, as OpenAI does) so that a wrong request gets one clear 400 naming the field,
 instead of being silently reinterpreted. Fields OpenAI defines but this server does not
-implement are accepted only with their neutral value (best_of = 1, no suffix, no tools, ...).
+implement are accepted only with their neutral value (best_of = 1, no suffix, store = false).
+Chat takes `tools` and `tool_choice` (calls come back as `tool_calls`) and `response_format`
+(JSON, or JSON that follows a schema); both are grammar constraints (structured.py).
 
 Extensions (all optional; with the `openai` client pass them in `extra_body`):
     top_k           keep at most this many tokens (0 = off)
     penalty_decay   per-token decay of the occurrence counts behind the penalties (RWKV's 0.996)
     state           name of a saved state file (`State.save`) under the server's --state-dir to
                     start from instead of the fresh state
+    speculative     "lookup", "draft" or "off": speculative decoding for this request (the same
+                    output; default: the server's --speculative)
 
-Sampling fields left out take the RWKV defaults of the server (see `app.py`), not OpenAI's.
-This module knows nothing of the engine.
+Sampling fields left out take the server's defaults (`settings.RequestDefaults`): the OpenAI API's,
+unless its flags say otherwise. This module knows nothing of the engine.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer, model_validator
 
+from ..settings import MAX_CHOICES
 from .logprobs import MAX_TOP_LOGPROBS
 
 # --- requests ----------------------------------------------------------------------------------
@@ -130,7 +135,6 @@ _NEUTRAL: dict[str, tuple] = {
     "suffix": (None, ""),
     "store": (None, False),
 }
-MAX_CHOICES = 128  # OpenAI's limit on n (the engine's batch size may allow fewer)
 
 
 class _SamplingFields(_Strict):

@@ -6,7 +6,7 @@
 
     from ray import serve
     from rwkv_engine.serve.ray import build_app
-    from rwkv_engine.serve.server import Config, EngineConfig, ModelSpec
+    from rwkv_engine.settings import Config, EngineConfig, ModelSpec
     serve.run(build_app(Config(ModelSpec("out-q8"), EngineConfig(max_batch=8)), replicas=2), route_prefix="/")
 
 Serving: HTTP -> Ray Serve's proxy -> `Ingress` (one replica) -> `EngineReplica` x N.
@@ -58,9 +58,10 @@ from collections import defaultdict
 from dataclasses import replace
 
 from ..errors import InputError
+from ..settings import Config
 from . import protocol as p
 from .launch import print_banner, url
-from .server import Config, build
+from .server import build
 
 try:
     import ray
@@ -277,7 +278,7 @@ class EngineReplica:
     """One engine and the server's app; answers forwarded HTTP requests through that app."""
 
     def __init__(self, config: Config, board):
-        self.engine, self.app, self.settings = build(share_mapped_weights(config), progress=False)
+        self.engine, self.app = build(share_mapped_weights(config), progress=False)
         self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.board = board
@@ -508,9 +509,9 @@ class BatchWorker:
     def __init__(self, config: Config, concurrency: int):
         from ..batch import AppClient
 
-        self.engine, app, settings = build(share_mapped_weights(config), progress=False)
+        self.engine, app = build(share_mapped_weights(config), progress=False)
         self.engine.start()
-        self.client = AppClient(app, settings.model_name)
+        self.client = AppClient(app, config.model_name)
         self.concurrency = concurrency
 
     def __call__(self, block: dict) -> dict:

@@ -39,9 +39,9 @@ async def create_chat_completion(ctx: ServingContext, request: HTTPRequest):
     params = sampling_params(
         ctx,
         req,
-        ctx.chat_defaults,
+        ctx.config.defaults.sampling,
         req.token_limit,
-        ctx.settings.max_tokens_cap,
+        ctx.config.limits.max_tokens,
         extra_stop=(TURN_SEPARATOR,),
         max_tokens_field=req.token_limit_field,
     )
@@ -170,16 +170,14 @@ class ChatOutput:
         return p.ChatCompletionResponse(
             id=self.rid,
             created=self.when,
-            model=self.ctx.settings.model_name,
+            model=self.ctx.model_name,
             choices=choices,
             usage=usage([c.finished for c in got], self.n),
         )
 
     def chunk(self, choices: list[p.ChatChunkChoice], use: p.Usage | None = None) -> str:
         return sse(
-            p.ChatCompletionChunk(
-                id=self.rid, created=self.when, model=self.ctx.settings.model_name, choices=choices, usage=use
-            )
+            p.ChatCompletionChunk(id=self.rid, created=self.when, model=self.ctx.model_name, choices=choices, usage=use)
         )
 
     def opening(self) -> tuple[str, ...]:

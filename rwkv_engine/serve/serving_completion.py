@@ -26,7 +26,8 @@ def router(ctx: ServingContext) -> APIRouter:
 
 async def create_completion(ctx: ServingContext, request: HTTPRequest):
     req = await read_request(ctx, request, p.CompletionRequest)
-    params = sampling_params(ctx, req, ctx.completion_defaults, req.max_tokens, ctx.completion_max_tokens)
+    defaults = ctx.config.defaults
+    params = sampling_params(ctx, req, defaults.sampling, req.max_tokens, defaults.completion_max_tokens)
     prompts = [await prompt_ids(ctx, prompt) for prompt in req.prompt]
     state, state_key = await ctx.states.get(req.state)
     n = req.n or 1
@@ -75,7 +76,7 @@ class CompletionOutput:
 
     def response(self, choices: list[p.CompletionChoice], use: p.Usage | None = None) -> p.CompletionResponse:
         return p.CompletionResponse(
-            id=self.rid, created=self.when, model=self.ctx.settings.model_name, choices=choices, usage=use
+            id=self.rid, created=self.when, model=self.ctx.model_name, choices=choices, usage=use
         )
 
     def whole(self, got: list[Choice]) -> p.CompletionResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
+from ..tokenizer import EOS_TOKEN_ID
 from . import protocol as p
 from .context import ServingContext
 from .errors import APIError
@@ -14,7 +15,7 @@ from .security import quoted
 
 def router(ctx: ServingContext) -> APIRouter:
     r = APIRouter()
-    served = ctx.settings.model_name
+    served = ctx.model_name
 
     @r.get("/v1/models")
     async def list_models(request: HTTPRequest):
@@ -34,7 +35,7 @@ def router(ctx: ServingContext) -> APIRouter:
         req = await read_request(ctx, request, p.TokenizeRequest)
         ids = await encode_text(ctx, req.text, "content" if req.content is not None else "prompt")
         tokens = [_piece(ctx.tokenizer, t) for t in ids] if req.with_pieces else ids
-        return {"tokens": tokens, "count": len(ids), "max_model_len": ctx.settings.max_prompt_tokens}
+        return {"tokens": tokens, "count": len(ids), "max_model_len": ctx.config.limits.max_prompt_tokens}
 
     @r.get("/tokenizer_info")
     async def tokenizer_info(request: HTTPRequest):
@@ -47,9 +48,9 @@ def router(ctx: ServingContext) -> APIRouter:
             "eos_token": None,
             "bos_token": None,
             "pad_token": None,
-            "eos_token_id": ctx.eos_token_id,
+            "eos_token_id": EOS_TOKEN_ID,
             "vocab_size": ctx.model.config.vocab_size,
-            "model_max_length": ctx.settings.max_prompt_tokens,
+            "model_max_length": ctx.config.limits.max_prompt_tokens,
             "chat_template": None,
         }
 

@@ -65,7 +65,7 @@ def write_gguf(
     tokens: the vocabulary to store (default: the World one, cut to the model's rows)."""
     import gguf
 
-    from .gguf import world_token_texts
+    from ..loading.gguf import world_token_texts
 
     version = _version(sd)
     arch = arch or ("rwkv7" if version == "7" else "rwkv6")

@@ -19,8 +19,6 @@ from pathlib import Path
 
 import torch
 
-from .speculative import Drafter
-
 Tensor = torch.Tensor
 
 SUPPORTED_RANDOM_VERSIONS = ("4", "5.0", "5.1", "5.2", "6.0", "7")
@@ -239,7 +237,7 @@ def save_safetensors(sd: dict[str, Tensor], path: str | os.PathLike) -> Path:
 def to_hf(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     """Rename a BlinkDL RWKV-4/5/6 state dict to the transformers naming (values unchanged; RWKV-6
     keeps its time_maa_* names)."""
-    from .loading.names import hf_name
+    from ..loading.names import hf_name
 
     return {hf_name(k): v for k, v in sd.items()}
 
@@ -294,7 +292,7 @@ def to_fla(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     LoRA matrices become nn.Linear weights (transposed), w0/a0/v0 their biases; layer 0 has no
     v_lora; k_k, k_a and ffn.x_k are (C,).
     """
-    from .loading.names import FLA_LORA, fla_name
+    from ..loading.names import FLA_LORA, fla_name
 
     out = {}
     for k, v in sd.items():
@@ -390,46 +388,3 @@ def save_hf_dir(
     }
     (directory / f"{base}.{ext}.index.json").write_text(json.dumps(index, indent=2))
     return directory
-
-
-# --- comparing models -----------------------------------------------------------------------
-
-
-def rel_rms(a: Tensor, b: Tensor) -> float:
-    """RMS of a - b relative to the RMS of the reference b (in fp64)."""
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
-
-
-def greedy_tokens(model, prompt: list[int], n: int) -> list[int]:
-    """The model's own greedy continuation of `prompt`, n tokens."""
-    out: list[int] = []
-    logits, state = model.forward(prompt)
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits, state = model.forward(out[-1:], state)
-    return out
-
-
-def logits_along(model, prompt: list[int], steps: list[int]) -> Tensor:
-    """[len(prompt) + len(steps), vocab] logits: every prompt position in one forward, then one
-    decode step per token of `steps` (a quality comparison feeds two models the same tokens)."""
-    logits, state = model.forward(prompt, all_logits=True)
-    out = [logits]
-    for t in steps:
-        lg, state = model.forward([t], state)
-        out.append(lg[None])
-    return torch.cat(out)
-
-
-class KnownContinuation(Drafter):
-    """A speculative drafter that proposes `continuation`, the tokens known to follow `prompt`
-    (e.g. the target's own greedy output computed beforehand): every draft is accepted, the
-    upper bound of speculative decoding (tests, benchmarks/bench_speculative.py)."""
-
-    def __init__(self, prompt: list[int], continuation: list[int]):
-        self.n, self.continuation = len(prompt), continuation
-
-    def propose(self, context, k):
-        done = len(context) - self.n
-        return self.continuation[done : done + k], None

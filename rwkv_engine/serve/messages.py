@@ -1,0 +1,71 @@
+"""What goes into the serving engine (`Request`) and what comes out of it (`Prompt`, `Delta`,
+`Finished` events, in that order, to the request's sink; `QueueFull`, `EngineStopped` from
+`Engine.submit`). They know nothing of HTTP: serve/jobs.py turns them into API answers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import RWKVEngineError
+from ..sampling import SamplingParams
+from ..state import State
+from ..structured import Constraint
+from .logprobs import TokenLogprob
+
+
+@dataclass
+class Request:
+    """What to generate: a continuation of `prompt_ids` from `start_state` (None = fresh)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    start_state: State | None = None
+    start_key: str = ""  # names start_state in the prompt cache; "" is the fresh state
+    n: int = 1  # choices sampled from the one prefill
+    logprobs: int | None = None  # report each token's log-probability and this many alternatives
+    echo: bool = False  # send a Prompt event (with logprobs: the prompt's log-probabilities)
+    # A fresh grammar Constraint for each choice (default: from params.json_schema / json_object).
+    constraint: Callable[[], Constraint] | None = None
+    # Speculative decoding: "lookup", "draft", "off", or None for the engine's default. The output
+    # is the same either way; a request with logprobs decodes plainly.
+    speculative: str | None = None
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt of an echo request: log-probabilities of its tokens (the first has none), or
+    None when the request asked for no log-probabilities."""
+
+    logprobs: tuple[TokenLogprob, ...] | None
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    index: int = 0  # the choice
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) behind this piece, if asked for
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    message: str | None = None  # what went wrong, for "error"
+    index: int = 0  # the choice
+
+
+Sink = Callable[[object], None]
+
+
+class QueueFull(RWKVEngineError):
+    """Every batch slot is taken and `max_queue` requests already wait."""
+
+    retry_after = 1  # seconds
+
+
+class EngineStopped(RWKVEngineError):
+    """The engine is not running (not started yet, or shutting down)."""

@@ -24,10 +24,11 @@ With llama.cpp as the peer: a random RWKV-7 of a real shape (bench_engine.py's 0
 1.5B = 24 x 2048, vocab 65536) with heavy-tailed weights, stored in bf16 as real checkpoints are,
 is converted to GGUF by llama.cpp's own convert_hf_to_gguf.py and quantized by its own
 `llama-quantize` to Q4_K_M (bench_peers.py fetches and builds llama.cpp); that file is loaded by
-rwkv-engine in fp32 (its tensors dequantized as gguf.quants does), so the two sides differ only
-in the rounding of the weights. Beside it: our q8 and q4, and q4k: the same K-quant blocks from
-our own quantizer (rwkv_engine.quant.kquantize) under several policies, evaluated through the
-PyTorch fallback (each matrix dequantized to fp32). The table adds the MB of weights a decode
+rwkv-engine in fp32, its K-quant matrices run from their blocks by the K-quant module (as a
+user's GGUF runs), so the two sides differ only in the rounding of the weights. Beside it: our
+q8, q4, and q4k / q6k loaded as a user loads them (`-q q4k`: our blocks in the same module and
+kernels), and our quantizer under other policies through the PyTorch fallback (each matrix
+dequantized to fp32, activations not rounded). The table adds the MB of weights a decode
 step reads: every matrix and LoRA matrix at its stored type, not the embedding (one row a token),
 and the matrix output error: each block matrix's relative output error on the inputs the fp32
 model gives it, RMS over the matrices (the rounding itself, before its growth through the
@@ -258,7 +259,9 @@ def linear_inputs(model: nn.Module, prompt: list[int]) -> dict[str, torch.Tensor
         if isinstance(m, nn.Linear):
             hook = lambda _m, a, n=name: xs.__setitem__(n, a[0].reshape(-1, a[0].shape[-1]).detach().clone())  # noqa: E731
             hooks.append(m.register_forward_pre_hook(hook))
+    native, model.native_decode = model.native_decode, False  # (the fused native step calls no module)
     model.forward(prompt, all_logits=True)
+    model.native_decode = native
     for h in hooks:
         h.remove()
     return xs
@@ -339,6 +342,9 @@ def peer_llama(args) -> None:
     ref = testing.logits_along(fp32, prompt, steps)
     del fp32
 
+    def wanted(label: str) -> bool:
+        return not args.only or any(o in label for o in args.only.split(","))
+
     def row(label: str, model: nn.Module, nbytes: int, note: str = "") -> None:
         q = testing.logits_along(model, prompt, steps)
         agree = (q[-n - 1 :].argmax(-1) == ref[-n - 1 :].argmax(-1)).float().mean().item()
@@ -358,23 +364,25 @@ def peer_llama(args) -> None:
         ("llama.cpp Q4_K_M (llama-quantize)", ggufs["Q4_K_M"]),
         ("llama.cpp Q4_K_M, F16 embedding", f16_emb),
     ):
-        if args.only and args.only not in label:
+        if not wanted(label):
             continue
         nbytes, kinds = gguf_read_bytes(path)
         row(label, rwkv_engine.load(path, dtype="fp32", progress=False), nbytes, kinds)
-    for q in ("q8", "q4"):
-        if args.only and args.only not in f"rwkv-engine {q}":
+    for q in ("q8", "q4", "q4k", "q6k"):
+        if not wanted(f"rwkv-engine {q}"):
             continue
         model = rwkv_engine.load(ckpt, dtype="fp32", quantization=q, progress=False)
-        row(f"rwkv-engine {q}", model, model_read_bytes(model))
+        kinds = [getattr(m, "qtype", "") for m in model.modules()]
+        counts = ", ".join(f"{t} x{kinds.count(t)}" for t in K_TYPES if t in kinds)
+        row(f"rwkv-engine {q}", model, model_read_bytes(model), counts)
     for label, policy, col in (
         ("our quantizer, Q4_K_M's types, no column scales", Q4_K_M, False),
         ("our quantizer, Q4_K_M's types", Q4_K_M, True),
-        ("q4k (default policy)", "q4k", True),
+        ("q4k's policy, fallback", "q4k", True),
         ("q4k with q4's bytes", "q4k+", True),
         ("q6k", "q6k", True),
     ):
-        if args.only and args.only not in label:
+        if not wanted(label):
             continue
         model = rwkv_engine.load(ckpt, dtype="fp32", progress=False)
         if policy == "q4k+":  # the q4k policy with more bytes for its leading blocks: those q4 reads
@@ -399,7 +407,7 @@ def main() -> None:
     ap.add_argument("--shape", default="0.1B", choices=["0.1B", "0.4B", "1.5B"], help="--peer: model shape")
     ap.add_argument("--tokens", type=int, default=64, help="--peer: prompt tokens, and greedy steps after them")
     ap.add_argument("--by-type", action="store_true", help="--peer: also each K type's matrix error, both quantizers")
-    ap.add_argument("--only", help="--peer: only the rows whose label contains this")
+    ap.add_argument("--only", help="--peer: only the rows whose label contains one of these (comma-separated)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="--peer: llama-quantize threads")
     ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 2), help="--peer: llama.cpp build jobs")
     ap.add_argument("--workdir", default="/tmp/rwkv-engine-bench", help="--peer: checkpoint and GGUF files")

@@ -234,16 +234,19 @@ def llama_tree(cache: Path) -> Path:
     return tree
 
 
-def build_llama(tree: Path, jobs: int) -> Path:
-    """llama-bench and llama-quantize built in tree/build for this CPU (GGML_NATIVE); the directory
-    of the binaries. A build made on a CPU with other flags is thrown away and made anew."""
+def build_llama(tree: Path, jobs: int, targets: tuple[str, ...] = ("llama-bench", "llama-quantize")) -> Path:
+    """`targets` (llama-bench, llama-quantize, llama-server for bench_server.py --peer) built in
+    tree/build for this CPU (GGML_NATIVE); the directory of the binaries. A build made on a CPU
+    with other flags is thrown away and made anew; one configured without the server is
+    configured again (cmake keeps what it built)."""
     build = tree / "build"
     stamp = build / "rwkv-engine-cpu-flags.txt"
     flags = " ".join(cpu_summary(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")[1])
     if stamp.exists() and stamp.read_text() != flags:
         log_step("the llama.cpp build was made for another CPU: building it again ...")
         shutil.rmtree(build)
-    if not (build / "CMakeCache.txt").exists():
+    cache = build / "CMakeCache.txt"
+    if not cache.exists() or "LLAMA_BUILD_SERVER:BOOL=ON" not in cache.read_text():
         log_step(f"configuring llama.cpp in {build} ...")
         check_run(
             [
@@ -258,7 +261,8 @@ def build_llama(tree: Path, jobs: int) -> Path:
                 "-DBUILD_SHARED_LIBS=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF",
-                "-DLLAMA_BUILD_SERVER=OFF",
+                "-DLLAMA_BUILD_SERVER=ON",
+                "-DLLAMA_BUILD_UI=OFF",
                 "-DGGML_CUDA=OFF",
                 "-DGGML_VULKAN=OFF",
                 "-DGGML_METAL=OFF",
@@ -267,10 +271,10 @@ def build_llama(tree: Path, jobs: int) -> Path:
             log=tree / "cmake-configure.log",
         )
     bins = build / "bin"
-    if not ((bins / "llama-bench").exists() and (bins / "llama-quantize").exists()):
-        log_step(f"building llama-bench and llama-quantize with {jobs} jobs (many minutes on 2 cores) ...")
+    if not all((bins / t).exists() for t in targets):
+        log_step(f"building {', '.join(targets)} with {jobs} jobs (many minutes on 2 cores) ...")
     check_run(
-        ["cmake", "--build", build, "--target", "llama-bench", "llama-quantize", "-j", str(jobs)],
+        ["cmake", "--build", build, "--target", *targets, "-j", str(jobs)],
         "building llama.cpp",
         log=tree / "cmake-build.log",
     )

@@ -28,6 +28,33 @@ With --baseline DIR, a second server runs the rwkv_engine package of DIR (e.g. a
 of an older revision), and every round runs on both servers in turn, so the two columns of
 numbers come from the same minutes of the same machine.
 
+--workload mixed: a load shaped like real traffic, on the RWKV-7 checkpoint of the shape (the
+file bench_peers.py uses). For each concurrency c, c clients each send --requests-per-stream
+streamed /v1/completions requests one after another: prompts of 20-600 tokens (a log-normal
+from a fixed seed, median 150; the same lengths in every round, the same texts on every server
+of a round, a distinct text per request so no prompt cache helps), --tokens (default 100) output
+tokens at temperature 0, each stream running to its length (ignore_eos and min_tokens where the
+server takes them). Per round: output tok/s (all output tokens / the round's wall time, prefill
+included); "decode, all streams": the output tokens per second over the time when all c streams
+are between their first and last token (the rate of a full decode batch, new prompts being
+prefilled included: bench_server's aggregate decode); time to first token p50 / p99; and the
+inter-token latency p50 / p99 (the gaps between a stream's successive chunks, over all streams).
+For our server also the engine thread's seconds by phase (/metrics) and its mean decode batch.
+
+--peer rwkvserve / --peer llama-server (repeatable; implies --workload mixed): the same rounds
+on that server too, on the same weights and threads (benchmarks/server_peers.py says how each is
+installed, started and stopped), the servers taking turns in each round (the order reversed
+every other round; the servers not being measured are paused with SIGSTOP, so that an idle one
+takes no CPU from the one measured), and the ratio per column: how many times better rwkv-engine is
+(throughput ours / theirs, latency theirs / ours). With --quantization q8, llama-server runs
+Q8_0 (else F16 against our bf16); rwkvserve always runs --dtype.
+
+--workload resume: --repeats conversations of about --system-tokens tokens (RWKV-7 checkpoint)
+on a server with --state-store: each asked cold, then again (resumed from the in-memory prompt
+cache); the server is stopped, started again on the same directory, and each is asked once more
+(resumed from the files). Printed: the three times to first token, restart / warm (the target:
+at most 1.2x), the cached tokens and whether the three answers are the same (they must be).
+
 Machines are noisy and shared: compare numbers from the same run.
 """
 
@@ -35,7 +62,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
+import math
 import os
 import random
 import re
@@ -72,8 +101,11 @@ WORDS = [
 ]
 
 
-def start_server(ckpt: Path, args, log_path: Path, tree: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """The server on a free port, running the rwkv_engine package of `tree` (None: the installed one)."""
+def start_server(
+    ckpt: Path, args, log_path: Path, tree: Path | None = None, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """The server on a free port, running the rwkv_engine package of `tree` (None: the installed
+    one), with `extra` flags."""
     cmd = [
         sys.executable,
         "-c",
@@ -99,6 +131,9 @@ def start_server(ckpt: Path, args, log_path: Path, tree: Path | None = None) -> 
         "--max-prompt-tokens",
         "65536",
     ]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    cmd += extra
     log = open(log_path, "w")
     # `python -c` puts its working directory first on sys.path: the package of `tree` wins.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tree)
@@ -196,9 +231,9 @@ async def decode_round(url: str, c: int, tokens: int, salt: int) -> dict:
     }
 
 
-async def ttft_pair(url: str, system_tokens: int, salt: int, tokens: int) -> dict:
-    import httpx
-
+def conversation(system_tokens: int, salt: int, tokens: int) -> dict:
+    """A streamed chat request whose system prompt has about `system_tokens` tokens, a fresh text
+    for each salt (so its first request misses the cache), sampled with the salt as seed."""
     from rwkv_engine import WorldTokenizer
 
     rng = random.Random(salt)
@@ -207,7 +242,7 @@ async def ttft_pair(url: str, system_tokens: int, salt: int, tokens: int) -> dic
     while len(tok.encode(" ".join(words))) < system_tokens:
         words += [f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(64)]
     system = " ".join(words)
-    body = {
+    return {
         "model": MODEL,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Summarise the list."}],
         "max_tokens": tokens,
@@ -218,9 +253,19 @@ async def ttft_pair(url: str, system_tokens: int, salt: int, tokens: int) -> dic
         "top_k": 40,
         "seed": salt,
     }
+
+
+async def chat_once(url: str, body: dict) -> dict:
+    import httpx
+
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
-        cold = await stream(http, "/v1/chat/completions", body)
-        warm = await stream(http, "/v1/chat/completions", body)
+        return await stream(http, "/v1/chat/completions", body)
+
+
+async def ttft_pair(url: str, system_tokens: int, salt: int, tokens: int) -> dict:
+    body = conversation(system_tokens, salt, tokens)
+    cold = await chat_once(url, body)
+    warm = await chat_once(url, body)
     return {
         "prompt_tokens": cold["usage"]["prompt_tokens"],
         "cold_ttft": cold["first"] - cold["start"],
@@ -231,6 +276,359 @@ async def ttft_pair(url: str, system_tokens: int, salt: int, tokens: int) -> dic
     }
 
 
+# --- the mixed workload (--workload mixed, --peer) ------------------------------------------------
+
+
+def prompt_lengths(n: int, seed: int = 38, lo: int = 20, hi: int = 600, median: float = 150.0) -> list[int]:
+    """n prompt lengths in tokens from a log-normal (sigma 0.75) around `median`, clipped to [lo, hi]."""
+    rng = random.Random(seed)
+    return [min(hi, max(lo, round(rng.lognormvariate(math.log(median), 0.75)))) for _ in range(n)]
+
+
+def prompt_texts(tok, lengths: list[int], salt: str) -> list[str]:
+    """A text of exactly lengths[i] World tokens for each i, distinct from its first words on. A
+    cut at a token boundary re-encodes to the same tokens (the tokenizer matches greedily from the
+    left, and no match inside the text reaches past the cut)."""
+    rng = random.Random(salt)
+    out = []
+    for i, n in enumerate(lengths):
+        words = [f"Item {salt}-{i}:"]
+        ids = tok.encode(" ".join(words))
+        while len(ids) < n:
+            words += [f"{rng.choice(WORDS)}{rng.randrange(1000)}" for _ in range(64)]
+            ids = tok.encode(" ".join(words))
+        out.append(tok.decode(ids[:n]))
+    return out
+
+
+class StreamReader:
+    """The JSON objects of a streamed answer as its bytes arrive: server-sent events (`data: {...}`
+    lines and `data: [DONE]`) or bare JSON objects one after another (rwkvserve's stream)."""
+
+    def __init__(self):
+        self.buf = ""
+        self._decoder = json.JSONDecoder()
+
+    def feed(self, text: str) -> list[dict]:
+        self.buf += text
+        out = []
+        while True:
+            s = self.buf.lstrip()
+            if s.startswith("data:"):
+                s = s[5:].lstrip()
+            if s.startswith("[DONE]"):
+                self.buf = s[6:]
+                continue
+            self.buf = s
+            try:
+                obj, end = self._decoder.raw_decode(s)
+            except json.JSONDecodeError:
+                return out  # empty, or an object not complete yet
+            out.append(obj)
+            self.buf = s[end:]
+
+
+def chunk_text(choice: dict) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def timed_stream(http, body: dict) -> dict:
+    """One streamed completion: start, the arrival time of every chunk that carries a token, end,
+    and the output tokens (the usage's count where the server reports it, else llama-server's
+    timings, else one per chunk: rwkvserve sends every token in a chunk of its own)."""
+    reader = StreamReader()
+    times: list[float] = []
+    usage = timings = None
+    t0 = time.perf_counter()
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:500]!r}")
+        async for text in r.aiter_text():
+            now = time.perf_counter()
+            for obj in reader.feed(text):
+                if "error" in obj:
+                    raise RuntimeError(f"the server sent an error: {json.dumps(obj)[:500]}")
+                usage = obj.get("usage") or usage
+                timings = obj.get("timings") or timings
+                for c in obj.get("choices") or ():
+                    if c.get("finish_reason") is None or chunk_text(c):
+                        times.append(now)
+    if reader.buf.strip():
+        raise RuntimeError(f"the stream ended in something that is not JSON: {reader.buf[:200]!r}")
+    if usage:
+        tokens = usage["completion_tokens"]
+    elif timings and "predicted_n" in timings:
+        tokens = timings["predicted_n"]
+    else:
+        tokens = len(times)
+    return {"start": t0, "times": times, "end": time.perf_counter(), "tokens": tokens}
+
+
+async def mixed_round(url: str, bodies: list[dict], c: int) -> list[dict]:
+    """The requests sent by c clients, each taking the next body once its last answer ended."""
+    import httpx
+
+    results: list[dict | None] = [None] * len(bodies)
+    order = iter(range(len(bodies)))
+
+    async def client(http):
+        for i in order:
+            results[i] = await timed_stream(http, bodies[i])
+
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(c)))
+    return results
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100) of xs, interpolated between ranks; nan for no values."""
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = math.floor(k)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+
+def all_decoding_rate(results: list[dict], c: int) -> float:
+    """Output tokens per second over the spans when c requests are between their first and last
+    token chunk at once; nan when that never happens. A chunk after a request's first carries
+    (tokens - 1) / (chunks - 1) of its tokens."""
+    edges = sorted(
+        [(r["times"][0], 1) for r in results if r["times"]] + [(r["times"][-1], -1) for r in results if r["times"]]
+    )
+    starts, ends, active, since = [], [], 0, 0.0
+    for t, step in edges:
+        if active == c and t > since:
+            starts.append(since)
+            ends.append(t)
+        active += step
+        since = t
+    span = sum(b - a for a, b in zip(starts, ends))
+    if span <= 0:
+        return math.nan
+    tokens = 0.0
+    for r in results:
+        times = r["times"]
+        if len(times) < 2:
+            continue
+        each = (r["tokens"] - 1) / (len(times) - 1)
+        for t in times[1:]:
+            i = bisect.bisect_left(starts, t) - 1  # the span (start, end] the chunk arrived in
+            if i >= 0 and t <= ends[i]:
+                tokens += each
+    return tokens / span
+
+
+def summarize_round(results: list[dict], c: int) -> dict:
+    first = [r["times"][0] - r["start"] for r in results if r["times"]]
+    gaps = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "c": c,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "all_decoding_tok_s": all_decoding_rate(results, c),
+        "ttft_p50_ms": 1e3 * percentile(first, 50),
+        "ttft_p99_ms": 1e3 * percentile(first, 99),
+        "itl_p50_ms": 1e3 * percentile(gaps, 50),
+        "itl_p99_ms": 1e3 * percentile(gaps, 99),
+    }
+
+
+ENGINE_PHASES = ("prefill", "forward", "sample", "stream")
+
+
+def engine_counters(url: str) -> dict:
+    """Our server's engine seconds by phase and decode step counts, from /metrics."""
+    names = {ph: f'rwkv_engine_engine_seconds_total{{phase="{ph}"}}' for ph in ENGINE_PHASES}
+    names |= {"steps": "rwkv_engine_decode_steps_total", "rows": "rwkv_engine_decode_rows_total"}
+    return {k: metric(url, n) for k, n in names.items()}
+
+
+# (column, key, higher is better, format)
+MIXED_COLUMNS = (
+    ("output tok/s", "output_tok_s", True, ".1f"),
+    ("decode tok/s, all streams", "all_decoding_tok_s", True, ".1f"),
+    ("TTFT p50 ms", "ttft_p50_ms", False, ".0f"),
+    ("TTFT p99 ms", "ttft_p99_ms", False, ".0f"),
+    ("ITL p50 ms", "itl_p50_ms", False, ".0f"),
+    ("ITL p99 ms", "itl_p99_ms", False, ".0f"),
+)
+
+
+def span(values: list[float], spec: str) -> str:
+    """A cell: the value, or "lo-hi" over rounds; "-" for no number."""
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "-"
+    lo, hi = format(min(values), spec), format(max(values), spec)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def mixed_table(rounds: dict[str, list[dict]], concurrency: list[int]) -> str:
+    """Markdown: a row per server and concurrency (ranges over rounds), then per peer the ratios
+    of the medians, oriented so that > 1 means rwkv-engine is better."""
+    names = list(rounds)
+    head = "| streams | server | " + " | ".join(col for col, *_ in MIXED_COLUMNS) + " |"
+    lines = [head, "|---" * (2 + len(MIXED_COLUMNS)) + "|"]
+    for c in concurrency:
+        by = {n: [r for r in rounds[n] if r["c"] == c] for n in names}
+        for n in names:
+            cells = [span([r[key] for r in by[n]], spec) for _, key, _, spec in MIXED_COLUMNS]
+            lines.append(f"| {c} | {n} | " + " | ".join(cells) + " |")
+        ours = by[names[0]]
+        for n in names[1:]:
+            cells = []
+            for _, key, higher, _ in MIXED_COLUMNS:
+                a = statistics.median([r[key] for r in ours]) if ours else math.nan
+                b = statistics.median([r[key] for r in by[n]]) if by[n] else math.nan
+                x = (a / b if higher else b / a) if a > 0 and b > 0 else math.nan
+                cells.append("-" if math.isnan(x) else f"{x:.2f}x")
+            lines.append(f"| {c} | x vs {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_mixed(args, work: Path) -> None:
+    from bench_peers import cpu_summary, our_version
+    from server_peers import Served, ours_body, start_llama_server, start_rwkvserve
+
+    from rwkv_engine import WorldTokenizer
+
+    ckpt = work / f"rwkv7-{args.shape}-bf16.pth"
+    make_checkpoint(ckpt, "7", args.shape)
+    model = converted_dir(work, ckpt, args.quantization, args.dtype) if args.quantization else ckpt
+    top = max(args.concurrency)
+    servers: list[Served] = []
+    try:
+        t0 = time.perf_counter()
+        trees = {"rwkv-engine": None} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
+        for i, (name, tree) in enumerate(trees.items()):
+            log = work / f"bench_server-mixed{i or ''}.log"
+            proc, url = start_server(model, args, log, tree)
+            servers.append(Served(name, proc, url, log, ours_body))
+        for peer in args.peer:
+            if peer == "rwkvserve":
+                servers.append(start_rwkvserve(work, ckpt, Path(args.cache), args.dtype, top, args.threads))
+            else:
+                llama_type = "Q8_0" if args.quantization == "q8" else "F16"
+                ctx = 1024 * (1 + (600 + args.tokens) // 1024)
+                servers.append(
+                    start_llama_server(work, ckpt, Path(args.cache), llama_type, top, args.threads, args.jobs, ctx)
+                )
+        print(f"servers up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        tok = WorldTokenizer()
+        for s in servers:  # warm-up: a short request each
+            asyncio.run(mixed_round(s.url, [s.body("Warm up.", 4)], 1))
+            s.pause(True)
+        rounds: dict[str, list[dict]] = {s.name: [] for s in servers}
+        counters: list[tuple[int, dict, float]] = []  # ours: (c, engine seconds by phase, wall)
+        for rnd in range(args.rounds):
+            for c in args.concurrency:
+                n = max(c * args.requests_per_stream, args.min_requests)
+                texts = prompt_texts(tok, prompt_lengths(n), salt=f"{rnd}.{c}")
+                for s in servers if rnd % 2 == 0 else servers[::-1]:
+                    for other in servers:  # only the server measured runs (see Served.pause)
+                        other.pause(other is not s)
+                    before = engine_counters(s.url) if s.name == "rwkv-engine" else None
+                    got = summarize_round(
+                        asyncio.run(mixed_round(s.url, [s.body(t, args.tokens) for t in texts], c)), c
+                    )
+                    rounds[s.name].append(got)
+                    if before is not None:
+                        after = engine_counters(s.url)
+                        counters.append((c, {k: after[k] - before[k] for k in after}, got["wall_s"]))
+                    print(s.name, json.dumps(got), file=sys.stderr, flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+
+    L, C, V = SHAPES[args.shape]
+    model_name, isa = cpu_summary(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")
+    print(
+        f"\nCPU: {model_name}; ISA: {' '.join(isa) or '?'}; {args.threads or os.cpu_count()} threads; "
+        f"rwkv-engine {our_version()}\n"
+        f"RWKV-7 {args.shape} shape ({L} x {C}, vocab {V}), random weights, rwkv-engine {args.dtype} "
+        f"(quantization {args.quantization or 'none'}), --max-batch {top}, --prefill-chunk {args.prefill_chunk}; "
+        f"streaming /v1/completions, prompts 20-600 tokens (log-normal, median 150), {args.tokens} output tokens, "
+        f"temperature 0; {args.rounds} round(s), servers alternating; x = times better for rwkv-engine\n"
+    )
+    for s in servers:
+        for note in s.notes:
+            print(f"* {note}")
+    print()
+    print(mixed_table(rounds, args.concurrency))
+    if counters:
+        print("\nrwkv-engine engine thread, by round: seconds by phase / wall, mean decode batch")
+        for c, d, wall in counters:
+            phases = ", ".join(f"{ph} {d[ph]:.1f}" for ph in ENGINE_PHASES)
+            batch = d["rows"] / d["steps"] if d["steps"] else 0.0
+            print(f"  {c} streams: {phases} of {wall:.1f} s; mean batch {batch:.1f} over {d['steps']:.0f} steps")
+
+
+# --- a conversation resumed after a restart (--workload resume) -------------------------------------
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(60)
+
+
+def run_resume(args, work: Path) -> None:
+    """Conversations of about --system-tokens tokens on a server with --state-store: each asked
+    cold and again (the in-memory prompt cache); then the server is stopped and started again on
+    the same directory and each is asked once more (the state store). Target: the restarted
+    server's first token within 1.2x the warm in-memory time."""
+    import shutil
+
+    ckpt = work / f"rwkv7-{args.shape}-bf16.pth"
+    make_checkpoint(ckpt, "7", args.shape)
+    model = converted_dir(work, ckpt, args.quantization, args.dtype) if args.quantization else ckpt
+    store = work / "bench_server-state-store"
+    shutil.rmtree(store, ignore_errors=True)
+    flags = ("--state-store", str(store))
+    bodies = [conversation(args.system_tokens, 2000 + k, 8) for k in range(args.repeats)]
+    runs: list[dict] = []
+    for phase, log in (("first", "bench_server-resume.log"), ("restarted", "bench_server-resume2.log")):
+        proc, url = start_server(model, args, work / log, extra=flags)
+        try:
+            asyncio.run(decode_round(url, 1, 4, salt=-1))  # warm-up
+            for k, body in enumerate(bodies):
+                if phase == "first":
+                    runs.append({"cold": asyncio.run(chat_once(url, body)), "warm": asyncio.run(chat_once(url, body))})
+                else:
+                    runs[k]["restored"] = asyncio.run(chat_once(url, body))
+                    hits = metric(url, "rwkv_engine_state_store_hits_total")
+                    print(f"conversation {k}: state store hits so far {hits:.0f}", file=sys.stderr, flush=True)
+        finally:
+            stop_server(proc)
+
+    L, C, V = SHAPES[args.shape]
+    print(
+        f"\nrwkv-engine serve --state-store, RWKV-7 {args.shape} shape ({L} x {C}, vocab {V}), {args.dtype} "
+        f"(quantization {args.quantization or 'none'}), --prefill-chunk {args.prefill_chunk}, "
+        f"{args.threads or os.cpu_count()} threads\n"
+    )
+    print(
+        "| conversation tokens | TTFT cold ms | TTFT warm (memory) ms | TTFT after a restart (store) ms "
+        "| restart / warm (target <= 1.2) | cached tokens warm / restart | same answer |"
+    )
+    print("|---" * 7 + "|")
+    ttft = lambda r: 1e3 * (r["first"] - r["start"])  # noqa: E731
+    cached = lambda r: r["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    for r in runs:
+        cold, warm, restored = r["cold"], r["warm"], r["restored"]
+        same = cold["text"] == warm["text"] == restored["text"]
+        print(
+            f"| {cold['usage']['prompt_tokens']} | {ttft(cold):.0f} | {ttft(warm):.0f} | {ttft(restored):.0f} "
+            f"| {ttft(restored) / ttft(warm):.2f}x | {cached(warm)} / {cached(restored)} | {'yes' if same else 'NO'} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1.5B", choices=sorted(SHAPES), help="model shape (default: %(default)s)")
@@ -238,8 +636,39 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"], help="server weight dtype")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quantization", default=None, help="serve a converted copy with this scheme (e.g. q8)")
-    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated stream counts (default: %(default)s)")
-    ap.add_argument("--tokens", type=int, default=32, help="tokens per decode stream (default: %(default)s)")
+    ap.add_argument(
+        "--concurrency", default=None, help="comma-separated stream counts (default: 1,4,16; mixed: 1,4,16,64)"
+    )
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per stream (default: 32; mixed: 100)")
+    ap.add_argument(
+        "--workload",
+        default="decode",
+        choices=["decode", "mixed", "resume"],
+        help="decode: the rounds and TTFT pairs above; mixed: the variable-length load; resume: conversations "
+        "resumed after a restart from --state-store (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        choices=["rwkvserve", "llama-server"],
+        help="also run the mixed load on this server (repeatable; implies --workload mixed)",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="mixed: rounds of every concurrency (default: %(default)s)")
+    ap.add_argument(
+        "--requests-per-stream", type=int, default=2, help="mixed: requests each client sends (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--min-requests", type=int, default=8, help="mixed: at least this many requests a round (default: %(default)s)"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads of every server (default: one per core)")
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rwkv-engine-bench",
+        help="where the peers are installed and built (bench_peers.py's; default: %(default)s)",
+    )
+    ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 2), help="llama.cpp build jobs")
     ap.add_argument(
         "--system-tokens", type=int, default=2048, help="system prompt length, about (default: %(default)s)"
     )
@@ -256,12 +685,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.small:
         args.shape = "0.1B"
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.peer:
+        args.workload = "mixed"
+    mixed = args.workload == "mixed"
+    args.concurrency = [int(c) for c in (args.concurrency or ("1,4,16,64" if mixed else "1,4,16")).split(",")]
+    args.tokens = args.tokens or (100 if mixed else 32)
     if args.baseline is not None and not (args.baseline / "rwkv_engine" / "__init__.py").is_file():
         raise SystemExit(f"--baseline: no rwkv_engine package in {args.baseline}")
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    if mixed:
+        run_mixed(args, work)
+        return
+    if args.workload == "resume":
+        run_resume(args, work)
+        return
     ckpt = work / f"rwkv5.2-{args.shape}-bf16.pth"
     make_checkpoint(ckpt, "5.2", args.shape)
     if args.quantization:

@@ -3,6 +3,7 @@
     import rwkv_engine
     model = rwkv_engine.load("model.pth", dtype="bf16")
     logits, state = model.forward([1, 2, 3])
+    vectors = rwkv_engine.embed(model, ["some text", "another"])   # [2, D]: docs/models.md
 
 Names are imported lazily so that `rwkv-engine --help` and small tools start fast.
 """
@@ -31,6 +32,9 @@ _EXPORTS = {
     "IncrementalDetokenizer": "rwkv_engine.tokenizer",
     "SamplingParams": "rwkv_engine.sampling",
     "generate": "rwkv_engine.generation",
+    "embed": "rwkv_engine.embedding",
+    "load_reranker": "rwkv_engine.embedding",
+    "Reranker": "rwkv_engine.embedding",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

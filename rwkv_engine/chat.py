@@ -20,6 +20,16 @@ The conversation is the World chat format (docs/formats.md D), fed to the model 
 
 Sampling defaults are `sampling.CHAT` (ChatRWKV's chat demo); at most 500 tokens a reply.
 The terminal front end is rwkv_engine/cli/chat.py; tests and other front ends drive `ChatSession` directly.
+
+Other chat templates (rwkv_engine/templates; `g1` for RWKV-7 G1 models) render the system text
+and each message the same way, one turn at a time: "System: TEXT\n\n" (no default preamble
+but World's), then the template's turn for each message with its generation prompt. With `g1`
+the generation prompt chooses thinking (`think`: off, on, bit, lot -> "Assistant: <think></think"
+or "Assistant: <think", with " think a bit" / " think a lot" after the message). A reply's
+thought is yielded as `Thought` pieces (str), its answer as plain str. Unlike the server, which
+renders the history anew for every request (without old thoughts, as the template says), the
+conversation keeps what the model read and wrote, thoughts included: its state is never
+recomputed, and `conversation_ids()` still equals one prefill of the whole conversation.
 """
 
 from __future__ import annotations
@@ -37,13 +47,16 @@ from pathlib import Path
 
 import torch
 
-from .chat_format import TURN_SEPARATOR, ReplyText, render_chat
+from .chat_format import TURN_SEPARATOR
 from .chat_format import normalize_text as normalize_message
+from .config import ModelConfig
 from .errors import InputError, RWKVEngineError, StateError
 from .generation import GenerationStats, generate
+from .reasoning import ReasoningSplitter, reply_start
 from .sampling import SamplingParams
 from .sampling_params import CHAT_SESSION
 from .speculative import DEFAULT_MAX_DRAFT
+from .templates import ChatTemplate, builtin, check
 from .tokenizer import EOS_TOKEN_ID
 
 DEFAULT_SYSTEM = (
@@ -76,16 +89,32 @@ SETTABLE = {
 }
 
 
-def system_preamble(system: str | None) -> str:
-    """The text before the first turn: the default exchange, "System: ...\\n\\n", or nothing."""
+# /think modes -> the template's keyword arguments (the same mapping as the server's reasoning_effort)
+THINK = {"off": "none", "on": "medium", "bit": "low", "lot": "high"}
+
+
+def system_preamble(system: str | None, template: ChatTemplate | None = None) -> str:
+    """The text before the first turn: the default exchange (World's), the template's system
+    turn ("System: ...\\n\\n"), or nothing."""
+    template = template or builtin("world")
     if system is None:
-        return DEFAULT_SYSTEM
-    system = normalize_message(system)
-    return f"System: {system}{TURN_SEPARATOR}" if system else ""
+        return DEFAULT_SYSTEM if template.name == "world" else ""
+    if not normalize_message(system):
+        return ""
+    return template.render([{"role": "system", "content": system}], add_generation_prompt=False)
 
 
-def turn_prompt(message: str) -> str:
-    return render_chat([("user", message)])
+def turn_prompt(message: str, template: ChatTemplate | None = None, think: str = "off") -> str:
+    """One message and the generation prompt after it, as the template renders them."""
+    effort = THINK[think]
+    thinking = effort != "none"
+    return (template or builtin("world")).render(
+        [{"role": "user", "content": message}], thinking=thinking, enable_thinking=thinking, reasoning_effort=effort
+    )
+
+
+class Thought(str):
+    """A piece of a reply's thought (the rest of a reply's pieces are plain str)."""
 
 
 def plural(n: int, word: str) -> str:
@@ -127,15 +156,19 @@ class ChatSession:
         stateless: bool = False,
         speculative=None,
         max_draft: int = DEFAULT_MAX_DRAFT,
+        template: ChatTemplate | None = None,
+        think: str = "off",
     ):
         self.model = model
+        self.template = template or builtin("world")
+        self.think = think
         # generate()'s speculative decoding for every reply ("lookup", "draft", a Drafter; None: off)
         self.speculative, self.max_draft = speculative, max_draft
         self.tokenizer = tokenizer
         self.params = chat_params(params if params is not None else SamplingParams(**DEFAULTS))
         self.stateless = stateless
         self.last_stats: GenerationStats | None = None
-        self.system = system_preamble(system)
+        self.system = system_preamble(system, self.template)
         self.system_ids = tokenizer.encode(self.system) if self.system else []
         if self.system_ids:
             _, self.system_state = model.forward(self.system_ids)
@@ -169,7 +202,8 @@ class ChatSession:
         return self._reply(self.turns[-1].user, self._regen_state, replace=True)
 
     def _reply(self, message: str, before, replace: bool = False) -> Iterator[str]:
-        prompt_ids = self.tokenizer.encode(turn_prompt(message))
+        prompt = turn_prompt(message, self.template, self.think)
+        prompt_ids = self.tokenizer.encode(prompt)
         gen = generate(
             self.model,
             self.tokenizer,
@@ -180,12 +214,11 @@ class ChatSession:
             speculative=self.speculative,
             max_draft=self.max_draft,
         )
-        reply_text = ReplyText()
+        split = ReasoningSplitter(reply_start(prompt, self.template.thinks))
         try:
             for chunk in gen:
-                chunk = reply_text(chunk)
-                if chunk:
-                    yield chunk
+                yield from _pieces(split.push(chunk))
+            yield from _pieces(split.finish())
         finally:
             self._close_turn(message, before, prompt_ids, gen, replace)
 
@@ -238,6 +271,11 @@ class ChatSession:
         if "seed" in changes:
             self._seed(self.params.seed)
 
+    def set_think(self, mode: str) -> None:
+        if mode not in THINK:
+            raise InputError(f"/think takes one of {', '.join(THINK)}; got {mode!r}")
+        self.think = mode
+
     def settings(self) -> str:
         p = self.params
         return " ".join(f"{f}={getattr(p, f)}" for f in dict.fromkeys(SETTABLE.values()))
@@ -269,6 +307,14 @@ class ChatSession:
     def _model_config(self) -> dict:
         return dataclasses.asdict(self.model.config)
 
+    def _saved_with_this_model(self, saved: dict) -> bool:
+        """Whether a session's saved model config is this model's: compared as ModelConfigs, so
+        a field added since it was saved takes its default and JSON's lists are tuples again."""
+        try:
+            return ModelConfig(**saved) == self.model.config
+        except (TypeError, RWKVEngineError):  # unknown fields, impossible values
+            return False
+
     def save(self, path: str | os.PathLike) -> Path:
         """Write the session as one zip file: session.json plus the states (safetensors)."""
         path = Path(path)
@@ -280,6 +326,9 @@ class ChatSession:
             "system": self.system,
             "system_ids": self.system_ids,
             "stateless": self.stateless,
+            # the conversation's format: a resumed session renders its next turns as these did
+            "template": {"name": self.template.name, "source": self.template.source, "text": self.template.text},
+            "think": self.think,
             "params": params,
             "turns": [dataclasses.asdict(t) for t in self.turns],
             "generator": base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii"),
@@ -318,7 +367,7 @@ class ChatSession:
                     raise bad
                 _check_session(meta, path, self.model.config.vocab_size)
                 saved = meta["model"]["config"]
-                if saved != self._model_config():
+                if not self._saved_with_this_model(saved):
                     raise StateError(
                         f"{path}: the session was saved with another model "
                         f"({meta['model'].get('name') or 'unknown'}: {saved})"
@@ -343,6 +392,7 @@ class ChatSession:
                 turns = [Turn(**t) for t in meta["turns"]]
                 system, system_ids, stateless = str(meta["system"]), list(meta["system_ids"]), bool(meta["stateless"])
                 rng = torch.frombuffer(bytearray(base64.b64decode(meta["generator"])), dtype=torch.uint8)
+                template, think = _saved_template(meta, path, self.template, self.think)
                 if "state" not in states or "system_state" not in states:
                     raise bad
         except (
@@ -362,12 +412,31 @@ class ChatSession:
             raise bad from None
         self.system, self.system_ids, self.system_state = system, system_ids, states["system_state"]
         self.stateless, self.params, self.turns = stateless, params, turns
+        self.template, self.think = template, think
         self.state, self._regen_state = states["state"], states.get("regen_state")
         self.last_stats = None
         try:
             self.generator.set_state(rng)
         except RuntimeError:  # saved on another kind of device: keep going with a fresh seed
             self._seed(self.params.seed)
+
+
+def _saved_template(meta: dict, path: Path, template: ChatTemplate, think: str) -> tuple[ChatTemplate, str]:
+    """The chat template and /think mode a session was saved with (files written before they
+    were recorded: the current ones). The template's text is checked as a template file is."""
+    saved = meta.get("template")
+    if saved is not None:
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k), str) for k in ("name", "source", "text")):
+            raise StateError(f"{path}: session.json: template is not a name, source and text")
+        template = ChatTemplate(saved["name"], saved["text"], saved["source"])
+        try:
+            check(template)
+        except InputError as e:
+            raise StateError(f"{path}: session.json: {e}") from None
+    think = meta.get("think", think)
+    if think not in THINK:
+        raise StateError(f"{path}: session.json: think is not one of {', '.join(THINK)}")
+    return template, think
 
 
 def _check_session(meta: dict, path: Path, vocab_size: int) -> None:
@@ -398,6 +467,11 @@ def _check_session(meta: dict, path: Path, vocab_size: int) -> None:
             f"turn {i + 1}: user, reply and finish_reason must be text",
         )
         need(ids(t["prompt_ids"]) and ids(t["reply_ids"]), f"turn {i + 1}: its ids are not token ids of this model")
+
+
+def _pieces(parts) -> Iterator[str]:
+    for kind, text in parts:
+        yield Thought(text) if kind == "reasoning" else text
 
 
 def _parse_value(field: str, text: str):

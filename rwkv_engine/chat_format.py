@@ -1,24 +1,24 @@
-"""The World chat format: a list of chat messages -> the text a World model continues.
+"""The World chat format in Python: a list of chat messages -> the text a World model continues.
 
     System: {system}\n\nUser: {message}\n\nAssistant: {reply}\n\nUser: {message}\n\nAssistant:
 
 (docs/formats.md D.) Every message becomes "{Role}: {text}\n\n" ("{Role}:\n\n" when its text
 is empty) with the roles System (also for OpenAI's "developer"), User, Assistant and Tool (a
 tool's result; how tools and calls are written is rwkv_engine/tool_calls.py); the prompt ends
-with "Assistant:" and no space: the model answers with a leading space, which `ReplyText`
-removes from what the client sees. "\n\n" separates turns, so message text is normalised never
-to contain it: CRLF -> LF, stripped, runs of newlines folded into one (as ChatRWKV's API demos
-do). A reply ends at "\n\n".
+with "Assistant:" and no space: the model answers with a leading space, which the server and the
+chat remove from what the user sees (reasoning.py, "plain" replies). "\n\n" separates turns, so
+message text is normalised never to contain it: CRLF -> LF, stripped, runs of newlines folded
+into one (as ChatRWKV's API demos do). A reply ends at "\n\n".
 
 An assistant message of the history is rendered as "Assistant: {content}", which puts back the
 space the server stripped: the history then reads exactly as the model wrote it, so a
 conversation's next prompt starts with the previous prompt plus the reply, and the prompt-state
 cache can resume it.
 
-This module knows nothing of HTTP, the terminal or the engine: the server's chat route
-(rwkv_engine/serve/serving_chat.py), its Ray router (serve/ray.py, which keys requests by their
-rendered prompt) and the chat session behind `rwkv-engine chat` (rwkv_engine/chat.py) all
-render with it.
+The server, its Ray router and the chat CLI render conversations with chat templates
+(rwkv_engine/templates), whose built-in `world` renders exactly this; `render_chat` stays as the
+World format's short form for what needs no template (tests). TURN_SEPARATOR, the end of every
+turn and reply, is shared by both. This module knows nothing of HTTP, the terminal or the engine.
 """
 
 from __future__ import annotations
@@ -54,16 +54,3 @@ def render_chat(messages: Iterable[tuple[str, str]]) -> str:
         parts.append(f"{name}: {text}{TURN_SEPARATOR}" if text else f"{name}:{TURN_SEPARATOR}")
     parts.append("Assistant:")
     return "".join(parts)
-
-
-class ReplyText:
-    """Removes the one space a World model puts after "Assistant:" from the start of a streamed reply."""
-
-    def __init__(self) -> None:
-        self._started = False
-
-    def __call__(self, delta: str) -> str:
-        if self._started or not delta:
-            return delta
-        self._started = True
-        return delta[1:] if delta.startswith(" ") else delta

@@ -8,6 +8,10 @@ from .errors import CheckpointError
 
 VERSIONS = ("4", "5.0", "5.1", "5.2", "6.0", "7")
 
+# EmbeddingRWKV's task heads (models/heads.py TaskHead): retrieval (its default), classification,
+# semantic similarity.
+TASKS = ("retr", "cls", "sts")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -30,6 +34,13 @@ class ModelConfig:
     lora_gate:  RWKV-7 output gate (g1 / g2)
     deep_embed: RWKV-7a (DeepEmbed): each block's channel mix scales its key activations by a
                 per-token factor read from a vocab x 1024 table (models/rwkv7.py ChannelMix7a)
+
+    The heads on the final hidden state (at least one; models/heads.py):
+    lm_head:    the language-model head (head.weight, C -> V); absent in EmbeddingRWKV files
+    task_heads: EmbeddingRWKV's task heads present, a subset of TASKS ("retr", "cls", "sts")
+    task_dim:   their hidden width (the rows of fc1; C in the released models)
+    score_head: a reranker's scoring head (C -> C -> 1); its "model" is the few blocks it
+                runs on an embedder's states (embedding.Reranker)
     """
 
     version: str
@@ -46,8 +57,21 @@ class ModelConfig:
     lora_value: int = 0
     lora_gate: int = 0
     deep_embed: bool = False
+    lm_head: bool = True
+    task_heads: tuple[str, ...] = ()
+    task_dim: int = 0
+    score_head: bool = False
 
     def __post_init__(self):
+        # (a converted directory's config.json gives a list)
+        object.__setattr__(self, "task_heads", tuple(sorted(self.task_heads)))
+        unknown = [t for t in self.task_heads if t not in TASKS]
+        if unknown:
+            raise CheckpointError(f"model config: unknown task head {unknown[0]!r} (known: {', '.join(TASKS)})")
+        if self.task_heads and self.task_dim <= 0:
+            raise CheckpointError(f"model config: task heads need task_dim > 0, got {self.task_dim}")
+        if not (self.lm_head or self.task_heads or self.score_head):
+            raise CheckpointError("model config: a model needs a head (an LM head, a task head or a score head)")
         if self.version not in VERSIONS:
             raise CheckpointError(f"unsupported RWKV version {self.version!r} (supported: {', '.join(VERSIONS)})")
         for name in ("n_layer", "n_embd", "vocab_size", "ffn_dim", "dim_att"):

@@ -20,6 +20,11 @@ How each request type runs on an RNN:
   state carried, so memory stays bounded for any length (`scoring.sequence_nll`, as `perplexity`).
 * generate_until: the requests run through the serving engine (`serve.engine.Engine`), decoded
   together in batches of `batch_size`; greedy unless the task asks for sampling.
+
+Chat templates (`rwkv-engine eval --chat-template NAME|FILE`, lm_eval's `apply_chat_template`):
+`chat_template=` a `templates.ChatTemplate`; lm_eval then renders each few-shot history with it
+(thinking off: a G1 model answers at once), and a generated answer is what follows the
+template's generation prompt, less the ">" that closes G1's "<think></think" and any thought.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class RWKVEngineLM(TemplateLM):
         dtype: str | None = None,
         quantization: str | None = None,
         device: str = "cpu",
+        chat_template=None,
         **_ignored,
     ):
         super().__init__()
@@ -81,6 +87,33 @@ class RWKVEngineLM(TemplateLM):
         self.batch_size = int(batch_size)
         if self.batch_size < 1:
             raise InputError(f"batch_size must be at least 1, got {batch_size!r}")
+        if isinstance(chat_template, str):  # (model_args="...,chat_template=g1")
+            from .templates import resolve
+
+            chat_template = resolve(
+                chat_template, getattr(model, "path", None) and str(model.path), model.config.version
+            )
+        self.template = chat_template
+
+    # --- chat templates (lm_eval's apply_chat_template) -------------------------------------------
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.template.text if self.template is not None else ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.template is None:
+            raise InputError("apply_chat_template needs a chat template (rwkv-engine eval --chat-template NAME|FILE)")
+        return self.template.render(
+            chat_history, add_generation_prompt=add_generation_prompt, thinking=False, enable_thinking=False
+        )
+
+    def _answer(self, context: str, text: str) -> str:
+        """A generated text as the task reads it: with a chat template, the answer after any thought."""
+        if self.template is None:
+            return text
+        from .reasoning import reply_start, split
+
+        return split(text, reply_start(context, self.template.thinks))[1]
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
@@ -175,7 +208,7 @@ class RWKVEngineLM(TemplateLM):
         failed = [e for e in ends if e is None or e.reason in ("error", "cancelled")]
         if failed:
             raise RuntimeError(f"generation failed: {failed[0].message if failed[0] else 'no answer'}")
-        return ["".join(t) for t in texts]
+        return [self._answer(req.args[0], "".join(t)) for req, t in zip(requests, texts)]
 
 
 def _progress_iter(requests, desc: str, disable: bool):
@@ -243,4 +276,5 @@ def evaluate(
         torch_random_seed=seed,
         fewshot_random_seed=seed,
         batch_size=lm.batch_size,
+        apply_chat_template=lm.template is not None,
     )

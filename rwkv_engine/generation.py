@@ -77,6 +77,9 @@ class TextStream:
     could be the start of a stop string is held back until the next tokens decide. The stream
     ends (`done`, `finish_reason`) on a stop token ("stop"; the token is not recorded), a stop
     string ("stop"; it and everything after it is dropped) or after max_tokens ("length").
+    Before `min_tokens` tokens were generated no stop string ends it (as vLLM: a stop string is
+    matched once the stream has min_tokens tokens, where it ends in the text of the token that
+    made that count or of a later one); the sampler keeps stop tokens out until then.
     """
 
     def __init__(self, tokenizer, params: SamplingParams):
@@ -86,10 +89,19 @@ class TextStream:
         self._stop_ids = frozenset(params.stop_token_ids)
         self._stops = tuple(params.stop)
         self._max_tokens = params.max_tokens
+        self._min_tokens = params.min_tokens
         self._held = ""
         self.tokens: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []  # what was emitted; `text` joins them when asked
         self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far. Kept as pieces and joined here, because `text += out` on an
+        attribute copies the whole text at every token: O(n^2) over a long answer."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def done(self) -> bool:
@@ -117,7 +129,8 @@ class TextStream:
 
     def _emit(self, piece: str, final: str | None) -> str:
         text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        armed = len(self.tokens) >= self._min_tokens
+        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1) if armed else -1
         if cut >= 0:
             out, self._held, self.finish_reason = text[:cut], "", "stop"
         elif final is not None:
@@ -125,7 +138,8 @@ class TextStream:
         else:
             keep = self._partial_stop_suffix(text)
             out, self._held = text[: len(text) - keep], text[len(text) - keep :]
-        self.text += out
+        if out:
+            self._pieces.append(out)
         return out
 
     def _partial_stop_suffix(self, text: str) -> int:

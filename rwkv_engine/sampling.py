@@ -8,7 +8,8 @@ vector and the sequence's own `torch.Generator`.
 One sampling step, in this order (docs/formats.md D, the `rwkv` pip `PIPELINE.generate` and
 `sample_logits`, which every RWKV front end copies):
 
-1. bias and bans: `logit[t] += logit_bias[t]`; banned tokens get -inf.
+1. bias and bans: `logit[t] += logit_bias[t]`; banned tokens get -inf, and so do the stop
+   tokens while fewer than `min_tokens` tokens were generated.
 2. penalties: `logit[t] -= presence + count[t] * frequency` for every token t generated so far
    (count[t] > 0). Counts are over generated tokens only, not the prompt.
    A sequence with a grammar (json_schema / json_object, tool calls: rwkv_engine/structured.py)
@@ -131,13 +132,18 @@ def _kept(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, Tensor] | Non
     """Steps 4-5 for one row of log-probabilities [V].
 
     Returns (logp [m], ids [m]) of the tokens top-p and top-k keep, most probable first, or None
-    when they keep everything. Uses `topk` with a growing k instead of a full sort: the nucleus
-    is usually small, and a full sort of 65536 floats is the most expensive step by far.
+    when they keep everything. Uses `topk` with a growing k (256, then x 8) instead of a full
+    sort: the nucleus is usually small, and a full sort of 65536 floats is the most expensive
+    step by far. The sizes k whose topk would certainly fall short of the nucleus are skipped
+    (`_NucleusBound`, one O(V) pass), so a flat distribution costs one topk, not a series of
+    growing ones; the topk that decides is the one a plain growing k reaches, so the result is
+    the same to the bit (tied tokens in the same order too).
     """
     V = logp.shape[0]
     if top_p >= 1:
         return None if top_k <= 0 or top_k >= V else torch.topk(logp, top_k)
-    k = min(V, max(256, top_k))
+    bound = _NucleusBound(logp, top_p)
+    k = bound.skip(min(V, max(256, top_k)), top_k)
     while True:
         values, ids = torch.topk(logp, k)
         cumulative = values.exp().cumsum(0)
@@ -150,12 +156,48 @@ def _kept(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, Tensor] | Non
         if 0 < top_k <= k:  # the cutoff is further down than top_k: top-k decides
             m = top_k
             break
-        k = min(V, k * 8)
+        k = bound.skip(min(V, k * 8), top_k)
     if top_k > 0:
         m = min(m, top_k)
     if m > k:  # ties with the cutoff beyond the first k
         values, ids = torch.topk(logp, m)
     return values[:m], ids[:m]
+
+
+class _NucleusBound:
+    """Which topk sizes of `_kept` certainly hold less than top_p of a row's mass, from one
+    histogram of the row (O(V)): the mass over bins of log-probability below the row's maximum,
+    each 1/16 wide (a probability ratio of 1.06), summed in float64. The k most probable tokens
+    lie in the first bins that hold k tokens, so their mass is at most those bins' mass; a k
+    whose bound is below top_p by more than any rounding of `_kept`'s fp32 running sum (MARGIN)
+    cannot reach it."""
+
+    BINS, MARGIN = 1024, 1e-2
+
+    def __init__(self, logp: Tensor, top_p: float):
+        self.top_p, self.V = top_p, logp.shape[0]
+        self._cum: tuple[Tensor, Tensor] | None = None
+        self._logp = logp
+
+    def _histogram(self) -> tuple[Tensor, Tensor]:
+        if self._cum is None:  # built at the first k that a row's nucleus may outgrow
+            logp = self._logp
+            bins = ((logp.max() - logp) * 16).clamp_(max=self.BINS - 1).long()
+            mass = torch.bincount(bins, weights=logp.double().exp(), minlength=self.BINS)
+            self._cum = torch.bincount(bins, minlength=self.BINS).cumsum(0), mass.cumsum(0)
+        return self._cum
+
+    def skip(self, k: int, top_k: int) -> int:
+        """The first of k, k x 8, ... (at most V) that may hold the nucleus, or that top_k stops at."""
+        while k < self.V and not 0 < top_k <= k:
+            if k <= 256:  # a first topk this small costs less than the histogram
+                return k
+            count, mass = self._histogram()
+            j = min(int(torch.searchsorted(count, k)), self.BINS - 1)  # the first bins holding k tokens
+            if float(mass[j]) >= self.top_p - self.MARGIN:
+                return k
+            k = min(self.V, k * 8)
+        return k
 
 
 def _cut(values: Tensor, ids: Tensor, top_p: float, top_k: int, V: int) -> tuple[Tensor, Tensor] | None:
@@ -330,6 +372,8 @@ class Sampler:
         self._bias_ids = None if bias is None else bias.nonzero()[:, 0]
         self._bias = None if bias is None else bias[self._bias_ids]
         self._position: dict[int, int] = {}  # token id -> index in _seen / _count
+        self.generated = 0  # tokens accepted so far (min_tokens bans the stop tokens until then)
+        self._stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long) if params.min_tokens else None
         self._seen = torch.zeros(0, dtype=torch.long)
         self._count = torch.zeros(0, dtype=torch.float32)
 
@@ -359,6 +403,8 @@ class Sampler:
             ids = self._bias_ids
             out.index_put_((ids,), out[ids] + self._bias)
         p = self.params
+        if self.generated < p.min_tokens and len(self._stop_ids):
+            out[self._stop_ids.to(out.device)] = -math.inf
         if self._position and (p.presence_penalty or p.frequency_penalty):
             seen = self._seen.to(out.device)
             penalty = p.presence_penalty + self._count.to(out.device) * p.frequency_penalty
@@ -373,6 +419,7 @@ class Sampler:
     def accept(self, token: int) -> None:
         """Step 8 for a token chosen elsewhere (e.g. forced): decay counts, count the token."""
         token = int(token)
+        self.generated += 1
         if self.constraint is not None and self.constraint.active:
             self.constraint.accept(token)
         self._count = self._count * self.params.penalty_decay

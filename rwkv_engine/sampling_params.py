@@ -54,6 +54,8 @@ class SamplingParams:
                        Default (0,): id 0 is end-of-text for every RWKV vocabulary.
     stop               strings that end the generation; they are never part of the output.
     max_tokens         most tokens to generate (None = unbounded).
+    min_tokens         fewest tokens to generate (vLLM's): until this many were generated, the
+                       stop tokens are never sampled and stop strings do not end the output.
     seed               seed of the sequence's torch.Generator (None = nondeterministic).
     json_schema        a JSON schema (dict or JSON text): the output is JSON that validates
                        against it, by constrained decoding (rwkv_engine/structured.py).
@@ -73,6 +75,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = (EOS_TOKEN_ID,)
     stop: Sequence[str] = ()
     max_tokens: int | None = 256
+    min_tokens: int = 0
     seed: int | None = None
     json_schema: Mapping | str | None = None
     json_object: bool = False
@@ -122,6 +125,11 @@ class SamplingParams:
             self.max_tokens = _number("max_tokens", self.max_tokens, integer=True)
             if self.max_tokens < 0:
                 raise InputError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        self.min_tokens = _number("min_tokens", self.min_tokens, integer=True)
+        if self.min_tokens < 0:
+            raise InputError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InputError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.seed is not None:
             self.seed = _number("seed", self.seed, integer=True)
             if not 0 <= self.seed < 2**63:

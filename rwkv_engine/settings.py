@@ -7,6 +7,8 @@ a default is written once and a new setting touches its field and its flag.
 * `ModelSpec`: what to load (`rwkv_engine.load`, `load_tokenizer`); every command that runs a
   model builds one from the model flags.
 * Speculative decoding: the kinds, the longest pass, the default draft length and its check.
+* Chat templates: `ChatSettings` (which template renders a conversation, and whether a
+  reasoning model thinks by default), shared by serve, batch, chat and eval.
 * The server: `EngineConfig` (the scheduler), `Limits` (what one request may ask for),
   `RequestDefaults` (what it gets for fields it leaves out), `ServerSettings` (the HTTP side),
   and `Config`, all of them, which `serve.server.build` turns into an engine and an app
@@ -66,6 +68,30 @@ def served_name(model: str) -> str:
     return model
 
 
+# --- chat templates ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """How a conversation becomes a prompt (docs/server.md, "Chat templates and thinking")."""
+
+    template: str = "auto"  # a built-in name (world, g1), a .jinja file, or auto (templates.resolve)
+    think: bool = False  # whether a reasoning model thinks when a request (or the chat) does not say
+
+    def resolve(self, model, asked: str, log=None):
+        """The `templates.ChatTemplate`, resolved for the loaded `model` (asked for as `asked`: a path
+        or a Hub id); `log(line)` is told which and why."""
+        from .templates import resolve
+
+        path = str(model.path) if getattr(model, "path", None) else asked
+        template = resolve(self.template, path, model.config.version, asked)
+        if log is not None:
+            log(
+                f"chat template: {template.name} ({template.source}); thinking {'on' if self.think else 'off'} by default"
+            )
+        return template
+
+
 # --- speculative decoding ---------------------------------------------------------------------
 
 SPECULATIVE_KINDS = ("lookup", "draft")
@@ -102,10 +128,14 @@ class EngineConfig:
     max_queue: int = 64  # requests waiting beyond max_batch; more: QueueFull (HTTP 429)
     prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
     state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
+    state_store: str | None = None  # a directory the prompt-cache states spill to (None: memory only)
+    state_store_bytes: int = 8 << 30  # its capacity (least recently used files go first)
     speculative: str | None = None  # the requests' default: "lookup", "draft" or None (plain decoding)
     draft: str | None = None  # the draft model ("draft"): a checkpoint (or a loaded model); None: the twin
     draft_quantization: str = DEFAULT_DRAFT_QUANTIZATION  # of the twin draft
     max_draft: int = DEFAULT_MAX_DRAFT  # most tokens drafted per pass
+    reranker: str | None = None  # an EmbeddingRWKV reranker checkpoint, for /v1/rerank; None: no rerank
+    rerank_instruction: str | None = None  # the reranker's instruction; None: the one it was trained with
     name: str = "rwkv-engine serve"  # what its messages on stderr start with (the command running it)
 
     def __post_init__(self):
@@ -113,8 +143,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.state_cache_bytes, int) or self.state_cache_bytes < 0:
-            raise InputError(f"state_cache_bytes must be >= 0, got {self.state_cache_bytes!r}")
+        for name in ("state_cache_bytes", "state_store_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InputError(f"{name} must be >= 0, got {value!r}")
         if self.speculative not in (None, *SPECULATIVE_KINDS):
             raise InputError(
                 f"speculative must be one of {', '.join(SPECULATIVE_KINDS)} or None, got {self.speculative!r}"
@@ -135,6 +167,7 @@ class Limits:
     max_prompt_tokens: int = 16384
     max_tokens: int = 4096  # also the default max_tokens of a chat request
     max_body_bytes: int = 4 << 20
+    max_embedding_inputs: int = 2048  # inputs of one /v1/embeddings request, documents of one rerank
 
 
 @dataclass(frozen=True)
@@ -148,6 +181,7 @@ class RequestDefaults:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     completion_max_tokens: int = 16
+    embedding_task: str | None = None  # an EmbeddingRWKV task head ("retr", "cls", "sts"); None: "retr"
 
 
 @dataclass(frozen=True)
@@ -172,13 +206,15 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class Config:
-    """A whole server: the model, the engine, the requests' limits and defaults, the HTTP side."""
+    """A whole server: the model, the engine, the requests' limits and defaults, the HTTP side,
+    and how chats are rendered."""
 
     model: ModelSpec
     engine: EngineConfig = field(default_factory=EngineConfig)
     limits: Limits = field(default_factory=Limits)
     server: ServerSettings = field(default_factory=ServerSettings)
     defaults: RequestDefaults = field(default_factory=RequestDefaults)
+    chat: ChatSettings = field(default_factory=ChatSettings)
 
     @property
     def model_name(self) -> str:

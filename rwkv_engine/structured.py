@@ -169,21 +169,31 @@ class Constraint:
 
 
 class ToolCallTrigger(Constraint):
-    """tool_choice "auto": free text, unless the reply starts with the marker (after spaces);
-    from then on the call's grammar applies.
+    """tool_choice "auto": free text, unless the reply starts with the marker (after `lead`
+    bytes: spaces for the World format, spaces and newlines for G1's ```json blocks); from then
+    on the call's grammar applies. `line_starts` (G1): the marker also counts at the start of
+    any line of the reply (after its newline and `lead` bytes), so text may come before the call.
 
-    While the reply so far is spaces plus a proper prefix of the marker, tokens that would
-    complete the marker *and* go on past it are banned (the call's grammar must see the bytes
-    after the marker as its own tokens); every other token is allowed. Once the reply leaves
-    the marker the row is unconstrained.
+    While the reply (or its last line) so far is leading bytes plus a proper prefix of the
+    marker, tokens that would complete the marker *and* go on past it are banned (the call's
+    grammar must see the bytes after the marker as its own tokens), and so, with `line_starts`,
+    are tokens that hold a whole marker after a newline of their own and go on past it; every
+    other token is allowed. Without `line_starts`, once the reply leaves the marker the row is
+    unconstrained.
     """
 
-    def __init__(self, grammar: Grammar, tokenizer):
+    def __init__(
+        self, grammar: Grammar, tokenizer, marker: str = TOOL_CALL_MARKER, lead: bytes = b" ", line_starts: bool = False
+    ):
         self._grammar = grammar
-        self._marker = TOOL_CALL_MARKER.encode()
-        self._banned = _overshooting(tokenizer, grammar.vocab_size, self._marker)
+        self._marker = marker.encode()
+        self._lead = lead
+        self._line_starts = line_starts
+        table = _overshooting_lines if line_starts else _overshooting
+        self._banned = table(tokenizer, grammar.vocab_size, self._marker, lead)
         self._tokenizer = tokenizer
         self._reply = b""
+        self._row = 0  # the row of `_banned` that applies now
         self._m = None
         self.active = True
 
@@ -200,37 +210,169 @@ class ToolCallTrigger(Constraint):
 
     def fill(self, bitmask: torch.Tensor, index: int) -> None:
         if self._m is None:
-            matched = len(self._reply.lstrip(b" "))
-            bitmask[index] = self._banned[matched]
+            bitmask[index] = self._banned[self._row]
 
     def accept(self, token: int) -> None:
         if self._m is not None:
             return super().accept(token)
         self._reply += self._tokenizer.decode_bytes([int(token)]) if token != EOS_TOKEN_ID else b""
-        head = self._reply.lstrip(b" ")
+        if self._line_starts:
+            return self._accept_lines(token)
+        head = self._reply.lstrip(self._lead)
         if head == self._marker:
             self._m = self._grammar.matcher()
         elif not self._marker.startswith(head) or token == EOS_TOKEN_ID:
             self.active = False
+        else:
+            self._row = len(head)
+
+    def _accept_lines(self, token: int) -> None:
+        """The marker's progress at the reply's last line start (it ends with a newline, so a
+        whole marker is looked for before its own); row len(marker): the line is plain text."""
+        marker, reply = self._marker, self._reply
+        if token == EOS_TOKEN_ID:
+            self.active = False
+        elif reply.endswith(marker) and not reply[: -len(marker)].rsplit(b"\n", 1)[-1].strip(self._lead):
+            self._m = self._grammar.matcher()
+        else:
+            head = reply.rsplit(b"\n", 1)[-1].lstrip(self._lead)
+            self._row = len(head) if marker.startswith(head) else len(marker)
 
 
-@functools.lru_cache(maxsize=4)
-def _overshooting(tokenizer, vocab_size: int, marker: bytes) -> torch.Tensor:
+@functools.lru_cache(maxsize=8)
+def _overshooting(tokenizer, vocab_size: int, marker: bytes, lead: bytes = b" ") -> torch.Tensor:
     """[len(marker), words] bitmasks: row k allows every token except those that, after k bytes
-    of the marker (k = 0: after nothing but spaces), complete it and go on past it."""
+    of the marker (k = 0: after nothing but `lead` bytes), complete it and go on past it."""
     words = (vocab_size + 31) // 32
     allowed = torch.ones(len(marker), words * 32, dtype=torch.bool)
     for i in range(min(vocab_size, tokenizer.vocab_size)):
         raw = tokenizer.decode_bytes([i])
         if not raw:
             continue
-        head = raw.lstrip(b" ")
+        head = raw.lstrip(lead)
         if head.startswith(marker) and len(head) > len(marker):
             allowed[0, i] = False
         for k in range(1, len(marker)):
             rest = marker[k:]
             if raw.startswith(rest) and len(raw) > len(rest):
                 allowed[k, i] = False
+    return pack_bits(allowed)
+
+
+@functools.lru_cache(maxsize=8)
+def _overshooting_lines(tokenizer, vocab_size: int, marker: bytes, lead: bytes) -> torch.Tensor:
+    """[len(marker) + 1, words] bitmasks for `ToolCallTrigger(line_starts=True)`: rows 0..len-1
+    as `_overshooting`'s (k bytes of the marker at a line start), less the tokens that hold a
+    newline, `lead` bytes and the whole marker and go on past it; row len(marker) (within a line
+    of text) bans only those."""
+    inner = re.compile(b"\n[" + re.escape(lead) + b"]*" + re.escape(marker) + b".", re.S)
+    rows = torch.ones(len(marker) + 1, ((vocab_size + 31) // 32) * 32, dtype=torch.bool)
+    rows[:-1] = unpack_bits(_overshooting(tokenizer, vocab_size, marker, lead), rows.shape[1])
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        if inner.search(tokenizer.decode_bytes([i])):
+            rows[:, i] = False
+    return pack_bits(rows)
+
+
+THOUGHT_END = b"</think>"
+
+
+class ThoughtGate(Constraint):
+    """A constraint that starts after the reply's thought: free while the model thinks, then the
+    answer's constraint (`inner()`, made when the thought ends) from the first token after
+    "</think>". `matched`: bytes of "</think>" the prompt already holds (7 when it ends with
+    "</think": the thought is over, and the reply must begin with the ">" that closes it).
+
+    As `ToolCallTrigger` does for its marker, tokens that would end the thought and go on past
+    "</think>" are banned while it runs, so the answer's grammar sees the answer's bytes as its
+    own tokens; every other token is allowed. After a prompt that closed the thought, only the
+    tokens that finish "</think>" are.
+    """
+
+    def __init__(self, inner, tokenizer, vocab_size: int, matched: int = 0):
+        self._make = inner
+        self._inner: Constraint | None = None
+        self._tokenizer = tokenizer
+        self._k = matched
+        table = _finishing if matched else _ending_inside
+        self._banned = table(tokenizer, vocab_size, THOUGHT_END)
+
+    @property
+    def active(self) -> bool:
+        return self._inner is None or self._inner.active
+
+    @property
+    def answering(self) -> bool:
+        return self._inner is not None
+
+    @property
+    def complete(self) -> bool:
+        return self._inner is not None and self._inner.complete
+
+    def matchers(self, index: int) -> list:
+        return [] if self._inner is None else self._inner.matchers(index)
+
+    def fill(self, bitmask: torch.Tensor, index: int) -> None:
+        if self._inner is None:
+            bitmask[index] = self._banned[self._k]
+        else:
+            self._inner.fill(bitmask, index)
+
+    def raise_if_failed(self) -> None:
+        if self._inner is not None:
+            self._inner.raise_if_failed()
+
+    def accept(self, token: int) -> None:
+        if self._inner is not None:
+            return self._inner.accept(token)
+        if token == EOS_TOKEN_ID:
+            return
+        self._k = _advance(THOUGHT_END, self._k, self._tokenizer.decode_bytes([int(token)]))
+        if self._k == len(THOUGHT_END):
+            self._inner = self._make()
+
+
+def _advance(marker: bytes, k: int, data: bytes) -> int:
+    """Bytes of `marker` matched after reading `data` with `k` matched before (len(marker) once
+    it is complete; the longest end of what was read that begins the marker otherwise)."""
+    text = marker[:k] + data
+    if marker in text:
+        return len(marker)
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@functools.lru_cache(maxsize=4)
+def _ending_inside(tokenizer, vocab_size: int, marker: bytes) -> torch.Tensor:
+    """[len(marker), words] bitmasks: row k (bytes of the marker matched) bans the tokens with
+    which the marker would end before the token does."""
+    words = (vocab_size + 31) // 32
+    allowed = torch.ones(len(marker), words * 32, dtype=torch.bool)
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        raw = tokenizer.decode_bytes([i])
+        if marker[-1:] not in raw:  # (only a token holding the marker's last byte can end it)
+            continue
+        for k in range(len(marker)):
+            text = marker[:k] + raw
+            end = text.find(marker)
+            if end >= 0 and end + len(marker) < len(text):
+                allowed[k, i] = False
+    return pack_bits(allowed)
+
+
+@functools.lru_cache(maxsize=4)
+def _finishing(tokenizer, vocab_size: int, marker: bytes) -> torch.Tensor:
+    """[len(marker), words] bitmasks: row k allows only the tokens that go on with the marker
+    after its first k bytes without passing its end."""
+    words = (vocab_size + 31) // 32
+    allowed = torch.zeros(len(marker), words * 32, dtype=torch.bool)
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        raw = tokenizer.decode_bytes([i])
+        for k in range(1, len(marker)):
+            if raw and marker[k:].startswith(raw):
+                allowed[k, i] = True
     return pack_bits(allowed)
 
 
@@ -355,6 +497,25 @@ def call_grammar(tools: Sequence[Mapping], tokenizer, vocab_size: int, forced: b
         )
     else:
         text = _llguidance().LLMatcher.grammar_from_json_schema(schema)
+    return _cached_grammar(text, tokenizer, vocab_size, "the tools' parameter schemas")
+
+
+# The G1 format (rwkv_engine/templates/g1.jinja): each call a ```json block of
+# {"name": ..., "arguments": ...} written as the template writes a call back into the history
+# (", " and ": " between items), blocks joined by "\n ".
+G1_FENCE, G1_CLOSE, G1_NEXT = "```json\n", "\n```", "\n "
+G1_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def g1_call_grammar(tools: Sequence[Mapping], tokenizer, vocab_size: int, forced: bool, parallel: bool) -> Grammar:
+    """The grammar of G1 tool calls to `tools`: of a whole answer (`forced`: up to two spaces or
+    newlines, then the blocks), or of what follows the first block's opening fence (`forced=False`,
+    for `ToolCallTrigger` with the fence as its marker). `parallel`: any number of blocks, else one."""
+    schema = dict(call_schema(tools), **{"x-guidance": G1_JSON})
+    call = f"%json {json.dumps(schema)}"
+    head = f"/[ \\n]{{0,2}}/ {json.dumps(G1_FENCE)} " if forced else ""
+    more = f" ({json.dumps(G1_NEXT + G1_FENCE)} {call} {json.dumps(G1_CLOSE)})*" if parallel else ""
+    text = _llguidance().LLMatcher.grammar_from_lark(f"start: {head}{call} {json.dumps(G1_CLOSE)}{more}")
     return _cached_grammar(text, tokenizer, vocab_size, "the tools' parameter schemas")
 
 

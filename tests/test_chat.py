@@ -343,3 +343,85 @@ def test_chat_load_of_an_unusable_session_is_exit_2(model_path, tmp_path):
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2, (name, out.stderr[-2000:])
         assert "Traceback" not in out.stderr and name in lines[-1], (name, lines)
+
+
+def test_g1_thinking_in_a_terminal(model_path, tok, tmp_path):
+    """`chat --chat-template g1`: /think on|off|bit|lot writes the G1 generation prompts (checked
+    against rwkv-tl's template, tests/test_templates.py), the thought is shown dimmed before the
+    answer, and --hide-thoughts shows the answer alone."""
+    from rwkv_engine.cli.chat import DIM, UNDIM
+    from rwkv_engine.reasoning import split
+
+    from .test_templates import render_rwkv_tl
+
+    # "</", "think", ">" likely: this random model then ends its thoughts (and never writes "\n\n").
+    bias = [a for t in (754, 35762, 63) for a in ("--logit-bias", f"{t}=30")]
+    flags = ["--chat-template", "g1", "--temperature", "1", "--top-p", "1", "--max-tokens", "24", "--seed", "2", *bias]
+    chat = Chat(model_path, tmp_path, "--think", "on", *flags)
+    assert "chat template g1" in chat.banner and "think on" in chat.banner
+    shown = [chat.send(m) for m in ("hello", "and?")]
+    assert "think=bit" in chat.command("/think bit")
+    chat.send("more")
+    assert "think=off" in chat.command("/think off")
+    assert DIM not in chat.send("plain")
+    assert "/think takes one of off, on, bit, lot" in chat.command("/think maybe")
+    chat.command("/save g1.zip")
+    assert chat.exit() == 0
+
+    meta, _ = read_session(tmp_path / "g1.zip")
+    for turn, mode in zip(meta["turns"], [True, True, "bit", False]):
+        message = [{"role": "user", "content": turn["user"] + (" think a bit" if mode == "bit" else "")}]
+        assert turn["prompt_ids"] == tok.encode(render_rwkv_tl(message, thinking=bool(mode)))
+    for screen, turn in zip(shown, meta["turns"]):
+        thought, answer = split(turn["reply"], "thought>")
+        assert screen == DIM + thought + (UNDIM + "\n" + answer if answer else UNDIM)
+    assert any(UNDIM + "\n" in screen for screen in shown), shown  # (the bias makes the model end a thought)
+
+    hidden = Chat(model_path, tmp_path, "--think", "on", "--hide-thoughts", *flags)
+    assert [hidden.send(m) for m in ("hello", "and?")] == [s.partition(UNDIM + "\n")[2] for s in shown]
+    assert hidden.exit() == 0
+
+
+def test_session_file_keeps_template_and_think(model, tok, tmp_path):
+    """/save records the chat template and /think mode; /load resumes with them, so the next
+    turn's prompt is the saved template's rendering (checked against the template itself), not
+    that of the session that loads it. A file without them keeps the current ones; a template
+    that is not Jinja is refused as a bad session file."""
+    from rwkv_engine.chat import DEFAULTS, ChatSession, turn_prompt
+    from rwkv_engine.sampling import SamplingParams
+    from rwkv_engine.templates import builtin
+
+    greedy = SamplingParams(**DEFAULTS).replace(temperature=0, max_tokens=2)
+    g1 = ChatSession(model, tok, greedy, system="", template=builtin("g1"), think="bit")
+    "".join(g1.ask("hi"))
+    g1.save(tmp_path / "g1.zip")
+    world = ChatSession(model, tok, greedy)
+    world.load(tmp_path / "g1.zip")
+    assert (world.template.name, world.template.text, world.think) == ("g1", builtin("g1").text, "bit")
+    "".join(world.ask("and then?"))
+    want = builtin("g1").render([{"role": "user", "content": "and then?"}], thinking=True, reasoning_effort="low")
+    assert world.turns[-1].prompt_ids == tok.encode(want) == tok.encode(turn_prompt("and then?", world.template, "bit"))
+
+    def rewritten(name, change):
+        with zipfile.ZipFile(tmp_path / "g1.zip") as z, zipfile.ZipFile(tmp_path / name, "w") as out:
+            for entry in z.namelist():
+                data = z.read(entry)
+                if entry == "session.json":
+                    meta = json.loads(data)
+                    change(meta)
+                    data = json.dumps(meta)
+                out.writestr(entry, data)
+        return tmp_path / name
+
+    old = rewritten("old.zip", lambda m: [m.pop("template"), m.pop("think")])
+    fresh = ChatSession(model, tok, greedy, think="on")
+    fresh.load(old)
+    assert (fresh.template.name, fresh.think) == ("world", "on")
+    for name, change in (
+        ("bad_jinja.zip", lambda m: m["template"].update(text="{% if %}")),
+        ("bad_think.zip", lambda m: m.update(think="maybe")),
+        ("bad_template.zip", lambda m: m.update(template="g1")),
+    ):
+        with pytest.raises(StateError, match="session.json"):
+            fresh.load(rewritten(name, change))
+    assert (fresh.template.name, fresh.think) == ("world", "on")  # (a refused file changes nothing)

@@ -214,3 +214,119 @@ def test_short_prompts_are_not_held_behind_large_echo_answers(model_and_tokenize
     finally:
         engine.stop()
     assert len(prompts) == 4 and all(len(p.logprobs) == len(long_ids) - 1 for p in prompts)
+
+
+class SteppedEngine(Engine):
+    """The engine with no thread: the test runs its turns itself (`turn`), so what a turn does
+    is the same on every run, whatever the machine's load."""
+
+    alive = True
+
+    def turn(self) -> None:
+        with self._cond:
+            self._drop_cancelled()
+            self._admit()
+        self._turn()
+
+
+class PassLog:
+    """The model, logging each forward: ("prefill", tokens) for a prompt piece (a list of ids),
+    ("decode", rows) for a decode pass (a tensor [B, 1])."""
+
+    def __init__(self, model):
+        self._model, self.log = model, []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, tokens, *args, **kw):
+        self.log.append(("prefill", len(tokens)) if isinstance(tokens, list) else ("decode", tokens.shape[0]))
+        return self._model.forward(tokens, *args, **kw)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: this tiny model's passes cost more in OpenMP barriers than in work."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_prefill_turns_stay_in_budget_and_decode_runs_between_them(model_and_tokenizer, one_thread):
+    """Issue 38 item 2, counted (not timed), on a mixed load: 2 prompts of 20-200 tokens arrive
+    every turn while earlier ones decode. Every turn reads at most --prefill-chunk prompt tokens
+    (a turn that had spent part of its budget used to start a whole further piece: up to
+    2 x chunk + 16 tokens), and every turn that begins with streams decoding ends with their
+    decode pass, so a stream waits for at most one chunk of prefill between two of its tokens.
+    Cutting pieces to the budget changes no answer: each request gets the text `generate` gives
+    it alone."""
+    import random
+
+    model, tok = model_and_tokenizer
+    chunk, rng = 64, random.Random(38)
+    prompts = [[rng.randrange(1, 2000) for _ in range(rng.randint(20, 200))] for _ in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=5, stop_token_ids=())
+    log = PassLog(model)
+    engine = SteppedEngine(log, tok, EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0))
+    texts: dict[int, list[str]] = {}
+    finished: set[int] = set()
+
+    def sink_for(i):
+        def sink(event):
+            if isinstance(event, Delta):
+                texts.setdefault(i, []).append(event.text)
+            elif isinstance(event, Finished):
+                finished.add(i)
+
+        return sink
+
+    turns = []  # per turn: (prompt tokens read, streams decoding at its start, its decode passes)
+    for t in range(200):
+        for i in (2 * t, 2 * t + 1):
+            if i < len(prompts):
+                engine.submit(Request(list(prompts[i]), greedy), sink_for(i))
+        before, decoding = len(log.log), len(engine._batch.rows)
+        engine.turn()
+        passes = log.log[before:]
+        read = sum(n for kind, n in passes if kind == "prefill")
+        turns.append((read, decoding, sum(kind == "decode" for kind, _ in passes)))
+        if decoding:  # the streams' tokens come after the turn's prefill, not after more turns
+            assert passes[-1][0] == "decode", f"turn {t}: {passes}"
+        if len(finished) == len(prompts):
+            break
+    assert len(finished) == len(prompts)
+    assert max(read for read, _, _ in turns) <= chunk, f"per turn (read, decoding, passes): {turns}"
+    assert sum(read for read, _, _ in turns) == sum(map(len, prompts))
+    assert sum(1 for read, decoding, _ in turns if read and decoding) >= 5  # the load was mixed
+    for i, ids in enumerate(prompts):
+        alone = "".join(rwkv_engine.generate(model, tok, ids, greedy))
+        assert "".join(texts.get(i, [])) == alone, f"request {i} ({len(ids)} prompt tokens)"
+
+
+def test_prefill_piece_end_cuts_to_the_budget_on_the_cache_grid():
+    """`prefill_piece_end`, every start a prefill reaches, every budget: a piece reads at most the
+    budget (or nothing), never crosses a cut of the chunk grid (where the prompt cache keeps
+    states), and is longer than GEMV_MAX_ROWS unless it is the whole rest; with the whole chunk
+    as the budget it is `prefill_end`'s piece whenever that fits."""
+    from rwkv_engine.kernels.native import GEMV_MAX_ROWS
+    from rwkv_engine.models.model import prefill_cuts, prefill_end, prefill_piece_end
+
+    chunk = 64
+    for total in range(1, 300, 7):
+        cuts = set(prefill_cuts(total, chunk))
+        for budget in range(1, 100, 5):
+            start = 0
+            while start < total:
+                end = prefill_piece_end(start, total, chunk, budget)
+                if end == start:  # nothing fits: the engine's next turn gives a whole chunk
+                    end = prefill_piece_end(start, total, chunk, chunk + GEMV_MAX_ROWS)
+                else:
+                    assert end - start <= budget
+                assert end > start and not any(start < c < end for c in cuts), (total, budget, start, end)
+                assert end == total or (end - start > GEMV_MAX_ROWS and total - end > GEMV_MAX_ROWS)
+                if start % chunk == 0 and prefill_end(start, total, chunk) - start <= budget:
+                    assert end == prefill_end(start, total, chunk)
+                start = end

@@ -152,6 +152,23 @@ def test_generate_until_equals_generate(lm, results):
         assert s["resps"][0][0] == want
 
 
+def test_chat_template(lm, task_dir):
+    """With a chat template lm_eval renders each prompt as a chat (here the G1 one, thinking off,
+    checked against rwkv-tl's template), and the answer is what follows "<think></think" and its ">"."""
+    from rwkv_engine.templates import builtin
+
+    from .test_templates import render_rwkv_tl
+
+    chat = RWKVEngineLM(lm.model, lm.tokenizer, batch_size=2, chat_template=builtin("g1"))
+    results = evaluate(chat, ["rwkvtest_gen"], include_path=str(task_dir), log_samples=True)
+    for s in results["samples"]["rwkvtest_gen"]:
+        context = s["arguments"][0][0]
+        assert context == render_rwkv_tl([{"role": "user", "content": s["doc"]["prompt"]}])
+        gen = generate(lm.model, lm.tokenizer, context, SamplingParams(temperature=0, max_tokens=6, stop=("\n",)))
+        assert s["resps"][0][0] == "".join(gen).removeprefix(">").lstrip()
+    assert chat.chat_template() == builtin("g1").text
+
+
 def test_long_document_runs_in_pieces(lm):
     """A document longer than a scoring piece gives the one-forward sum (state carried across)."""
     from rwkv_engine import evaluation

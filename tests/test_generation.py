@@ -101,6 +101,34 @@ def test_stop_token_ends_without_being_recorded(tok):
     assert "".join(chunks) == "hi" and s.finish_reason == "stop" and s.tokens == tok.encode("hi")
 
 
+def test_min_tokens_holds_off_stop_strings(tok):
+    """vLLM's min_tokens on the text: a stop string ends the stream only where it ends in the
+    text of the min_tokens-th token or later; before that it is shown like any text."""
+    ids = [tok.encode(p)[0] for p in ("a", "b", "\n", "\n", "c", "d", "\n", "\n", "e")]
+    assert tok.decode(ids) == "ab\n\ncd\n\ne"
+    s, chunks = stream_all(tok, ids, stop=["\n\n"], stop_token_ids=[], min_tokens=4)
+    assert "".join(chunks) == "ab" and s.finish_reason == "stop"  # the 4th token completes it: armed
+    s, chunks = stream_all(tok, ids, stop=["\n\n"], stop_token_ids=[], min_tokens=5)
+    assert "".join(chunks) == "ab\n\ncd" and s.finish_reason == "stop" and len(s.tokens) == 8
+    s, chunks = stream_all(tok, ids, stop=["\n\n"], stop_token_ids=[], min_tokens=9)
+    assert "".join(chunks) == "ab\n\ncd\n\ne" and s.finish_reason == "end"
+    # A stop string that straddles the count is matched once its last token arrives.
+    s, chunks = stream_all(tok, ids, stop=["\n\nc"], stop_token_ids=[], min_tokens=5)
+    assert "".join(chunks) == "ab" and s.finish_reason == "stop"
+
+    rng = random.Random(1)
+    pieces = ["a", "b", "\n", "ab", " ", "ba"]
+    for _ in range(200):
+        ids = tok.encode("".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))))
+        stops = rng.sample(["\n\n", "ab", "b\nb", "zz", "a a"], k=rng.randint(1, 2))
+        m = rng.randint(0, len(ids) + 1)
+        s, chunks = stream_all(tok, ids, stop=stops, stop_token_ids=[], min_tokens=m)
+        full, before = tok.decode(ids), tok.decode(ids[: max(0, m - 1)])
+        # the first occurrence that ends after the text of the first m - 1 tokens
+        cuts = [i for x in stops if (i := full.find(x, max(0, len(before) - len(x) + 1))) >= 0]
+        assert "".join(chunks) == (full[: min(cuts)] if cuts else full), (ids, stops, m)
+
+
 # --- Generation with a scripted model -----------------------------------------------------------
 
 
@@ -146,6 +174,14 @@ def test_generation_stop_token_and_length(tok):
     assert gen.read() == "one" and gen.finish_reason == "length" and gen.stats.generated_tokens == 1
     gen = generate(m, tok, "Q", SamplingParams(temperature=0, max_tokens=0))
     assert gen.read() == "" and gen.finish_reason == "length" and gen.state == tok.encode("Q")
+
+
+def test_generation_min_tokens_goes_past_the_stop_token(tok):
+    m = scripted(tok, "Q", ["one", " two"])  # then token 0, which min_tokens keeps out
+    gen = generate(m, tok, "Q", SamplingParams(temperature=0, min_tokens=5))
+    gen.read()
+    assert gen.finish_reason == "stop" and len(gen.tokens) == 5 and 0 not in gen.tokens
+    assert gen.tokens[:2] == tok.encode("one") + tok.encode(" two")
 
 
 def test_bad_prompts(tok):

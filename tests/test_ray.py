@@ -46,6 +46,31 @@ def ref(model_path):
     return model, rwkv_engine.load_tokenizer(model)
 
 
+def test_routing_key_is_the_templates_prompt(ref):
+    """The router keys a chat by the first chunk of the prompt the replicas read: rendered by their
+    chat template (g1 here, with tools), not by the World format; World stays World."""
+    import hashlib
+    from array import array
+
+    from rwkv_engine.serve.ray import CHAT, routing_key
+    from rwkv_engine.templates import builtin
+
+    _, tok = ref
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": SYSTEM}]
+    body = json.dumps({"model": NAME, "messages": messages, "tools": tools}).encode()
+
+    def key(prompt):
+        return hashlib.sha1(array("q", tok.encode(prompt)[:CHUNK]).tobytes()).hexdigest()
+
+    g1 = routing_key(CHAT, body, tok, CHUNK, builtin("g1"))
+    assert g1 == key(builtin("g1").render(messages, tools, thinking=False, enable_thinking=False))
+    world = routing_key(CHAT, body, tok, CHUNK)
+    assert world == key(builtin("world").render(messages, tools)) != g1
+    plain = json.dumps({"model": NAME, "messages": messages}).encode()
+    assert routing_key(CHAT, plain, tok, CHUNK) == key(render_chat([("system", "Be brief."), ("user", SYSTEM)]))
+
+
 @pytest.fixture(scope="module")
 def cluster(model_path):
     from rwkv_engine.serve.ray import build_app, free_port

@@ -299,6 +299,29 @@ def test_same_seed_same_tokens_and_batch_equals_single():
     assert [[b[i] for b in batched] for i in range(3)] == alone
 
 
+def test_min_tokens_keeps_stop_tokens_out_until_then():
+    """vLLM's min_tokens: the stop tokens cannot be sampled before that many tokens were accepted
+    (greedy and drawn, batched or alone); afterwards they can again."""
+    V = 50
+    logits = torch.zeros(V)
+    logits[0], logits[5], logits[9] = 8.0, 7.0, 6.0  # the stop tokens are the most likely
+    for p in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)):
+        p = p.replace(stop_token_ids=(0, 5), min_tokens=4)
+        s = Sampler(p, V)
+        early = [s(logits) for _ in range(4)]
+        assert not {0, 5} & set(early), early
+        if p.greedy:
+            assert early == [9] * 4 and s(logits) == 0
+        batch = [Sampler(p, V), Sampler(p.replace(min_tokens=0), V)]
+        got = Sampler.sample_batch(batch, torch.stack([logits, logits]))
+        assert got[0] not in (0, 5) and (not p.greedy or got[1] == 0)
+    with pytest.raises(InputError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(InputError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
+    assert SamplingParams(min_tokens=7, max_tokens=None).min_tokens == 7
+
+
 def test_shared_generator_overrides_seed():
     V = 500
     logits = torch.randn(V, generator=torch.Generator().manual_seed(7))
@@ -359,6 +382,52 @@ def test_kept_rows_equals_kept(V, monkeypatch):
     assert len(fallbacks) < rows // 4
     if V > 256:
         assert fallbacks and all(k == 0 for _, k in fallbacks)
+
+
+def _kept_growing(logp, top_p, top_k):
+    """`_kept` as it was before its sizes were skipped: topk at 256 (or top_k), then x 8, until
+    the running sum reaches top_p or top_k stops it."""
+    V = logp.shape[0]
+    if top_p >= 1:
+        return None if top_k <= 0 or top_k >= V else torch.topk(logp, top_k)
+    k = min(V, max(256, top_k))
+    while True:
+        values, ids = torch.topk(logp, k)
+        cumulative = values.exp().cumsum(0)
+        if bool(cumulative[-1] >= top_p) or k == V:
+            m = int((logp >= values[min(int((cumulative < top_p).sum()), k - 1)]).sum())
+            break
+        if 0 < top_k <= k:
+            m = top_k
+            break
+        k = min(V, k * 8)
+    m = min(m, top_k) if top_k > 0 else m
+    if m > k:
+        values, ids = torch.topk(logp, m)
+    return values[:m], ids[:m]
+
+
+def test_kept_skips_the_topk_sizes_that_fall_short(monkeypatch):
+    """Issue 38 item 3: a flat row (a random model's, whose nucleus holds thousands of tokens)
+    took a topk at 256, 2048, 16384 and 65536. `_kept` now skips the sizes its histogram shows
+    cannot hold the nucleus, and keeps exactly the tokens, in exactly the order (ties included),
+    of the growing sizes, so every seeded draw is unchanged."""
+    gen = torch.Generator().manual_seed(38)
+    calls = []
+    topk = torch.topk
+    monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: calls.append(k) or topk(x, k, *a, **kw))
+    for scale, step in [(0.3, None), (2.0, None), (3.0, 0.25)]:
+        for top_p, top_k in [(0.85, 0), (0.99, 0), (0.85, 3000)]:
+            logp = torch.log_softmax(_logits(gen, 1, 65536, scale, step)[0], dim=-1)
+            calls.clear()
+            want = _kept_growing(logp, top_p, top_k)
+            growing = len(calls)
+            calls.clear()
+            kept = sampling._kept(logp, top_p, top_k)
+            assert torch.equal(kept[0], want[0]) and torch.equal(kept[1], want[1]), (scale, top_p, top_k)
+            assert len(calls) <= growing
+            if len(want[0]) > 2048 and top_k == 0:  # a wide nucleus: sizes skipped
+                assert len(calls) < growing, (scale, top_p, calls)
 
 
 def _sample_rows_plainly(logits, temperature, top_p, top_k, generators):

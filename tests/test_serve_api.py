@@ -14,6 +14,9 @@ import asyncio
 import pytest
 import torch
 
+import rwkv_engine
+from rwkv_engine import SamplingParams
+
 from .test_serve import (  # noqa: F401  (fixtures)
     CHUNK,
     GREEDY,
@@ -136,6 +139,67 @@ def test_logprobs_bad_values(server):
     r = post(server, "/v1/chat/completions", {**chat, "top_logprobs": 3})
     assert r.status_code == 400 and "logprobs" in r.json()["error"]["message"]
     assert post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}).status_code == 400
+
+
+# --- ignore_eos and min_tokens (vLLM's extensions) -----------------------------------------------
+
+
+def test_ignore_eos_and_min_tokens(ref, server, client):
+    """End-of-text made certain by a logit bias ends a request at once; with ignore_eos the same
+    request runs to max_tokens (token 0 has no text), streamed too. min_tokens keeps the stop
+    token and stop strings out until then, and the answer is `generate`'s with the same params."""
+    model, tok = ref
+    prompt, bias = "The capital of France is", {"0": 100}
+
+    def create(max_tokens=6, stop=None, **extra):
+        kw = client_kwargs(GREEDY)
+        kw["extra_body"].update(extra)
+        return client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stop=stop,
+            logit_bias=bias if stop is None else None,
+            **kw,
+        )
+
+    got = create()
+    assert (got.choices[0].finish_reason, got.usage.completion_tokens, got.choices[0].text) == ("stop", 0, "")
+    got = create(ignore_eos=True)
+    assert (got.choices[0].finish_reason, got.usage.completion_tokens, got.choices[0].text) == ("length", 6, "")
+    kw = client_kwargs(GREEDY)
+    kw["extra_body"]["ignore_eos"] = True
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=5,
+        logit_bias=bias,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    assert list(stream)[-1].usage.completion_tokens == 5
+    got = create(min_tokens=3)
+    assert (got.choices[0].finish_reason, got.usage.completion_tokens) == ("stop", 3)
+
+    # A stop string that the plain answer meets early is held off by min_tokens.
+    free = SamplingParams(max_tokens=24, **GREEDY)
+    full = rwkv_engine.generate(model, tok, prompt, free)
+    full.read()
+    stop = full.text[2:4]
+    early = len(tok.encode(prompt + full.text[:4])) - len(tok.encode(prompt))  # tokens up to the stop, about
+    want = rwkv_engine.generate(model, tok, prompt, free.replace(stop=(stop,), min_tokens=early + 4))
+    want.read()
+    got = create(max_tokens=24, stop=[stop], min_tokens=early + 4)
+    assert got.choices[0].text == want.text and len(want.text) > 2
+    assert got.usage.completion_tokens == len(want.tokens) >= early + 4
+
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, logit_bias=bias)
+    r = post(server, "/v1/chat/completions", {**chat, **GREEDY, "min_tokens": 4}).json()
+    assert r["usage"]["completion_tokens"] == 4 and r["choices"][0]["finish_reason"] == "stop"
+    for bad in ({"min_tokens": 9}, {"min_tokens": -1}, {"min_tokens": "2"}, {"ignore_eos": 1}):
+        r = post(server, "/v1/chat/completions", {**chat, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(bad)), r.text
 
 
 # --- echo ---------------------------------------------------------------------------------------

@@ -330,3 +330,49 @@ def test_api_key_is_asked_for_and_sent(browser, keyed):
     page.set(seed=5, max_tokens=20)
     assert page.say("Hi") == api_reply(keyed, [user("Hi")], key=API_KEY, seed=5, max_tokens=20)
     browser.execute_script("sessionStorage.clear()")
+
+
+@pytest.fixture(scope="module")
+def thinking(model_path):
+    s = Server(model_path, model_path.with_name("thinking.log"), "--chat-template", "g1", "--think", "on")
+    yield s
+    s.stop()
+
+
+def test_thinking_toggle_and_collapsed_thought(browser, thinking, server):
+    """With a reasoning template the page has a Think toggle (on: the server's --think), streams
+    the thought into a collapsed section above the answer, both equal to the API's
+    reasoning_content and content; off, no thought. A World server's page has no toggle."""
+    page = Page(browser, thinking.url + "/").ready()
+    page.wait(lambda: page.find("think-toggle").is_displayed(), message="no Think toggle")
+    assert page.find("think").is_selected()
+    settings = dict(seed=4, max_tokens=30)
+    page.set(**settings)
+
+    def api(effort):
+        r = httpx.post(
+            thinking.url + "/v1/chat/completions",
+            json={"model": MODEL, "messages": [user("Why?")], "reasoning_effort": effort, **settings},
+            timeout=60,
+        )
+        return r.json()["choices"][0]["message"]
+
+    answer = page.say("Why?")
+    want = api("medium")
+    shown = page.js(
+        "const d = [...document.querySelectorAll('.message.assistant .reasoning')].pop();"
+        "return [d.hidden, d.open, d.querySelector('.thought').textContent, d.querySelector('summary').textContent]"
+    )
+    assert want["reasoning_content"] and shown == [False, False, want["reasoning_content"], "Thought"]
+    assert answer == want["content"]
+    assert page.js("return document.querySelectorAll('#conversation .reasoning .thought *').length") == 0
+
+    page.find("new-chat").click()
+    page.find("think").click()  # off
+    answer = page.say("Why?")
+    want = api("none")
+    assert want.get("reasoning_content") is None and answer == want["content"]
+    assert page.js("return [...document.querySelectorAll('.message.assistant .reasoning')].pop().hidden")
+
+    plain = Page(browser, server.url + "/").ready()
+    assert not plain.find("think-toggle").is_displayed()

@@ -30,6 +30,7 @@ COMMANDS = {
     "serve": "serve an OpenAI-compatible HTTP API",
     "eval": "run lm-evaluation-harness tasks on a model",
     "batch": "answer a JSONL file of OpenAI requests (resumable)",
+    "embed": "embed a file of texts into JSONL or a .npy array",
     "export": "export to an ExecuTorch program (.pte) for phones and edge devices",
     "verify": "compare two configurations of a model layer by layer",
 }

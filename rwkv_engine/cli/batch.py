@@ -76,7 +76,8 @@ def config(args):
         dataclasses.replace(serve.engine_config(args), name="rwkv-engine batch"),
         serve.limits(args),
         ServerSettings(served_model_name=args.served_model_name),
-        RequestDefaults(sampling=common.distribution_params(args)),
+        RequestDefaults(sampling=common.distribution_params(args), embedding_task=args.embedding_task),
+        serve.chat_settings(args),
     )
 
 

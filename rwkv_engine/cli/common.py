@@ -10,6 +10,7 @@ from ..settings import (
     DEFAULT_MAX_DRAFT,
     MAX_PASS_TOKENS,
     SPECULATIVE_KINDS,
+    ChatSettings,
     ModelSpec,
     check_max_draft,
 )
@@ -298,6 +299,36 @@ def load_model(args: argparse.Namespace, progress: bool = True):
         state = rwkv_engine.load_state(model, args.state)
         model.initial_state = {k: v[0] for k, v in state.items()}
     return model, tokenizer
+
+
+def template_arg(text: str) -> str:
+    """--chat-template: auto, a built-in template's name, or a .jinja file that exists (checked
+    here, before the model loads)."""
+    from pathlib import Path
+
+    from ..templates import AUTO, BUILTIN
+
+    if text in (AUTO, *BUILTIN) or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is neither {', '.join((AUTO, *BUILTIN))} nor a template file")
+
+
+def on_off(value: bool) -> str:
+    """A --think flag's spelling of a boolean setting (its default, read from `ChatSettings.think`)."""
+    return "on" if value else "off"
+
+
+def add_template_arg(parser) -> None:
+    parser.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        type=template_arg,
+        default=ChatSettings.template,
+        help="how a conversation becomes the prompt: world (the RWKV World format), g1 (RWKV-7 G1: "
+        "thinking, ```json tool calls), or a Jinja chat template file; auto (default) takes the "
+        "model's own template (tokenizer_config.json, a .jinja beside the weights, a GGUF's), else "
+        "g1 for a model named as a G-series one (rwkv7-g1...), else world",
+    )
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:

@@ -47,6 +47,14 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--log-samples", action="store_true", help="with --output-path: include every request and response in the JSON"
     )
+    parser.add_argument(
+        "--chat-template",
+        metavar="NAME|FILE",
+        type=common.template_arg,
+        default=None,
+        help="render each prompt as a chat with this template (lm_eval's apply_chat_template): world, g1, "
+        "a Jinja file, or auto (as chat and serve choose; thinking off). Default: plain prompts",
+    )
 
 
 def run(args) -> int:
@@ -63,7 +71,14 @@ def run(args) -> int:
     from ..evaluation import RWKVEngineLM, evaluate
 
     model, tokenizer = common.load_model(args)
-    lm = RWKVEngineLM(model, tokenizer, batch_size=args.batch_size)
+    template = None
+    if args.chat_template is not None:
+        from ..settings import ChatSettings
+
+        template = ChatSettings(args.chat_template).resolve(
+            model, args.model, log=lambda line: print(line, file=sys.stderr)
+        )
+    lm = RWKVEngineLM(model, tokenizer, batch_size=args.batch_size, chat_template=template)
     results = evaluate(
         lm,
         tasks,

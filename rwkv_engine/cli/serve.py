@@ -26,7 +26,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
-from ..settings import CPU_MAX_BATCH, CUDA_MAX_BATCH, Config, EngineConfig, Limits, RequestDefaults, ServerSettings
+from ..settings import (
+    CPU_MAX_BATCH,
+    CUDA_MAX_BATCH,
+    ChatSettings,
+    Config,
+    EngineConfig,
+    Limits,
+    RequestDefaults,
+    ServerSettings,
+)
 from . import common
 
 HELP = "Serve an OpenAI-compatible HTTP API (completions, chat completions) with continuous batching."
@@ -255,6 +264,22 @@ def add_engine_arguments(parser) -> None:
         help="memory for cached prompt-prefix states, in MiB; 0 = off (default: %(default)s)",
     )
     e.add_argument(
+        "--state-store",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="also keep the prompt-cache states in this directory (created if missing; one safetensors "
+        "file per state, written in the background): conversations resume after a restart, and on other "
+        "servers of the same model sharing the directory (default: memory only)",
+    )
+    e.add_argument(
+        "--state-store-mb",
+        type=_non_negative,
+        metavar="MB",
+        default=EngineConfig.state_store_bytes >> 20,
+        help="most MiB of state files in --state-store; the least recently used go first (default: %(default)s)",
+    )
+    e.add_argument(
         "--max-prompt-tokens",
         type=_positive,
         metavar="N",
@@ -275,6 +300,32 @@ def add_engine_arguments(parser) -> None:
         default=Limits.max_body_bytes >> 10,
         help="largest request body, in KiB (default: %(default)s)",
     )
+    m = parser.add_argument_group("embeddings and reranking (/v1/embeddings, /v1/rerank; docs/server.md)")
+    m.add_argument(
+        "--reranker",
+        metavar="FILE",
+        default=EngineConfig.reranker,
+        help="an EmbeddingRWKV reranker checkpoint (the model must be its embedder): serves /v1/rerank",
+    )
+    m.add_argument(
+        "--rerank-instruction",
+        metavar="TEXT",
+        default=EngineConfig.rerank_instruction,
+        help="the reranker's instruction (default: the one it was trained with)",
+    )
+    m.add_argument(
+        "--embedding-task",
+        choices=("retr", "cls", "sts"),
+        default=RequestDefaults.embedding_task,
+        help="an EmbeddingRWKV model's task head for requests that name none (default: retr)",
+    )
+    m.add_argument(
+        "--max-embedding-inputs",
+        type=_positive,
+        metavar="N",
+        default=Limits.max_embedding_inputs,
+        help="most inputs of one embeddings request, documents of one rerank (default: %(default)s)",
+    )
     from ..sampling_params import SamplingParams
 
     d = parser.add_argument_group(
@@ -282,6 +333,25 @@ def add_engine_arguments(parser) -> None:
     )
     common.add_distribution_args(d, SamplingParams())
     common.add_speculative_args(parser)
+    add_chat_arguments(parser)
+
+
+def add_chat_arguments(parser) -> None:
+    """How chat requests become prompts: `serve` and `batch` share them."""
+    c = parser.add_argument_group("chat template and thinking (see docs/server.md)")
+    common.add_template_arg(c)
+    c.add_argument(
+        "--think",
+        choices=["on", "off"],
+        default=common.on_off(ChatSettings.think),
+        help="whether a reasoning model (G1) thinks when a chat request does not say "
+        "(reasoning_effort, chat_template_kwargs.enable_thinking) (default: %(default)s)",
+    )
+
+
+def chat_settings(args) -> ChatSettings:
+    """The chat flags (`add_chat_arguments`) as `ChatSettings`."""
+    return ChatSettings(template=args.chat_template, think=args.think == "on")
 
 
 def engine_config(args) -> EngineConfig:
@@ -291,17 +361,37 @@ def engine_config(args) -> EngineConfig:
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
         state_cache_bytes=args.state_cache_mb << 20,
+        state_store=state_store(args.state_store),
+        state_store_bytes=args.state_store_mb << 20,
         speculative=args.speculative,
         draft=args.draft,
         draft_quantization=args.draft_quantization,
         max_draft=args.max_draft,
+        reranker=args.reranker,
+        rerank_instruction=args.rerank_instruction,
     )
+
+
+def state_store(path: Path | None) -> str | None:
+    """--state-store as an absolute path (Ray replicas may run elsewhere), created if missing."""
+    if path is None:
+        return None
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--state-store {path}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--state-store {path}: cannot create it ({e.strerror})") from None
+    return str(path.resolve())
 
 
 def limits(args) -> Limits:
     """The request limits (`add_engine_arguments`) as `Limits`."""
     return Limits(
-        max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens, max_body_bytes=args.max_body_kb << 10
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens=args.max_tokens,
+        max_body_bytes=args.max_body_kb << 10,
+        max_embedding_inputs=args.max_embedding_inputs,
     )
 
 
@@ -328,8 +418,8 @@ def config(args, environ=None) -> Config:
         shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level,
     )
-    defaults = RequestDefaults(sampling=common.distribution_params(args))
-    return Config(common.model_spec(args), engine_config(args), limits(args), server, defaults)
+    defaults = RequestDefaults(sampling=common.distribution_params(args), embedding_task=args.embedding_task)
+    return Config(common.model_spec(args), engine_config(args), limits(args), server, defaults, chat_settings(args))
 
 
 def parse(argv: list[str]):

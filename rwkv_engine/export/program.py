@@ -237,6 +237,7 @@ def export_program(
     policy=None,
 ) -> ExportReport:
     """Export `model` (loaded in fp32) to an ExecuTorch program at `path`; see the module docstring."""
+    model.require_lm_head()  # (its methods return logits)
     if quantization not in QUANTIZATIONS:
         raise InputError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if backend not in BACKENDS:

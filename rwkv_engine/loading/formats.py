@@ -52,6 +52,10 @@ def dtype_of(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+# The one non-tensor entry a checkpoint may hold: an EmbeddingRWKV reranker's list of the
+# embedder layers whose states its blocks start from (loading/reranker.py); read as an int64 tensor.
+RERANKER_LAYERS = "reranker_layer_idx"
+
 # Keys that only the `rwkv` pip package's own converted files contain.
 _PIP_CONVERTED_KEYS = ("_strategy", "_version", "_rescale_layer")
 
@@ -129,6 +133,13 @@ class Checkpoint:
                 share[self._dtypes[k]] = share.get(self._dtypes[k], 0) + math.prod(self._shapes[k])
         return max(share, key=share.get) if share else torch.float32
 
+    def select(self, names: dict[str, str], where: Path | None = None) -> Checkpoint:
+        """A checkpoint of some of these tensors, under new names ({old: new}), read lazily as these are."""
+        sub = Checkpoint(where or self.where)
+        for old, new in names.items():
+            sub.add(new, self._shapes[old], self._dtypes[old], self._getters[old], mapped=old in self.mapped)
+        return sub
+
     def rename(self, mapping: Callable[[str], str], transposed: Callable[[str], bool] = lambda name: False) -> None:
         """New names for every tensor; the 2-D ones for which `transposed(old name)` holds are transposed."""
         getters, shapes, dtypes, mapped = self._getters, self._shapes, self._dtypes, self.mapped
@@ -193,6 +204,8 @@ def _add_torch_file(ck: Checkpoint, path: Path, kind: str) -> None:
                 f"{path}: this file was converted by the `rwkv` pip package (it has a {k!r} entry); "
                 "load the original checkpoint instead"
             )
+        if k == RERANKER_LAYERS and isinstance(v, (list, tuple)) and all(type(i) is int for i in v):
+            v = torch.tensor(v, dtype=torch.long)
         if not isinstance(k, str) or not isinstance(v, Tensor):
             raise CheckpointError(f"{path}: expected a flat dict of tensors, but {k!r} is a {type(v).__name__}")
         ck.add(k, v.shape, v.dtype, lambda v=v: v, mapped=kind == "torch-zip")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ..config import ModelConfig
+from ..config import TASKS, ModelConfig
 from ..errors import CheckpointError, UnsupportedModelError
 from .formats import Checkpoint
 
@@ -16,6 +16,12 @@ def _version(ck: Checkpoint) -> str:
         raise CheckpointError(
             f"{ck.where}: a state-only file (time_state tensors, no weights): load the model it was tuned "
             "on and give this file as its state (--state FILE, rwkv_engine.load_state(model, path))"
+        )
+    if "emb.weight" not in ck and any(k.startswith("reranker.") for k in keys):
+        raise CheckpointError(
+            f"{ck.where}: an EmbeddingRWKV reranker (reranker.* tensors): it scores the states of its "
+            "embedding model, so it cannot run alone; load the embedding model and give this file as its "
+            "reranker (rwkv_engine.load_reranker(model, path))"
         )
     if "emb.weight" not in ck or not any(k.startswith("blocks.") for k in keys):
         raise CheckpointError(f"{ck.where}: not an RWKV checkpoint (no emb.weight / blocks.* tensors)")
@@ -57,6 +63,30 @@ def _size(ck: Checkpoint, name: str, axis: int) -> int:
 _HF_MODEL_TYPES = {"rwkv": 4, "rwkv5": 5, "rwkv6": 6, "rwkv7": 7}
 
 
+_TASK_HEAD = re.compile(r"head\.(\w+)_head\.fc1\.weight")
+
+
+def _heads(ck: Checkpoint) -> dict:
+    """The ModelConfig fields of the heads the checkpoint has (docs/models.md, Embeddings)."""
+    tasks = sorted(m.group(1) for k in ck.keys() if (m := _TASK_HEAD.fullmatch(k)))
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise CheckpointError(
+            f"{ck.where}: unknown task head head.{unknown[0]}_head (EmbeddingRWKV's are {', '.join(TASKS)})"
+        )
+    heads = dict(lm_head="head.weight" in ck, score_head="head.0.weight" in ck)
+    if tasks:
+        heads.update(task_heads=tuple(tasks), task_dim=_size(ck, f"head.{tasks[0]}_head.fc1.weight", 0))
+    if not (heads["lm_head"] or tasks or heads["score_head"]):
+        partial = sorted(k for k in ck.keys() if k.startswith("head."))
+        raise CheckpointError(
+            f"{ck.where}: no head: neither a language-model head (head.weight) nor an EmbeddingRWKV task head "
+            f"(head.retr_head.fc1.weight, ...{'; found only ' + ', '.join(partial[:3]) if partial else ''}); "
+            "an EmbeddingRWKV file needs its task heads"
+        )
+    return heads
+
+
 def infer_config(ck: Checkpoint) -> ModelConfig:
     hf = ck.hf_config
     if hf is not None:
@@ -93,6 +123,7 @@ def infer_config(ck: Checkpoint) -> ModelConfig:
             lora_value=_size(ck, "blocks.1.att.v1", 1) if n_layer > 1 else 0,
         )
     head_size = A // n_head if n_head else 0
+    heads = _heads(ck)
     cfg = ModelConfig(
         version=version,
         n_layer=n_layer,
@@ -103,6 +134,7 @@ def infer_config(ck: Checkpoint) -> ModelConfig:
         n_head=n_head,
         head_size=head_size,
         **lora,
+        **heads,
     )
     if hf is not None:
         checks = [("num_hidden_layers", n_layer), ("hidden_size", C), ("vocab_size", V)]

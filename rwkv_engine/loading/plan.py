@@ -27,7 +27,7 @@ from .infer import infer_config
 from .names import canonical_name, stored_transposed
 from .progress import Progress
 from .resolve import resolve
-from .transforms import deep_embed_table, embedding, initial_state, target_name, transform
+from .transforms import deep_embed_table, embedding, initial_state, source_name, target_name, transform
 
 Tensor = torch.Tensor
 
@@ -50,7 +50,7 @@ def _check_names(ck: Checkpoint, cfg: ModelConfig, expected) -> dict[str, str | 
             "an RWKV checkpoint's tensors are floating-point"
         )
     have = {t for t in mapping.values() if t is not None}
-    missing = sorted(k for k in expected if k not in have and k != "emb.weight")
+    missing = sorted(source_name(k) for k in expected if k not in have and k != "emb.weight")
     if "blocks.0.ln0.weight" not in ck or "blocks.0.ln0.bias" not in ck:
         missing.insert(0, "blocks.0.ln0.weight/bias")
     if missing:
@@ -305,6 +305,11 @@ def load(
     )
     if plan_.built:  # a converted directory or an exported program: loaded as it is
         return plan_.model
+    return assemble(plan_, progress)
+
+
+def assemble(plan_: Plan, progress: bool = True) -> RWKV:
+    """The model of a checkpoint's Plan, its tensors read, transformed and assigned one at a time."""
     device = plan_.device
     plan_.huge_pages = device.type == "cpu"  # each tensor as it comes: no second copy of the model
     model = plan_.model
@@ -362,6 +367,35 @@ def prepare(
         model.dtype_reason = "explicit" if explicit is not None else "the converted directory's"
         return Plan.of_built(_finish(model, path, device))
     ck = open_checkpoint(path)
+    _note_unsupported_parts(ck)
+    return plan_checkpoint(ck, path, device, explicit, dtype, quantization, scheme, group_size, policy, rescale_every)
+
+
+def _note_unsupported_parts(ck: Checkpoint) -> None:
+    if any(k.startswith(("vit.", "proj.")) for k in ck.keys()):
+        print(
+            f"note: {ck.where}: the image tower of this vision EmbeddingRWKV (vit.*, proj.*) is not loaded; "
+            "the model embeds text",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def plan_checkpoint(
+    ck: Checkpoint,
+    path: Path,
+    device: torch.device,
+    explicit: torch.dtype | None,
+    dtype=None,
+    quantization: str | None = None,
+    scheme=None,
+    group_size: int | None = None,
+    policy=None,
+    rescale_every: int | None = None,
+) -> Plan:
+    """The Plan of an opened checkpoint (BlinkDL, Hugging Face or fla names): its names made
+    canonical, its config inferred, its dtype chosen (`explicit`, else implied by the scheme,
+    else `auto_dtype`); `dtype` is the caller's spelling of it, for messages."""
     ck.rename(canonical_name, transposed=stored_transposed)
     cfg = infer_config(ck)
     if ck.ggml is not None:

@@ -20,10 +20,30 @@ Tensor = torch.Tensor
 _REVERSED_MIX = re.compile(r"\.(att\.time_maa_[xwkvrg]|ffn\.time_maa_[kr]|att\.x_[rwkvag]|ffn\.x_k)$")
 
 
+# Tensors of an EmbeddingRWKV file that the model itself does not hold: its reranker (read by
+# loading/reranker.py from the same or its own file) and the image tower of its vision variant.
+_NOT_OURS = ("reranker.", "reranker_layer_idx", "vit.", "proj.")
+_TASK_HEAD = re.compile(r"head\.(\w+)_head\.(fc1\.weight|fc2\.weight|norm\.weight|norm\.bias)")
+# A reranker's scoring head, nn.Sequential(Linear(C, C), Tanh, Linear(C, 1, bias=False)) in its file.
+_HEADS = {
+    "head.0.weight": "score_head.dense_w",
+    "head.0.bias": "score_head.dense_b",
+    "head.2.weight": "score_head.out_w",
+}
+
+
 def target_name(name: str, family: int) -> str | None:
     """Our module's parameter name for a canonical tensor name (None: consumed elsewhere)."""
     if name.startswith("blocks.0.ln0."):
         return None
+    if name.startswith(_NOT_OURS):
+        return None  # an EmbeddingRWKV file's reranker (loading/reranker.py) or image tower (unsupported)
+    if name in _HEADS:
+        return _HEADS[name]
+    m = _TASK_HEAD.fullmatch(name)
+    if m:  # EmbeddingRWKV's task heads: head.retr_head.fc1.weight -> task_heads.retr.fc1
+        task, part = m.groups()
+        return f"task_heads.{task}.{part.removesuffix('.weight') if part.startswith('fc') else part}"
     if family >= 6 and name.endswith(".att.time_state"):
         return None  # the initial state, see initial_state()
     if family == 6:
@@ -44,11 +64,25 @@ def target_name(name: str, family: int) -> str | None:
     return name
 
 
+def source_name(target: str) -> str:
+    """The checkpoint's name of a head parameter of ours (for messages; others are returned as they are)."""
+    heads = {v: k for k, v in _HEADS.items()}
+    if target in heads:
+        return heads[target]
+    m = re.fullmatch(r"task_heads\.(\w+)\.(fc1|fc2|norm\.weight|norm\.bias)", target)
+    if m:
+        part = m.group(2)
+        return f"head.{m.group(1)}_head.{part}{'.weight' if part.startswith('fc') else ''}"
+    return target
+
+
 def transform(
     name: str, t: Tensor, cfg: ModelConfig, dtype: torch.dtype, rescale_every: int, real_bonus: bool
 ) -> Tensor:
     """The tensor our module holds for the canonical tensor `name`."""
     layer = int(name.split(".")[1]) if name.startswith("blocks.") else 0
+    if name.startswith("head.") and name != "head.weight":
+        return t.float()  # the task and score heads: fp32 whatever the model dtype (models/heads.py)
     if cfg.family >= 6:
         if _REVERSED_MIX.search(name):
             return 1 - t.float().reshape(-1)

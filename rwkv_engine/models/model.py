@@ -1,8 +1,9 @@
-"""The RWKV model: embedding, blocks of time mix + channel mix, head; prefill and decode.
+"""The RWKV model: embedding, blocks of time mix + channel mix, heads; prefill and decode.
 
-One class serves every version; the version picks the time-mix module. The residual stream, the
-LayerNorms and the recurrent state are fp32; the big matrices (nn.Linear, swappable for quantized
-modules) run in the model dtype. With fp16 weights the loader divides each block's output
+One class serves every version; the version picks the time-mix module, and the checkpoint's
+tensors pick the heads: the LM head, EmbeddingRWKV's task heads or a reranker's score head
+(models/heads.py). The residual stream, the LayerNorms and the recurrent state are fp32; the big
+matrices (nn.Linear, swappable for quantized modules) run in the model dtype. With fp16 weights the loader divides each block's output
 matrices by 2**(layer // rescale_every) and the forward halves the residual every
 `rescale_every` blocks, so fp16 matmul outputs stay in range; the LayerNorms make it exact.
 """
@@ -21,6 +22,7 @@ from ..kernels.native import GEMV_MAX_ROWS
 from ..state import State
 from . import native_step
 from .cuda_graph import DecodeGraphs
+from .heads import ScoreHead, TaskHead
 from .layers import LORA_DTYPES, ChannelMix, Embedding
 from .native_step import DecodeStep
 from .rwkv4 import TimeMix4
@@ -55,6 +57,30 @@ def prefill_end(start: int, total: int, chunk: int, rows: int = 1) -> int:
     """
     end = min(start + chunk, total)
     return total if total - end <= GEMV_MAX_ROWS // max(rows, 1) else end
+
+
+# The chunked WKV kernels' chunk (kernels/wkv5.py, wkv7.py): a piece cut short of its chunk ends
+# at a multiple of this from where it started, so it is cut where a whole prefill's WKV cuts too.
+WKV_CHUNK = 32
+
+
+def prefill_piece_end(start: int, total: int, chunk: int, budget: int) -> int:
+    """End of the next prefill piece of a prompt of `total` tokens read from `start`, reading at
+    most `budget` tokens; `start` itself when no piece fits.
+
+    The piece ends at the prompt's next cut on its grid of `chunk` tokens (the cuts of
+    `prefill_cuts`, where the prompt-state cache keeps states; `prefill_end` from a cut), or,
+    when that is past the budget, at the most whole WKV_CHUNKs from `start` that fit and leave
+    more than GEMV_MAX_ROWS tokens. Every piece but a whole rest is longer than GEMV_MAX_ROWS, so
+    a prompt read in such pieces gets the bits of one `forward` over it (`prefill_end`), however
+    the budget cut it, for a chunk that is a multiple of WKV_CHUNK."""
+    end = prefill_end(start - start % chunk, total, chunk)
+    if end - start <= budget:
+        return end
+    end = start + budget - budget % WKV_CHUNK
+    while end > start and total - end <= GEMV_MAX_ROWS:
+        end -= WKV_CHUNK
+    return end if end - start > GEMV_MAX_ROWS else start
 
 
 def prefill_cuts(total: int, chunk: int) -> list[int]:
@@ -153,7 +179,11 @@ class RWKV(nn.Module):
         self.emb = Embedding(cfg.vocab_size, cfg.n_embd, _weight=torch.empty(cfg.vocab_size, cfg.n_embd, dtype=dtype))
         self.blocks = nn.ModuleList(Block(cfg, dtype, i) for i in range(cfg.n_layer))
         self.ln_out = nn.LayerNorm(cfg.n_embd)
-        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=dtype)
+        # The heads the checkpoint has (ModelConfig): the LM head, EmbeddingRWKV's task heads
+        # (embedding.py pools the hidden states into them), a reranker's score head.
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, dtype=dtype) if cfg.lm_head else None
+        self.task_heads = nn.ModuleDict({t: TaskHead(cfg.n_embd, cfg.task_dim) for t in cfg.task_heads})
+        self.score_head = ScoreHead(cfg.n_embd) if cfg.score_head else None
         self._state_shapes = {
             "att_x_prev": ((cfg.n_embd,), 0.0),
             **TIME_MIX[cfg.family].state_shapes(cfg),
@@ -242,6 +272,15 @@ class RWKV(nn.Module):
     def _logits(self, x: Tensor) -> Tensor:
         return self.head(self.ln_out(x).to(self.dtype)).float()
 
+    def require_lm_head(self) -> None:
+        """InputError unless the model has a language-model head (what logits, generation, export need)."""
+        if self.head is None:
+            kind = "a reranker" if self.config.score_head else "an embedding model (EmbeddingRWKV)"
+            raise InputError(
+                f"this is {kind}: it has no language-model head, so it gives no logits and cannot generate; "
+                "it embeds (rwkv_engine.embed, rwkv-engine embed) and reranks"
+            )
+
     @torch.no_grad()
     def forward(self, tokens, state: State | None = None, all_logits: bool = False) -> tuple[Tensor, State]:
         """Run the model over `tokens`, starting from `state` (a fresh one if None).
@@ -252,13 +291,10 @@ class RWKV(nn.Module):
         never modified. Any length runs in bounded memory: the sequence is processed in chunks
         of PREFILL_CHUNK tokens (see `prefill_end`) with the state carried between them.
         """
+        self.require_lm_head()
         ids, one_d = self._check_tokens(tokens)
         B, T = ids.shape
-        if state is None:
-            state = self.new_state(B)
-        else:
-            self._check_state(state, B)
-        state = state.to(self.device) if state.device != self.device else state
+        state = self._start_state(state, B)
         native = self.native_decode and self.layer_observer is None  # the fused step shows no layers
         if T == 1 and self.layer_observer is None and self._graph_decode():
             logits, new_state = self._decode_graphs()(ids[:, 0], state)
@@ -268,6 +304,58 @@ class RWKV(nn.Module):
             step = self._decode_step()
             if step is not None:
                 return self._forward_native(step, ids, state, all_logits, one_d)
+        outs = []
+        last = None
+
+        def take(start: int, x: Tensor) -> None:
+            nonlocal last
+            if all_logits:
+                outs.append(self._logits(x))
+            last = x
+
+        new_state = self._prefill(ids, state, take)
+        logits = torch.cat(outs, dim=1) if all_logits else self._logits(last[:, -1])
+        return (logits[0] if one_d else logits), new_state
+
+    @torch.no_grad()
+    def hidden(self, tokens, state: State | None = None) -> tuple[Tensor, State]:
+        """The final hidden states (after ln_out, fp32) of every position, and the new state.
+
+        tokens as `forward`'s; returns ([T, C] or [B, T, C], new_state). What the LM head reads,
+        and what embeddings are pooled from (rwkv_engine/embedding.py, which reduces each piece
+        as it comes instead of keeping all of them). The given state is never modified.
+        """
+        ids, one_d = self._check_tokens(tokens)
+        state = self._start_state(state, ids.shape[0])
+        pieces = []
+        new_state = self._prefill(ids, state, lambda start, x: pieces.append(self.final_norm(x)))
+        out = torch.cat(pieces, dim=1)
+        return (out[0] if one_d else out), new_state
+
+    @torch.no_grad()
+    def prefill(self, tokens, state: State | None = None, each: Callable[[int, Tensor], None] | None = None) -> State:
+        """The state after `tokens` (from `state`, a fresh one if None), no head computed: what a
+        model without an LM head (an embedder) gives for a prefix, e.g. a document a reranker
+        will read. each(start, x), when given, receives every piece's last-block output x [B, t, C]
+        (fp32, before ln_out; positions start .. start + t) as it comes: embedding.py pools them."""
+        ids, _ = self._check_tokens(tokens)
+        return self._prefill(ids, self._start_state(state, ids.shape[0]), each or (lambda start, x: None))
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """The last block's output x [..., C] -> the final hidden state (ln_out), fp32."""
+        return self.ln_out(x).float()
+
+    def _start_state(self, state: State | None, batch_size: int) -> State:
+        if state is None:
+            return self.new_state(batch_size)
+        self._check_state(state, batch_size)
+        return state.to(self.device) if state.device != self.device else state
+
+    def _prefill(self, ids: Tensor, state: State, take: Callable[[int, Tensor], None]) -> State:
+        """ids [B, T] through the block stack in pieces (`prefill_end`), the state carried;
+        take(start, x) gets each piece's last-block output x [B, t, C] (fp32, before ln_out) as it
+        comes, so memory stays bounded by the piece for any T. Returns the new state."""
+        B, T = ids.shape
         L = self.config.n_layer
         # The new state is written layer by layer into tensors allocated once: per-layer state
         # tensors living between the big temporaries fragment the heap and raise the peak RSS.
@@ -280,16 +368,12 @@ class RWKV(nn.Module):
                 new[k][:, i].copy_(v)
             layers[i] = {k: new[k][:, i] for k in fields}
 
-        outs = []
         start = 0
         while start < T:
             end = prefill_end(start, T, chunk, B)
-            x = self.run_blocks(self.emb(ids[:, start:end]).float(), layers, keep, ids[:, start:end])
+            take(start, self.run_blocks(self.emb(ids[:, start:end]).float(), layers, keep, ids[:, start:end]))
             start = end
-            if all_logits:
-                outs.append(self._logits(x))
-        logits = torch.cat(outs, dim=1) if all_logits else self._logits(x[:, -1])
-        return (logits[0] if one_d else logits), State(new, state.signature)
+        return State(new, state.signature)
 
     def run_blocks(
         self,

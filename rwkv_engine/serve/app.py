@@ -3,6 +3,8 @@
     GET  /v1/models              the one model served
     POST /v1/completions         text (or token ids) -> continuation; stream or not
     POST /v1/chat/completions    messages (World chat format) -> reply; stream or not
+    POST /v1/embeddings          text (or token ids) -> vectors (serving_embedding.py)
+    POST /v1/rerank, /rerank     a query and documents -> relevance scores (with --reranker)
     POST /tokenize, /detokenize  text <-> token ids (llama.cpp and vLLM bodies; also under /v1/)
     GET  /tokenizer_info         vLLM's tokenizer description (lm-eval's remote tokenizer probe)
     GET  /health                 200 {"status": "ok"} while the engine runs; 503 {"status": "starting"}
@@ -41,16 +43,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..settings import Config
-from . import serving_chat, serving_completion, serving_tokenize, webui
+from ..templates import ChatTemplate
+from . import serving_chat, serving_completion, serving_embedding, serving_tokenize, webui
 from .context import ServingContext
 from .engine import Engine
 from .errors import APIError, error_response
 from .security import Guard, allowed_hosts
 
 
-def create_app(engine: Engine, config: Config) -> FastAPI:
-    """The FastAPI application serving `engine` (started and stopped with the app's lifespan)."""
-    ctx = ServingContext(engine, config)
+def create_app(engine: Engine, config: Config, template: ChatTemplate | None = None) -> FastAPI:
+    """The FastAPI application serving `engine` (started and stopped with the app's lifespan).
+    template: the chat template, resolved (`build` resolves it once and logs the choice); None:
+    resolved here from `config.chat`."""
+    ctx = ServingContext(engine, config, template)
     server = config.server
 
     @asynccontextmanager
@@ -84,7 +89,7 @@ def create_app(engine: Engine, config: Config) -> FastAPI:
             engine.metrics.render(engine.gauges), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    for module in (serving_tokenize, serving_completion, serving_chat):
+    for module in (serving_tokenize, serving_completion, serving_chat, serving_embedding):
         app.include_router(module.router(ctx))
     return app
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import StateError
 from ..settings import Config
 from ..state import State, load_state
+from ..templates import ChatTemplate
 from . import protocol as p
 from .engine import Engine
 from .errors import APIError
@@ -20,9 +21,11 @@ class ServingContext:
     """The shared state of the routes. Settings are read from `config` (rwkv_engine/settings.py),
     the one place they are written; nothing here copies them."""
 
-    def __init__(self, engine: Engine, config: Config):
+    def __init__(self, engine: Engine, config: Config, template: ChatTemplate | None = None):
         self.engine, self.config = engine, config
         self.model_name = config.model_name
+        # The chat template, resolved for the model (settings.ChatSettings.resolve).
+        self.template = template or config.chat.resolve(engine.model, config.model.model)
         self.tokenizer, self.model, self.metrics = engine.tokenizer, engine.model, engine.metrics
         self.token_text = TokenText(self.tokenizer)
         self.states = SavedStates(config.server.state_dir, self.model)

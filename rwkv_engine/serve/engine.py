@@ -5,9 +5,10 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
 
 1. drops cancelled requests (their batch rows are free for this turn) and admits waiting
    requests while fewer than `max_batch` prompts are being read or wait for their first row;
-2. prefills up to `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
-   piece of the first, which then goes to the back of the line, then (if the budget is not
-   spent) of the next one. The work is a request's prompt, or a speculating row's draft model
+2. prefills at most `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
+   piece of the first, cut to the budget left, which then goes to the back of the line, then
+   (if the budget is not spent) of the next one; a piece that does not fit waits for the next
+   turn (`_prefill`). The work is a request's prompt, or a speculating row's draft model
    reading what it has not read (its prompt, or what it missed while drafting paused). So a
    short prompt that arrives while a long one is being read waits for about one piece of it,
    not for the whole of it. A prompt is read without holding batch rows: a long one, or an
@@ -24,8 +25,8 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
    the request's own parameters and random generator, speculating rows by speculative
    acceptance (speculative.py), both drawing from `Sampler.prepare`.
 
-So new prompts delay the running requests by about one chunk of prefill per decode step; they
-are never paused for a whole prompt. A row leaves the batch when its `TextStream` ends (stop
+So new prompts delay the running requests by at most one chunk of prefill per decode step
+(tests/test_engine_fairness.py counts it); they are never paused for a whole prompt. A row leaves the batch when its `TextStream` ends (stop
 token, stop string, max_tokens) or when it is cancelled; the batch state drops it.
 
 Batched = alone, bit for bit (on the CPU, with the native kernels): a request gets the tokens
@@ -44,22 +45,31 @@ Batched = alone, bit for bit (on the CPU, with the native kernels): a request ge
 
 Prompt-state cache (prompt_cache.py): the state after every full chunk of a prompt is kept; a new
 prompt resumes from the longest cached prefix at which its own cold prefill would cut, so a
-resumed prefill runs the very same forward calls on the very same state as a cold one.
+resumed prefill runs the very same forward calls on the very same state as a cold one. With
+`state_store` (`--state-store`), the cache's states are also written to disk off the engine
+thread and looked for there on a miss in memory (state_store.py): a conversation resumes after a
+restart, or on another replica sharing the directory, with the same answer as a cold prefill.
 
 Choices (`Request.n` > 1, up to 128): the prompt is prefilled once; each choice is sampled with
 its own `Sampler` (choice i of a seeded request uses seed + i, so it equals the same request with
 n = 1 and that seed), starts when a row is free for it and ends on its own.
+
+Embeddings and rerank scores (`submit_inputs`, an `InputsRequest`): inputs read with nothing
+generated are `InputsPrefill` work (work.py) beside the prompts, in the same round-robin and the
+same budget: each step reads one piece of at most `prefill_chunk` padded tokens (several short
+inputs right-padded in one [B, T] forward, or a piece of a long one; embedding.Embedding), then
+the work goes to the back of the line. So a job of a thousand texts takes one piece per turn and
+the decode step still runs every turn: a streaming chat waits one piece per token, and a chat
+admitted meanwhile has its prompt read next turn. Such work holds no batch row; it counts as
+one request in the queue and as one prompt being read. Rerank reads each document's prefix
+alone and keeps its end state in the prompt cache (`PromptCache.get`, exact prefix), so the
+same documents against another query read only the query.
 
 Where the next steps attach (none of them is built here):
 * A mixed step (a prefill piece and the decode passes in one forward under one token budget) is
   an arrangement of `_turn`: `PromptPrefill.piece` gives a piece's forward arguments and
   `PromptPrefill.absorb` takes its output; in `DecodeBatch.step`, `_feeds` gives the decode
   rows' tokens, `passes` runs their forwards and `_decide` takes their logits.
-* A request that only reads its prompt (an embedding) is another `Prefill`: it needs no batch
-  row (admission counts prompts, not rows), and `_prefilled` is where its end would pool the
-  hidden states and finish it instead of starting choices.
-* A disk-backed state store sits behind `PromptCache.put` and `PromptCache.lookup`, the only
-  two calls the prefill makes to the cache (prompt_cache.py).
 
 Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each sampled token's
 `Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
@@ -88,6 +98,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..embedding import Embedding, Reranking
 from ..errors import InputError
 from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
@@ -99,10 +110,11 @@ from ..state import State
 from ..structured import grammar_for
 from .decode import DecodeBatch, token_entries
 from .logprobs import MAX_TOP_LOGPROBS
-from .messages import Delta, EngineStopped, Finished, Prompt, QueueFull, Request, Sink
+from .messages import Delta, EngineStopped, Finished, InputsRequest, Prompt, QueueFull, Read, Request, Sink
 from .metrics import Metrics
 from .prompt_cache import PromptCache
-from .work import DraftPrefill, Group, Prefill, PromptPrefill, Row, fail
+from .state_store import StateStore, model_key
+from .work import DraftPrefill, Group, InputsPrefill, Prefill, PromptPrefill, Row, fail
 
 __all__ = [
     "Delta",
@@ -111,9 +123,11 @@ __all__ = [
     "EngineStopped",
     "Finished",
     "Handle",
+    "InputsRequest",
     "Prompt",
     "PromptCache",
     "QueueFull",
+    "Read",
     "Request",
     "decode_rows",
 ]
@@ -144,12 +158,15 @@ class Handle:
 class Engine:
     """See the module docstring. `start()` it, `submit()` requests, `stop()` it."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None, metrics: Metrics | None = None):
+    def __init__(
+        self, model, tokenizer, config: EngineConfig | None = None, metrics: Metrics | None = None, reranker=None
+    ):
         self.model = model
+        self.reranker = reranker  # embedding.Reranker over `model`, for rerank requests; None: none
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.metrics = metrics or Metrics()
-        self.cache = PromptCache(self.config.state_cache_bytes)
+        self.cache = PromptCache(self.config.state_cache_bytes, self._state_store())
         self._cond = threading.Condition()
         self._waiting: deque[Group] = deque()  # guarded by _cond
         self._wake = False  # guarded by _cond: a cancel to handle
@@ -168,6 +185,20 @@ class Engine:
         self._warm = False  # warmed up (see _warm_up)
         self.speculative = SpeculativeStats()  # of every speculating row (engine thread)
         self._draft = None  # the draft model's DraftModel, loaded at the first request that needs it
+
+    def _state_store(self) -> StateStore | None:
+        cfg = self.config
+        if cfg.state_store is None:
+            return None
+        model = self.model
+        return StateStore(
+            cfg.state_store,
+            cfg.state_store_bytes,
+            model_key(model),
+            check=lambda state: state.check_usable(model),
+            name=cfg.name,
+            count=lambda what, n: self.metrics.inc(f"state_store_{what}_total", n),
+        )
 
     # --- control (any thread) -------------------------------------------------------------------
 
@@ -193,6 +224,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.cache.store is not None:  # the states queued for the disk are written first
+            self.cache.store.close(timeout)
 
     def submit(self, request: Request, sink: Sink) -> Handle:
         """Queue a request. Raises InputError (bad ids or params), QueueFull, EngineStopped."""
@@ -211,13 +244,7 @@ class Engine:
             )
         prepared = [self._prepare(request) for request, _ in requests]
         with self._cond:
-            if not self.alive:
-                raise EngineStopped("the engine is not running")
-            # max_batch requests run (their prompts read, their choices decoded); the others wait.
-            if self._live + len(requests) > capacity:
-                waiting = max(0, self._live - self.config.max_batch)
-                raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
-            self._live += len(requests)
+            self._reserve(len(requests))
             handles = []
             for (request, sink), (samplers, streams) in zip(requests, prepared):
                 group = Group(next(self._ids), request, sink, self.metrics, self._request_done)
@@ -227,8 +254,41 @@ class Engine:
             self._cond.notify_all()
         return handles
 
+    def submit_inputs(self, request: InputsRequest, sink: Sink) -> Handle:
+        """Queue an embedding (or, with `request.query`, a rerank) request: `sink` gets one `Read`,
+        or a `Finished` ("error", "cancelled"). Raises InputError (no inputs, no reranker, a task
+        the model has no head for), QueueFull, EngineStopped."""
+        if not request.inputs:
+            raise InputError("no inputs to read")
+        cfg = self.config
+        if request.query is None:
+            work = Embedding(self.model, request.inputs, request.task, request.normalize, cfg.prefill_chunk)
+        elif self.reranker is None:
+            raise InputError("this server has no reranker (start it with --reranker FILE)")
+        else:
+            cache = _DocumentCache(self.cache) if self.cache.capacity else None
+            work = Reranking(self.reranker, request.inputs, request.query, cfg.prefill_chunk, cache)
+        with self._cond:
+            self._reserve(1)
+            item = InputsPrefill(next(self._ids), work, sink, self.metrics, self._inputs_done)
+            self._waiting.append(item)
+            self._cond.notify_all()
+        return Handle(self, item)
+
+    def _reserve(self, n: int) -> None:
+        """Count n more live requests, or raise (EngineStopped, QueueFull). Holding _cond."""
+        if not self.alive:
+            raise EngineStopped("the engine is not running")
+        # max_batch requests run (their prompts read, their choices decoded); the others wait.
+        if self._live + n > self.config.max_batch + self.config.max_queue:
+            waiting = max(0, self._live - self.config.max_batch)
+            raise QueueFull(f"the server is busy: {waiting} requests are already waiting")
+        self._live += n
+
     def _prepare(self, request: Request) -> tuple[list[Sampler], list[TextStream]]:
         """Check a request (its prompt ids are normalised in place); each choice's sampler and stream."""
+        if not self.model.config.lm_head:
+            raise InputError("this model embeds; it does not generate (it has no language-model head)")
         vocab = self.model.config.vocab_size
         request.prompt_ids = encode_prompt(self.tokenizer, request.prompt_ids, vocab)
         if request.start_state is not None and request.start_state.batch_size != 1:
@@ -275,7 +335,7 @@ class Engine:
         queued, and requests whose prompt is read waiting for a batch row."""
         with self._cond:
             waiting = len(self._waiting)
-        reading = sum(isinstance(w, PromptPrefill) for w in list(self._prefilling))
+        reading = sum(isinstance(w, (PromptPrefill, InputsPrefill)) for w in list(self._prefilling))
         starting = sum(g.running == 0 and not g.cancelled for g in list(self._starting))
         return {
             "requests_running": len(self._batch) + len(self._joining) + reading,
@@ -283,6 +343,7 @@ class Engine:
             "prompt_cache_entries": len(self.cache),
             "prompt_cache_bytes": self.cache.nbytes,
             "prompt_cache_capacity_bytes": self.cache.capacity,
+            **(self.cache.store.gauges() if self.cache.store is not None else {}),
             "max_batch": self.config.max_batch,
             "speculative_acceptance_rate": self.speculative.acceptance_rate,
             "speculative_tokens_per_pass": self.speculative.tokens_per_pass,
@@ -298,8 +359,11 @@ class Engine:
         cfg = self.config
         if cfg.speculative == "draft" or cfg.draft is not None:  # loaded now, not in a request's turn
             self._draft = make_drafter("draft", self.model, cfg.draft, cfg.draft_quantization)
-        _, state = self.model.forward([0] * (GEMV_MAX_ROWS + 1))  # the GEMM / chunked-WKV path
-        decode_rows(self.model, torch.zeros(1, 1, dtype=torch.long), state)  # the per-row step
+        if not self.model.config.lm_head:  # an embedder only ever prefills
+            self.model.prefill([0] * (GEMV_MAX_ROWS + 1))
+        else:
+            _, state = self.model.forward([0] * (GEMV_MAX_ROWS + 1))  # the GEMM / chunked-WKV path
+            decode_rows(self.model, torch.zeros(1, 1, dtype=torch.long), state)  # the per-row step
         print(f"{self.config.name}: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
 
     def _loop(self) -> None:
@@ -350,7 +414,7 @@ class Engine:
 
     def _clear(self) -> list[Row]:
         """Forget every admitted request; returns their rows."""
-        rows = [r for w in self._prefilling if isinstance(w, PromptPrefill) for r in w.group.rows]
+        rows = [r for w in self._prefilling if isinstance(w, (PromptPrefill, InputsPrefill)) for r in w.rows]
         rows += [r for g in self._starting for r in g.to_start]
         rows += self._batch.clear() + [r for r, _ in self._joining]
         self._prefilling.clear()
@@ -369,6 +433,9 @@ class Engine:
             group = self._waiting.popleft()
             group.reading = True
             self._reading += 1
+            if isinstance(group, InputsPrefill):
+                self._prefilling.append(group)
+                continue
             self._prefilling.append(PromptPrefill(group, self.model, self.cache, self.metrics))
             self.metrics.inc("prompt_tokens_total", len(group.request.prompt_ids))
 
@@ -390,18 +457,27 @@ class Engine:
             self._batch.keep([i for i, r in enumerate(rows) if not r.cancelled])
 
     def _prefill(self, budget: int) -> None:
-        """Pieces of the prefill work, round-robin, until `budget` tokens are read: the first
-        work's next piece, which then goes to the back of the line, then the next one's."""
-        chunk = self.config.prefill_chunk
-        while self._prefilling and budget > 0:
+        """Pieces of the prefill work, round-robin, while `budget` tokens are left: the first
+        work's next piece, cut to the budget left, which then goes to the back of the line, then
+        the next one's. A piece that does not fit in what is left waits, first in line, for the
+        next turn, so a turn reads at most `budget` tokens (a turn's first piece always runs,
+        whole if nothing shorter is allowed: a chunk under 64 tokens may then pass it by up to
+        GEMV_MAX_ROWS)."""
+        chunk, left = self.config.prefill_chunk, budget
+        while self._prefilling and left > 0:
             work = self._prefilling[0]
             if not work.done:
                 try:
-                    budget -= max(1, work.step(chunk))
+                    n = work.step(chunk, left)
+                    if n == 0 and left == budget:  # no shorter piece is allowed: the natural one
+                        n = work.step(chunk, chunk + GEMV_MAX_ROWS)
                 except Exception as e:  # one request's failure must not stop the others
                     self._prefilling.popleft()
                     self._fail(work.rows, e)
                     continue
+                if n == 0 and not work.done:
+                    break
+                left -= max(1, n)
             if not work.done:
                 self._prefilling.rotate(-1)
                 continue
@@ -418,6 +494,8 @@ class Engine:
         finish, taking no batch row.)"""
         if isinstance(work, PromptPrefill):
             self._prompt_read(work)
+        elif isinstance(work, InputsPrefill):
+            work.deliver()
         elif isinstance(work, DraftPrefill):
             work.row.catching_up = False
 
@@ -528,6 +606,13 @@ class Engine:
         with self._cond:
             self._live -= 1
 
+    def _inputs_done(self, item: InputsPrefill) -> None:
+        if item.reading:
+            item.reading = False
+            self._reading -= 1
+        with self._cond:
+            self._live -= 1
+
     def _fail(self, rows: list[Row], error: Exception) -> None:
         fail(rows, error, self.config.name)
 
@@ -538,3 +623,16 @@ class Engine:
             self._waiting.clear()
         for row in left:
             row.finish("error", "the server is shutting down")
+
+
+class _DocumentCache:
+    """The prompt cache as a reranking's store of document-prefix states (embedding.Reranking)."""
+
+    def __init__(self, cache: PromptCache):
+        self.cache = cache
+
+    def get(self, ids: list[int]) -> State | None:
+        return self.cache.get("", ids)
+
+    def put(self, ids: list[int], state: State) -> None:
+        self.cache.put("", ids, state)

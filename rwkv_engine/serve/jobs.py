@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
@@ -17,7 +18,7 @@ from ..errors import InputError
 from ..sampling import SamplingParams
 from ..state import State
 from . import protocol as p
-from .engine import Delta, Engine, EngineStopped, Finished, Prompt, QueueFull, Request
+from .engine import Delta, Engine, EngineStopped, Finished, InputsRequest, Prompt, QueueFull, Read, Request
 from .errors import APIError, failure_status
 from .logprobs import TokenLogprob
 
@@ -52,6 +53,7 @@ class Choice:
 
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    events: list[Delta] = field(default_factory=list)
     prompt: Prompt | None = None
     finished: Finished | None = None
 
@@ -92,16 +94,46 @@ def submit(
         )
         for i, ids in enumerate(prompts)
     ]
-    try:
+    with _refusals():
         job.handles = engine.submit_all(requests)  # all or none, and a set that can never fit is an InputError
+    job.choices = len(prompts) * n
+    return job
+
+
+@contextmanager
+def _refusals():
+    """The engine's refusals of a request as API errors: 429 (queue full), 503, 400."""
+    try:
+        yield
     except QueueFull as e:
         raise APIError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
     except EngineStopped as e:
         raise APIError(503, str(e), code="unavailable") from None
     except InputError as e:
         raise APIError(400, str(e)) from None
-    job.choices = len(prompts) * n
+
+
+def submit_inputs(engine: Engine, request: InputsRequest) -> Job:
+    """An embedding or rerank request queued (`Engine.submit_inputs`); `read` awaits its result."""
+    job = Job(asyncio.get_running_loop())
+    with _refusals():
+        job.handles = [engine.submit_inputs(request, job.sink(0))]
     return job
+
+
+async def read(request: HTTPRequest, job: Job) -> Read | None:
+    """The result of a `submit_inputs` job; None if it was cancelled (the client left)."""
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        event = await job.queue.get()
+        if isinstance(event, Read):
+            return event
+        if event.reason == "cancelled":
+            return None
+        raise APIError(failure_status(event), event.message or "the request failed", code="engine_error")
+    finally:
+        watcher.cancel()
+        job.cancel()
 
 
 async def _watch_disconnect(request: HTTPRequest, job: Job) -> None:
@@ -124,6 +156,7 @@ async def collect(request: HTTPRequest, job: Job) -> list[Choice] | None:
             if isinstance(event, Delta):
                 choice.parts.append(event.text)
                 choice.logprobs += event.logprobs
+                choice.events.append(event)
             elif isinstance(event, Prompt):
                 choice.prompt = event
             elif event.reason == "error":

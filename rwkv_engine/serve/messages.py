@@ -1,5 +1,6 @@
 """What goes into the serving engine (`Request`) and what comes out of it (`Prompt`, `Delta`,
-`Finished` events, in that order, to the request's sink; `QueueFull`, `EngineStopped` from
+`Finished` events, in that order, to the request's sink; an `InputsRequest` gets one `Read`, or a
+`Finished` with reason "error" / "cancelled"; `QueueFull`, `EngineStopped` from
 `Engine.submit`). They know nothing of HTTP: serve/jobs.py turns them into API answers."""
 
 from __future__ import annotations
@@ -32,6 +33,28 @@ class Request:
     speculative: str | None = None
 
 
+@dataclass
+class InputsRequest:
+    """Inputs to read, with nothing generated (work.InputsPrefill): embeddings of `inputs` (token
+    sequences as `embedding.encode` gives them), or, with `query`, the rerank scores of the
+    document prefixes `inputs` against the query ids (the engine's reranker)."""
+
+    inputs: list[list[int]]
+    task: str | None = None  # an EmbeddingRWKV task head (None: the default / mean pooling)
+    normalize: bool | None = None
+    query: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Read:
+    """What an `InputsRequest` gives: `values` [N, D] embeddings or [N] rerank scores (fp32, CPU),
+    in input order; `tokens` the tokens read (for usage), `cached_tokens` those the cache gave."""
+
+    values: object  # torch.Tensor (this module stays torch-free)
+    tokens: int
+    cached_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class Prompt:
     """The prompt of an echo request: log-probabilities of its tokens (the first has none), or
@@ -46,6 +69,7 @@ class Delta:
     text: str
     index: int = 0  # the choice
     logprobs: tuple[TokenLogprob, ...] = ()  # of the token(s) behind this piece, if asked for
+    generated: int = 0  # tokens the choice has generated so far, this piece's included
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,22 @@ from pydantic import ValidationError
 
 from ..errors import InputError, RWKVEngineError
 from ..sampling import SamplingParams
+from ..tokenizer import EOS_TOKEN_ID
 from . import protocol as p
 from .context import ServingContext
 from .errors import APIError
 from .security import key_matches, quoted
 
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "penalty_decay", "seed")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "presence_penalty",
+    "frequency_penalty",
+    "penalty_decay",
+    "seed",
+    "min_tokens",
+)
 
 
 def authorize(ctx: ServingContext, request: HTTPRequest) -> None:
@@ -100,6 +110,8 @@ def sampling_params(
     changes["stop"] = tuple(dict.fromkeys((*extra_stop, *(req.stop or ()))))
     if req.logit_bias:
         changes["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    if req.ignore_eos:  # end-of-text becomes a token like any other
+        changes["stop_token_ids"] = tuple(t for t in defaults.stop_token_ids if t != EOS_TOKEN_ID)
     try:
         return defaults.replace(**changes)
     except InputError as e:

@@ -8,9 +8,11 @@ prefill of the prompt would cut (`models.model.prefill_cuts`), so a resumed pref
 same forward calls on the very same state as a cold one: the cache changes how fast an answer
 starts, never what it is.
 
-The states live in host RAM, in an LRU map bounded in bytes (`PromptCache`). A second tier (a
-disk-backed store shared across restarts and replicas) would sit behind the same two calls:
-`put` after the in-memory insert, `lookup` on an in-memory miss.
+The states live in host RAM, in an LRU map bounded in bytes (`PromptCache`). With a `store`
+(serve/state_store.py, `--state-store`), a second tier on disk, shared across restarts and
+replicas, sits behind the same two calls: `put` also queues the state for the disk (written off
+the engine thread), and `lookup` asks the store after each in-memory miss, so a conversation
+resumes from its cached prefix after a restart with the same answer as a cold prefill.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from ..models.model import prefill_cuts
 from ..state import State
+from .state_store import StateStore
 
 
 def host_copy(state: State) -> State:
@@ -37,10 +40,13 @@ def host_copy(state: State) -> State:
 
 
 class PromptCache:
-    """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes."""
+    """LRU map (start key, token-id prefix) -> State after that prefix, bounded in bytes; with a
+    `store`, every state put is also written to disk, and a prefix missing in memory is looked
+    for there."""
 
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, store: StateStore | None = None):
         self.capacity = capacity_bytes
+        self.store = store
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, bytes], State] = OrderedDict()
 
@@ -56,19 +62,30 @@ class PromptCache:
         if key in self._entries:
             self._entries.move_to_end(key)
             return
+        state = host_copy(state)
+        if self.store is not None:
+            self.store.put(start_key, prefix, state)
+        self._remember(key, state)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a put keeps anything (memory capacity, or a store)."""
+        return bool(self.capacity) or self.store is not None
+
+    def _remember(self, key: tuple[str, bytes], state: State) -> None:
         size = self._size(key, state)
         if size > self.capacity:
             return
         while self._entries and self.nbytes + size > self.capacity:
             old_key, old = self._entries.popitem(last=False)
             self.nbytes -= self._size(old_key, old)
-        self._entries[key] = host_copy(state)
+        self._entries[key] = state
         self.nbytes += size
 
     def lookup(self, start_key: str, ids: Sequence[int], chunk: int) -> tuple[int, State | None]:
         """(k, state after ids[:k]) for the longest cached k at which a cold prefill of `ids` in
         pieces of `chunk` cuts (`prefill_cuts`), or (0, None)."""
-        if not self._entries:
+        if not self._entries and self.store is None:
             return 0, None
         raw = array("q", ids).tobytes()
         width = raw and len(raw) // len(ids)
@@ -78,7 +95,18 @@ class PromptCache:
             if state is not None:
                 self._entries.move_to_end(key)
                 return k, state
+            if self.store is not None and (state := self.store.get(start_key, ids[:k])) is not None:
+                self._remember(key, state)
+                return k, state
         return 0, None
+
+    def get(self, start_key: str, prefix: Sequence[int]) -> State | None:
+        """The state after exactly `prefix`, or None (a reranked document's prefix: embedding.Reranking)."""
+        key = (start_key, array("q", prefix).tobytes())
+        state = self._entries.get(key)
+        if state is not None:
+            self._entries.move_to_end(key)
+        return state
 
     def clear(self) -> None:
         self._entries.clear()

@@ -12,8 +12,19 @@ Extensions (all optional; with the `openai` client pass them in `extra_body`):
     penalty_decay   per-token decay of the occurrence counts behind the penalties (RWKV's 0.996)
     state           name of a saved state file (`State.save`) under the server's --state-dir to
                     start from instead of the fresh state
+    ignore_eos      (vLLM, llama.cpp) end-of-text does not end the answer: it is generated as a
+                    token like any other (it has no text) and generation goes on
+    min_tokens      (vLLM) until this many tokens were generated, no stop token is sampled and no
+                    stop string ends the answer
     speculative     "lookup", "draft" or "off": speculative decoding for this request (the same
                     output; default: the server's --speculative)
+    chat_template_kwargs   (chat, /tokenize) keyword arguments of the chat template, as vLLM's:
+                    {"enable_thinking": false}, {"thinking": true}, ...
+
+Reasoning (docs/server.md): `reasoning_effort` (OpenAI's: none, minimal, low, medium, high) chooses
+whether and how long a reasoning model thinks; the reply carries its thought as
+`reasoning_content` (DeepSeek's and vLLM's field) on the message and on stream deltas, and
+`usage.completion_tokens_details.reasoning_tokens` counts it.
 
 Sampling fields left out take the server's defaults (`settings.RequestDefaults`): the OpenAI API's,
 unless its flags say otherwise. This module knows nothing of the engine.
@@ -21,6 +32,7 @@ unless its flags say otherwise. This module knows nothing of the engine.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -101,9 +113,10 @@ class ToolCall(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: list[TextPart] = Field(default_factory=list)
-    name: str | None = None  # accepted, not rendered
+    name: str | None = None  # accepted, given to the template
     tool_calls: list[ToolCall] | None = None  # assistant messages: calls it made
     tool_call_id: str | None = None  # tool messages: the call answered
+    reasoning_content: str | None = None  # assistant messages: their thought, as this server sent it
 
     @model_validator(mode="after")
     def _tool_fields(self):
@@ -127,6 +140,75 @@ class ChatMessage(_Strict):
     @property
     def text(self) -> str:
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it: content as text, a call's arguments as the JSON
+        value they hold (as vLLM and transformers give them; "" is {}, text that is not JSON stays text)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _json_value(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        return out
+
+
+def _json_value(text: str) -> Any:
+    if not text:
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class TemplateFields(_Strict):
+    """What chat requests and /tokenize's messages share: how the template renders them."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    def template_kwargs(self, think: bool) -> dict[str, Any]:
+        """The template's keyword arguments; `think`: the server's default for requests that say
+        nothing. Whether to think is decided once here and handed to the template under both
+        names templates use (`thinking`, rwkv-tl's; `enable_thinking`, vLLM's and transformers')."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for key in ("enable_thinking", "thinking"):
+            if key in kwargs:
+                think = bool(kwargs[key])
+                break
+        if self.reasoning_effort is not None:
+            think = self.reasoning_effort != "none"
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        kwargs.update(thinking=think, enable_thinking=think)
+        return kwargs
+
+    def render(self, template, messages: list[ChatMessage], tools, add_generation_prompt: bool, think: bool) -> str:
+        """The prompt of `messages` (with `tools`, ToolDefs or None) by `template` (a
+        templates.ChatTemplate; InputError when it fails): what the server reads, and what the Ray
+        router keys on."""
+        listed = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        return template.render(
+            [m.for_template() for m in messages],
+            listed,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs(think),
+        )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved(cls, v):
+        reserved = {"messages", "tools", "add_generation_prompt", "bos_token"} & set(v or ())
+        if reserved:
+            raise ValueError(f"{sorted(reserved)[0]} is set by the server, not by chat_template_kwargs")
+        return v
 
 
 # Values of OpenAI fields this server does not implement that mean "not used".
@@ -156,6 +238,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     state: str | None = Field(default=None, min_length=1)
+    ignore_eos: bool = False
+    min_tokens: int | None = Field(default=None, ge=0)
     # rwkv-engine's own: speculative decoding for this request (None: the server's --speculative).
     speculative: Literal["lookup", "draft", "off"] | None = None
 
@@ -230,7 +314,7 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, TemplateFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -239,7 +323,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; a reply makes at most one call
+    parallel_tool_calls: bool | None = None  # G1 format: several calls in one reply unless false
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -298,8 +382,10 @@ class ChatCompletionRequest(_SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
-class TokenizeRequest(_Strict):
-    """POST /tokenize: the text as llama.cpp's `content` or vLLM's `prompt` (exactly one).
+class TokenizeRequest(TemplateFields):
+    """POST /tokenize: the text as llama.cpp's `content` or vLLM's `prompt`, or a conversation as
+    vLLM's `messages` (rendered by the server's chat template, with `tools`,
+    `add_generation_prompt` and `chat_template_kwargs`): exactly one of the three.
 
     `add_special` (llama.cpp) / `add_special_tokens` (vLLM) are accepted and change nothing: the
     World tokenizer adds no special tokens. `with_pieces` (llama.cpp) returns each token as
@@ -309,14 +395,19 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     content: str | None = None
     prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True
     add_special: bool = False
     add_special_tokens: bool = False
     with_pieces: bool = False
 
     @model_validator(mode="after")
     def _one_text(self):
-        if (self.content is None) == (self.prompt is None):
-            raise ValueError("give the text as either content (llama.cpp) or prompt (vLLM)")
+        if sum(x is not None for x in (self.content, self.prompt, self.messages)) != 1:
+            raise ValueError("give the text as content (llama.cpp) or prompt (vLLM), or a conversation as messages")
+        if self.messages is None and (self.tools or self.chat_template_kwargs or self.reasoning_effort):
+            raise ValueError("tools, chat_template_kwargs and reasoning_effort go with messages")
         return self
 
     @property
@@ -330,6 +421,40 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Strict):
+    """POST /v1/embeddings (OpenAI's): `input` a string, a list of strings, a list of token ids or
+    a list of lists of ids; `encoding_format` float or base64 (little-endian float32, what the
+    official client asks for by default); `dimensions` only the model's own (RWKV embeddings are
+    not trained to be truncated); `task` (extension) an EmbeddingRWKV task head."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    task: Literal["retr", "cls", "sts"] | None = None
+
+
+class RerankDocument(_Strict):
+    text: str
+
+
+class RerankRequest(_Strict):
+    """POST /v1/rerank and /rerank (Jina's and vLLM's body; Cohere's fields): the documents as
+    strings or {"text"}; the answer's results sorted by relevance, the first `top_n` of them."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    user: str | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -347,11 +472,23 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails | None = None  # chat: the thought's share
+
+    @model_serializer(mode="wrap")
+    def _details_when_set(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if self.completion_tokens_details is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
 
 class CompletionLogprobs(BaseModel):
@@ -398,11 +535,14 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # the thought, when the reply had one
     tool_calls: list[ToolCall] | None = None
 
     @model_serializer
     def _calls_when_made(self) -> dict[str, Any]:
         out = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out
@@ -452,11 +592,13 @@ class ToolCallDelta(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
     def _set_fields_only(self) -> dict[str, Any]:
-        out = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (("role", self.role), ("content", self.content), ("reasoning_content", self.reasoning_content))
+        out = {k: v for k, v in fields if v is not None}
         if self.tool_calls is not None:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         return out
@@ -483,6 +625,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "rwkv-engine"
+    # How chat requests are rendered: {"chat_template": name, "chat_template_source": why it was
+    # chosen, "reasoning": whether the template has thinking, "think": the default for requests
+    # that do not say} (llama.cpp puts its model facts in `meta` too)
+    meta: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):

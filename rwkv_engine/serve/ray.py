@@ -18,7 +18,8 @@ Serving: HTTP -> Ray Serve's proxy -> `Ingress` (one replica) -> `EngineReplica`
   and streams the response back chunk by chunk, server-sent events included.
 * Routing (`PrefixAffinityRouter`, a Ray Serve request router, running in the ingress): a
   completion or chat request whose prompt holds at least one prefill chunk (--prefill-chunk
-  tokens) is keyed by the token ids of that first chunk, the granularity of the replicas'
+  tokens; a chat's prompt as the replicas' chat template renders it, which the ingress asks a
+  replica for once) is keyed by the token ids of that first chunk, the granularity of the replicas'
   prompt-state caches. Keys sit on a consistent-hash ring of the replicas (64 points each), so
   requests that share a system prompt or a conversation go to the same replica and its cache
   hits. The owner is passed over while its queue is more than `spill` (default --max-batch)
@@ -59,6 +60,7 @@ from dataclasses import replace
 
 from ..errors import InputError
 from ..settings import Config
+from ..templates import ChatTemplate, builtin
 from . import protocol as p
 from .launch import print_banner, url
 from .server import build
@@ -82,11 +84,11 @@ PREFIX = "rwkv_engine_"
 # --- routing key ---------------------------------------------------------------------------------
 
 
-def routing_key(path: str, body: bytes, tokenizer, chunk: int) -> str | None:
+def routing_key(path: str, body: bytes, tokenizer, chunk: int, template=None, think: bool = False) -> str | None:
     """A hash of the first `chunk` prompt token ids of a completion or chat request, or None when
-    the prompt is shorter (no cache entry can help it) or the body is not a valid request."""
-    from ..chat_format import render_chat
-
+    the prompt is shorter (no cache entry can help it) or the body is not a valid request. A chat
+    is rendered as the replicas render it: by their chat template (`template`, a
+    templates.ChatTemplate; None: the built-in World one) with their thinking default `think`."""
     if path not in (COMPLETIONS, CHAT):
         return None
     try:
@@ -100,7 +102,9 @@ def routing_key(path: str, body: bytes, tokenizer, chunk: int) -> str | None:
     try:
         if path == CHAT:
             req = p.ChatCompletionRequest.model_validate(obj)
-            ids = tokenizer.encode(render_chat((m.role, m.text) for m in req.messages)[:head])
+            tools = req.tools if req.tool_mode != "none" else None
+            prompt = req.render(template or builtin("world"), req.messages, tools, True, think)
+            ids = tokenizer.encode(prompt[:head])
         else:
             prompt = obj.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -279,6 +283,7 @@ class EngineReplica:
 
     def __init__(self, config: Config, board):
         self.engine, self.app = build(share_mapped_weights(config), progress=False)
+        self.template = config.chat.resolve(self.engine.model, config.model.model)  # (as build's)
         self.engine.start()
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.board = board
@@ -298,6 +303,11 @@ class EngineReplica:
 
     def replica_id(self) -> str:
         return self.replica
+
+    def chat_template(self) -> tuple[str, str, str]:
+        """(name, Jinja text, source) of the chat template this replica renders chats with."""
+        t = self.template
+        return t.name, t.text, t.source
 
     async def handle_http(self, key: str | None, token: str, request: dict):
         """Run one HTTP request through the app: yields {"status", "headers", "replica"}, then body
@@ -364,7 +374,9 @@ class Ingress:
     def __init__(self, replicas, config: Config, board):
         from ..tokenizer import load_tokenizer
 
-        self.replicas = replicas.options(stream=True)
+        self.replicas, self._ask = replicas.options(stream=True), replicas
+        self.template = None  # the replicas' chat template, asked for at the first chat request
+        self.think = config.chat.think
         self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer)
         self.chunk = config.engine.prefill_chunk
         self.board = board
@@ -384,7 +396,13 @@ class Ingress:
             return PlainTextResponse(
                 merge_metrics(texts, self.routes), media_type="text/plain; version=0.0.4; charset=utf-8"
             )
-        key = routing_key(path, body, self.tokenizer, self.chunk) if request.method == "POST" else None
+        if path == CHAT and self.template is None:
+            self.template = ChatTemplate(*await self._ask.chat_template.remote())
+        key = (
+            routing_key(path, body, self.tokenizer, self.chunk, self.template, self.think)
+            if request.method == "POST"
+            else None
+        )
         forwarded = {
             "method": request.method,
             "path": path,

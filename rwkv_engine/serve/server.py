@@ -17,10 +17,23 @@ __all__ = ["Config", "build"]
 
 
 def build(config: Config, progress: bool | None = None):
-    """(engine, app): the model loaded, and the engine and app over it."""
+    """(engine, app): the model (and its reranker, if any) loaded, and the engine and app over it."""
     from .app import create_app
     from .engine import Engine
 
     model, tokenizer = config.model.load(progress)
-    engine = Engine(model, tokenizer, config.engine)
-    return engine, create_app(engine, config)
+    template = config.chat.resolve(model, config.model.model, log=_log(config.engine.name))
+    reranker = None
+    if config.engine.reranker is not None:
+        from ..embedding import DEFAULT_INSTRUCTION, load_reranker
+
+        instruction = config.engine.rerank_instruction or DEFAULT_INSTRUCTION
+        reranker = load_reranker(model, config.engine.reranker, instruction, progress=bool(progress))
+    engine = Engine(model, tokenizer, config.engine, reranker=reranker)
+    return engine, create_app(engine, config, template)
+
+
+def _log(name: str):
+    import sys
+
+    return lambda line: print(f"{name}: {line}", file=sys.stderr, flush=True)

@@ -17,12 +17,12 @@ import torch
 
 from ..errors import RWKVEngineError
 from ..generation import TextStream
-from ..models.model import prefill_end
+from ..models.model import prefill_piece_end
 from ..sampling import Sampler
 from ..speculative import SpeculativeRow
 from ..state import State
 from .logprobs import TokenLogprob, token_logprobs
-from .messages import Delta, Finished
+from .messages import Delta, Finished, Read
 from .metrics import Metrics
 from .prompt_cache import PromptCache
 
@@ -69,7 +69,7 @@ class Row:
 
     def emit(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         if text or logprobs:
-            self.send(Delta(text, self.index, logprobs))
+            self.send(Delta(text, self.index, logprobs, len(self.stream.tokens)))
 
     def send(self, event) -> None:
         if self.cancelled:
@@ -143,13 +143,14 @@ class Group:
 
 class Prefill:
     """A prompt the scheduler reads in pieces, round-robin with the others: `step` reads the next
-    piece (about `chunk` tokens) and returns how many tokens it read; `done` once all are read.
-    The engine's prefill budget counts those tokens (Engine._prefill)."""
+    piece (at most `chunk` tokens, and at most `budget`, what is left of the turn's prefill
+    budget) and returns how many tokens it read, 0 when no piece fits in the budget; `done` once
+    all are read. The engine's prefill budget counts those tokens (Engine._prefill)."""
 
     done = False
     rows: list[Row] = []  # what fails when a step fails
 
-    def step(self, chunk: int) -> int:
+    def step(self, chunk: int, budget: int) -> int:
         raise NotImplementedError
 
 
@@ -157,8 +158,9 @@ class PromptPrefill(Prefill):
     """A request's prompt on the target model, resumed from the prompt cache where it can be, and
     filling it; at the end, `logits` [V] (of the last position) and `state` are the prompt's.
 
-    Pieces end where `prefill_end` cuts, so a resumed or a cold prefill runs the same forward
-    calls. An echo request with log-probabilities reads every position's logits (`all_logits`)
+    Pieces end at the cuts of `prefill_end` on the prompt's grid of `chunk` tokens, or earlier
+    where the turn's budget is spent (`prefill_piece_end`); either way a resumed or a cold prefill
+    gets the same bits. An echo request with log-probabilities reads every position's logits (`all_logits`)
     and keeps each prompt token's log-probability; it does not resume from the cache (it still
     fills it)."""
 
@@ -167,6 +169,7 @@ class PromptPrefill(Prefill):
         req = group.request
         self.ids = req.prompt_ids
         self.pos = 0
+        self.end = 0  # where the piece being read ends
         self.state: State | None = None
         self.started = False
         self.logits: torch.Tensor | None = None
@@ -194,28 +197,29 @@ class PromptPrefill(Prefill):
             self.metrics.inc("prompt_cache_misses_total")
             self.state = req.start_state
 
-    def step(self, chunk: int) -> int:
-        tokens, state, all_logits = self.piece(chunk)
+    def step(self, chunk: int, budget: int) -> int:
+        tokens, state, all_logits = self.piece(chunk, budget)
+        if not tokens:
+            return 0
         logits, after = self.model.forward(tokens, state=state, all_logits=all_logits)
         return self.absorb(chunk, logits, after)
 
-    def piece(self, chunk: int) -> tuple[list[int], State | None, bool]:
+    def piece(self, chunk: int, budget: int) -> tuple[list[int], State | None, bool]:
         """The next piece's forward: (tokens, the state it starts from, whether every position's
-        logits are wanted)."""
+        logits are wanted); no tokens when no piece fits in `budget` (`prefill_piece_end`)."""
         if not self.started:
             self._start(chunk)
-        end = prefill_end(self.pos, len(self.ids), chunk)
-        return self.ids[self.pos : end], self.state, self.echo_logprobs
+        self.end = prefill_piece_end(self.pos, len(self.ids), chunk, budget)
+        return self.ids[self.pos : self.end], self.state, self.echo_logprobs
 
     def absorb(self, chunk: int, logits: torch.Tensor, state: State) -> int:
         """Take the output of the forward `piece` asked for; the number of tokens read."""
-        ids, start = self.ids, self.pos
-        end = prefill_end(start, len(ids), chunk)
+        ids, start, end = self.ids, self.pos, self.end
         if self.echo_logprobs:
             logits = self._keep_logprobs(logits, start, end)
         self.metrics.inc("prefill_tokens_total", end - start)
         self.pos, self.state = end, state
-        if end - start == chunk and self.cache.capacity:  # (a last piece may be longer)
+        if end % chunk == 0 and self.cache.enabled:  # a cut of the chunk grid (`prefill_cuts`)
             self.cache.put(self.group.request.start_key, ids[:end], self.state)
         if end == len(ids):
             self.logits = logits
@@ -250,8 +254,55 @@ class DraftPrefill(Prefill):
     def done(self) -> bool:
         return self.row.finished or not self.behind
 
-    def step(self, chunk: int) -> int:
+    def step(self, chunk: int, budget: int) -> int:
         spec = self.row.spec
-        n = spec.drafter.catch_up(spec.context, chunk)
+        n = spec.drafter.catch_up(spec.context, min(chunk, budget))
         self.behind = spec.drafter.lag(spec.context) > spec.max_lag
         return n
+
+
+class InputsPrefill(Prefill):
+    """An `InputsRequest` in the engine: inputs read and nothing generated (an embedding or rerank
+    request). It is prefill work like a prompt, one piece of at most `prefill_chunk` padded tokens
+    per step (embedding.Embedding / Reranking), round-robin with the prompts, so a job of
+    thousands of inputs delays the decoding rows by one piece per turn, never by the whole job.
+    It holds no batch row. It is its own `rows` (one, for cancel and failure): `finish`."""
+
+    def __init__(self, item_id: int, work, sink: Callable[[object], None], metrics: Metrics, on_done):
+        self.id, self.work, self.sink, self.metrics, self.on_done = item_id, work, sink, metrics, on_done
+        self.cancelled = False
+        self.finished = False
+        self.reading = False  # admitted (one of the prompts read at once)
+
+    @property
+    def rows(self) -> list[InputsPrefill]:
+        return [self]
+
+    @property
+    def done(self) -> bool:
+        return self.work.done or self.finished
+
+    def step(self, chunk: int, budget: int) -> int:
+        if budget < chunk:  # its piece (up to a chunk) cannot be cut: it waits for a whole turn's budget
+            return 0
+        n = self.work.step()
+        self.metrics.inc("prefill_tokens_total", n)
+        return n
+
+    def deliver(self) -> None:
+        """Send the result (`Read`) and end."""
+        work = self.work
+        values = work.vectors if hasattr(work, "vectors") else work.scores
+        self.finish("stop", result=Read(values, work.tokens, getattr(work, "cached", 0)))
+
+    def finish(self, reason: str, message: str | None = None, result: Read | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.on_done(self)
+        self.metrics.inc("requests_total", outcome=reason)
+        event = result or Finished(reason, self.work.tokens, 0, 0, message)
+        try:
+            self.sink(event)
+        except Exception:
+            pass

@@ -3,7 +3,8 @@
 Nothing here is used by the engine at run time, and nothing downloads anything:
 
 * `checkpoints`: random-weight RWKV checkpoints in the real file formats (`random_state_dict`,
-  `save_pth`, `save_safetensors`, `save_hf_dir`, ...);
+  `save_pth`, `save_safetensors`, `save_hf_dir`, ...), EmbeddingRWKV embedders and rerankers in
+  rwkv_emb's layout (`random_embedder_state_dict`, `random_reranker_state_dict`);
 * `ggml_writers`: GGUF and rwkv.cpp files written the way their own converters write them;
 * `corpus`: a deterministic mixed-text corpus for the tokenizer;
 * `drafters`: `KnownContinuation`, the drafter whose every draft is accepted.
@@ -20,7 +21,10 @@ from .checkpoints import (
     fla_config,
     hf_config,
     lora_ranks,
+    random_embedder_state_dict,
+    random_reranker_state_dict,
     random_state_dict,
+    reranker_lora_ranks,
     save_hf_dir,
     save_pth,
     save_safetensors,
@@ -39,8 +43,11 @@ __all__ = [
     "hf_config",
     "logits_along",
     "lora_ranks",
+    "random_embedder_state_dict",
+    "random_reranker_state_dict",
     "random_state_dict",
     "rel_rms",
+    "reranker_lora_ranks",
     "save_hf_dir",
     "save_pth",
     "save_safetensors",

@@ -212,6 +212,68 @@ def _random_block_v7(gen, sd, p, C, H, N, F, ranks, outliers) -> None:
     sd[f + "value.weight"] = _linear(gen, C, F, outliers)
 
 
+def random_embedder_state_dict(
+    n_layer: int = 2,
+    n_embd: int = 128,
+    head_size: int = 64,
+    vocab_size: int = 65536,
+    seed: int = 0,
+    tasks: tuple[str, ...] = ("cls", "retr", "sts"),
+) -> dict[str, Tensor]:
+    """An EmbeddingRWKV checkpoint in the layout of `rwkv_emb` (docs/models.md): an RWKV-7 backbone
+    under `rwkv.` (BlinkDL names, no head.weight) and task heads head.{task}_head.{fc1,fc2,norm}.
+    The end token 65535 is an id of the vocabulary, so vocab_size defaults to the World vocab's."""
+    base = random_state_dict("7", n_layer, n_embd, vocab_size, head_size, seed=seed)
+    del base["head.weight"]
+    sd = {"rwkv." + k: v for k, v in base.items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    C = n_embd
+    for task in tasks:
+        p = f"head.{task}_head."
+        sd[p + "fc1.weight"] = torch.randn(C, C, generator=gen) / math.sqrt(C)
+        sd[p + "fc2.weight"] = 0.5 * torch.randn(C, C, generator=gen) / math.sqrt(C)
+        _ln(gen, C, p + "norm", sd)
+    return sd
+
+
+def reranker_lora_ranks(n_embd: int) -> dict[str, int]:
+    """The LoRA ranks of an EmbeddingRWKV reranker of width n_embd: its module derives them from
+    the width (1.8 sqrt(C) for decay and learning rate, 1.3 sqrt(C) for the value, 0.6 C^0.8 for
+    the gate, or 128 at C = 1024; multiples of 32, at least 32) rather than reading the file."""
+    C = n_embd
+
+    def rank(x: float) -> int:
+        return max(32, int(round(x / 32)) * 32)
+
+    gate = 128 if C == 1024 else rank(0.6 * C**0.8)
+    return {
+        "decay": rank(1.8 * math.sqrt(C)),
+        "iclr": rank(1.8 * math.sqrt(C)),
+        "value": rank(1.3 * math.sqrt(C)),
+        "gate": gate,
+    }
+
+
+def random_reranker_state_dict(
+    n_layer: int = 2, n_embd: int = 128, head_size: int = 64, seed: int = 0, layers: list[int] | None = None
+) -> dict[str, Tensor]:
+    """An EmbeddingRWKV reranker checkpoint in the layout of `rwkv_emb`: RWKV-7 blocks under
+    `reranker.` (block 0 without the value-residual LoRA, which its module lacks), a one-row
+    embedding, ln_out and the score head reranker.head.{0,2}; `layers`: its reranker_layer_idx."""
+    base = random_state_dict("7", n_layer, n_embd, 1, head_size, seed=seed, lora=reranker_lora_ranks(n_embd))
+    for k in ("head.weight", "blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2"):
+        del base[k]
+    sd: dict = {"reranker." + k: v for k, v in base.items()}
+    gen = torch.Generator().manual_seed(seed + 1)
+    C = n_embd
+    sd["reranker.head.0.weight"] = torch.randn(C, C, generator=gen) / math.sqrt(C)
+    sd["reranker.head.0.bias"] = 0.1 * torch.randn(C, generator=gen)
+    sd["reranker.head.2.weight"] = torch.randn(1, C, generator=gen) / math.sqrt(C)
+    if layers is not None:
+        sd["reranker_layer_idx"] = list(layers)
+    return sd
+
+
 def cast(sd: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     """The state dict with every tensor in `dtype` (official files are bf16)."""
     return {k: v.to(dtype) for k, v in sd.items()}

@@ -7,6 +7,11 @@
 // whose client goes away. Text from the model or the server only ever reaches the page through
 // textContent, never as HTML. When the API answers 401 (the server runs with --api-key), the page
 // asks for the key, keeps it in sessionStorage and sends it as a Bearer token.
+//
+// With a reasoning model's template (the server's /v1/models says so in meta.reasoning) the page
+// shows a Think toggle, set to the server's default, and sends reasoning_effort "medium" or
+// "none" with every message; a reply's reasoning_content streams into a collapsed "Thinking"
+// section above its answer. Old thoughts are not sent back (the template would drop them).
 
 const $ = (id) => document.getElementById(id);
 const SETTINGS = ["temperature", "top_p", "max_tokens", "presence_penalty", "frequency_penalty", "seed"];
@@ -87,8 +92,14 @@ function showError(message) {
 async function loadModel() {
   const response = await api("v1/models");
   if (!response.ok) throw await failure(response);
-  model = (await response.json()).data[0].id;
+  const card = (await response.json()).data[0];
+  model = card.id;
   $("model").textContent = model;
+  const meta = card.meta || {};
+  if (meta.reasoning && $("think-toggle").hidden) {
+    $("think").checked = Boolean(meta.think);
+    $("think-toggle").hidden = false;
+  }
 }
 
 // The JSON payloads of a server-sent event stream, up to "data: [DONE]". (This server ends every
@@ -163,10 +174,19 @@ function addMessage(role, text) {
   body.textContent = text;
   const note = document.createElement("div");
   note.className = "note";
-  item.append(who, body, note);
+  // A reply's thought: collapsed above the answer, shown once the model thinks.
+  const reasoning = document.createElement("details");
+  reasoning.className = "reasoning";
+  reasoning.hidden = true;
+  const label = document.createElement("summary");
+  label.textContent = "Thinking…";
+  const thought = document.createElement("div");
+  thought.className = "thought";
+  reasoning.append(label, thought);
+  item.append(who, reasoning, body, note);
   $("conversation").append(item);
   scrollDown();
-  return { item, body, note };
+  return { item, body, note, reasoning, label, thought };
 }
 
 function describe(finish, usage, seconds) {
@@ -200,12 +220,13 @@ async function send(text) {
   const asked = addMessage("user", text);
   const reply = addMessage("assistant", "");
   reply.item.classList.add("streaming");
-  let content = "", finish = null, usage = null, first = null;
+  let content = "", thought = "", finish = null, usage = null, first = null;
   try {
     const fields = sampling();
     if (model === null) await loadModel();
     const system = $("system").value.trim();
     const messages = [...(system ? [{ role: "system", content: system }] : []), ...turns, { role: "user", content: text }];
+    if (!$("think-toggle").hidden) fields.reasoning_effort = $("think").checked ? "medium" : "none";
     const response = await api("v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
@@ -216,7 +237,16 @@ async function send(text) {
     for await (const event of events(response)) {
       if (event.error) throw new Error(event.error.message);
       const choice = event.choices && event.choices[0];
+      if (choice && choice.delta && choice.delta.reasoning_content) {
+        first ??= performance.now();
+        thought += choice.delta.reasoning_content;
+        const stick = nearBottom();
+        reply.reasoning.hidden = false;
+        reply.thought.textContent = thought;
+        if (stick) scrollDown();
+      }
       if (choice && choice.delta && choice.delta.content) {
+        reply.label.textContent = "Thought";
         first ??= performance.now();
         content += choice.delta.content;
         const stick = nearBottom();
@@ -228,7 +258,7 @@ async function send(text) {
     }
     if (finish === null) throw new Error("the reply ended before it was finished (did the server stop?)");
   } catch (e) {
-    if (!controller.signal.aborted || content === "") {
+    if (!controller.signal.aborted || (content === "" && thought === "")) {
       asked.item.remove();
       reply.item.remove();
       if (turns === chat.turns) {
@@ -241,6 +271,7 @@ async function send(text) {
     finish = "stopped";
   }
   reply.item.classList.remove("streaming");
+  reply.label.textContent = "Thought";
   turns.push({ role: "user", content: text }, { role: "assistant", content });
   reply.note.textContent = describe(finish, usage, first === null ? 0 : (performance.now() - first) / 1000);
   if (running === controller) setRunning(null);

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_engine.py                      # RWKV-5.2 World 1.5B shape, fp32 and bf16
     python benchmarks/bench_engine.py --quant q8,q4        # plus our int8 / int4 (converted dirs)
+    python benchmarks/bench_engine.py --version 7 --engines rwkv-engine --dtypes "" --quant q4,q4k --rounds 4
+                                                           # q4k against q4 alone (ratios to the first)
     python benchmarks/bench_engine.py --version 4 --dtypes bf16
     python benchmarks/bench_engine.py --small              # a quick 0.1B-shape smoke run
 
@@ -10,7 +12,8 @@ are) into --workdir; `--quant` schemes are converted from it once (`rwkv-engine 
 activations). Each configuration then runs in a fresh subprocess so that its peak RSS is its
 own, and the configurations take turns for `--rounds` rounds: the medians compare runs that saw
 the same drift of a noisy machine (every other round in reverse order). Ratios are to the `rwkv` package in the same dtype, and for
-quantized rows to `rwkv` bf16 (the issue's targets are written that way). The table also shows
+quantized rows to `rwkv` bf16 (the issue's targets are written that way); with several --quant
+schemes, each also to the first one. The table also shows
 the memory read bandwidth of the machine and the batch-1 decode speed it allows for each row.
 """
 
@@ -223,6 +226,16 @@ def main() -> None:
         print(
             f"| {label} | {r['load_s']:.1f} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} | "
             f"{r['peak_rss_mb']:.0f} | {wcols} | {px} | {dx} |"
+        )
+    # Our schemes against the first of --quant (e.g. --quant q4,q4k: q4k's decode over q4's), from
+    # the same alternating rounds.
+    quants = [f"rwkv-engine {q}" for q in args.quant.split(",") if q and f"rwkv-engine {q}" in med]
+    for label in quants[1:]:
+        a, b = med[label], med[quants[0]]
+        print(
+            f"{label} / {quants[0]}: decode {a['decode_tok_s'] / b['decode_tok_s']:.2f}x, "
+            f"prefill {a['prefill_tok_s'] / b['prefill_tok_s']:.2f}x, "
+            f"weights read {a['weight_bytes'] / b['weight_bytes']:.2f}x"
         )
 
 

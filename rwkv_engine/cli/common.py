@@ -85,7 +85,8 @@ def add_model_args(parser: argparse.ArgumentParser, device: bool = True) -> None
         "-q",
         default=None,
         metavar="SCHEME",
-        help="quantize the weights on load: q8, q4, q0bf16, q0f16, q0f32, or an MLC-LLM "
+        help="quantize the weights on load: q8, q4, q4k, q6k (ggml K-quant blocks of our own), "
+        "q0bf16, q0f16, q0f32, or an MLC-LLM "
         "name such as q4f16_1 (default: none; a converted model keeps its own; a GGUF file's "
         "K-quant (Q4_K, Q5_K, Q6_K) and Q8_0 matrices run as they are stored, the scheme 'gguf')",
     )

@@ -165,7 +165,7 @@ class Plan:
             module, _, leaf = target.rpartition(".")
             linear = self.targets.get(module) if leaf == "weight" else None
             blocks = ck.ggml.blocks.get(name) if ck.ggml is not None and linear is not None else None
-            if blocks is not None and linear.weights == "kquant":
+            if blocks is not None and linear.weights == "kquant" and ck.ggml.types[name] == linear.qtype:
                 out = self._blocks_as_is(name, module, blocks)  # K-quants run from their blocks
                 release_free_memory()  # (the embedding's transients, when it came just before)
                 yield out

@@ -16,6 +16,10 @@ Schemes (weights only; activations stay in the model dtype):
     gguf     a GGUF file's matrices in their own types: K-quants (Q4_K, Q5_K, Q6_K) run from
              their blocks (KQuantLinear), Q8_0 as q8, others dequantized once to 16 bits;
              the default for GGUF files with K-quants                                    unchanged
+    q4k      ggml K-quant blocks of our own error search (kquantize.py), fp16 column scales:
+             Q4_K, the head in Q5_K and the leading blocks in Q6_K / Q5_K (kquant_actions);
+             at most the bytes of llama.cpp's Q4_K_M                                     unchanged
+    q6k      the same, Q6_K throughout                                                   unchanged
 
 MLC-LLM names (`qAfB_id`: A weight bits, B activation dtype) map onto these by their weight bits
 and group size; `Scheme.dtype` carries the B part for the loader:
@@ -67,9 +71,10 @@ import torch
 from torch import nn
 
 from rwkv_engine.errors import InputError
+from rwkv_engine.quant import kquantize as KQ
 from rwkv_engine.quant import primitives as P
 from rwkv_engine.quant.kquant_linear import KQuantLinear
-from rwkv_engine.quant.linear import DenseLinear, Int4Linear, Int8Linear
+from rwkv_engine.quant.linear import DenseLinear, Int4Linear, Int8Linear, weight_bytes
 
 # Linear layers with fewer weights than this stay as they are under the default policy.
 MIN_QUANT_WEIGHTS = 1 << 16
@@ -112,6 +117,8 @@ SCHEMES: dict[str, Scheme] = {
     "q8": Scheme("q8", "int8", group_size=INT8_DEFAULT_GROUP),
     "q4": Scheme("q4", "int4", group_size=INT4_DEFAULT_GROUP),
     "gguf": Scheme("gguf", "ggml"),
+    "q4k": Scheme("q4k", "kquant", qtype="Q4_K"),
+    "q6k": Scheme("q6k", "kquant", qtype="Q6_K"),
 }
 
 _DT = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
@@ -164,7 +171,8 @@ PolicyLike = Union[None, Mapping[str, Action], Callable[[str, nn.Module], Union[
 
 
 def default_action(name: str, module: nn.Linear, scheme: Scheme) -> Action:
-    """What the default policy does with one Linear (see the module docstring)."""
+    """What the default policy does with one Linear (see the module docstring; the K-quant
+    schemes' policy, which weighs the whole model's bytes, is kquant_actions)."""
     if module.weight.numel() < MIN_QUANT_WEIGHTS:
         return "keep"
     if scheme.weights == "int4" and (name.split(".")[-1] == "head" or _block_index(name) < Q4_Q8_BLOCKS):
@@ -172,6 +180,96 @@ def default_action(name: str, module: nn.Linear, scheme: Scheme) -> Action:
     if scheme.weights == "int8" and name.startswith("blocks.0."):
         return "q0f16" if module.weight.dtype == torch.float16 else "q0bf16"
     return scheme.name
+
+
+# --- the K-quant schemes' policy (q4k, q6k) ---------------------------------------------------
+# Their matrices are ggml K-quant blocks (quant/kquantize.py writes them, with column scales) for
+# the K-quant linear module. The measurements behind the policy: docs/quantization.md
+# (`bench_quant_quality.py --peer llama.cpp`).
+
+KQUANT_BASE = {"q4k": "Q4_K", "q6k": "Q6_K"}
+# q4k: the head one step below llama.cpp's Q4_K_M (which holds it in Q6_K, every other matrix in
+# Q4_K), and the bytes that saves spent on the leading blocks, in the first of these types that fits.
+Q4K_HEAD = "Q5_K"
+Q4K_LEADING = ("Q6_K", "Q5_K")
+_KQUANT_FALLBACK = {"Q4_K": "q4", "Q5_K": "q4", "Q6_K": "q8"}  # for widths not a multiple of 256
+
+
+def kquant_actions(model: nn.Module, scheme: str, extra_bytes: float = 0) -> dict[str, str]:
+    """The default policy of a K-quant scheme ("q4k" or "q6k"): {linear name: ggml type ("Q4_K",
+    "Q5_K", "Q6_K"), our scheme for a matrix whose width no K-quant block fits ("q4" for Q4_K /
+    Q5_K, "q8" for Q6_K; "q8" also where q4's groups do not fit), or "keep"}.
+
+    q6k: every matrix in Q6_K. q4k: Q4_K, but the head in Q4K_HEAD, and the leading blocks in
+    Q6_K, then Q5_K, for as many whole blocks as the head's saving on Q6_K pays for, column scales
+    counted: at most the bytes of llama.cpp's Q4_K_M of the same model, on any shape. An early
+    block's error grows through every later one (docs/quantization.md), so those bits do more
+    there than in the head. Matrices below MIN_QUANT_WEIGHTS are kept, as in every scheme.
+    extra_bytes: more bytes per token for q4k's leading blocks (to compare at other budgets).
+    Needs only the modules' shapes (a model on the meta device will do).
+    """
+    base = KQUANT_BASE[scheme]
+    actions: dict[str, str] = {}
+    fits: list[tuple[str, nn.Linear]] = []  # the matrices K-quant blocks can hold
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or m.bias is not None:
+            continue
+        t = Q4K_HEAD if base == "Q4_K" and _is_head(name) else base
+        if m.weight.numel() < MIN_QUANT_WEIGHTS:
+            t = "keep"
+        elif m.in_features % KQ.QK_K:
+            t = _KQUANT_FALLBACK[t]
+            t = "q8" if t == "q4" and m.in_features % min(P.INT4_GROUP_SIZES) else t
+        else:
+            fits.append((name, m))
+        actions[name] = t
+    if base == "Q4_K":
+        _upgrade_leading_blocks(actions, fits, KQ.bits_per_weight, extra_bytes)
+    return actions
+
+
+def _upgrade_leading_blocks(actions: dict[str, str], fits: list[tuple[str, nn.Linear]], bits, extra: float) -> None:
+    """q4k: the leading blocks' K matrices in the first type of Q4K_LEADING that the bytes left pay
+    for, whole blocks in order, while any does; the bytes: the head's saving against Q6_K, less
+    every K matrix's column scales."""
+    budget = sum(m.weight.numel() * (bits("Q6_K") - bits(Q4K_HEAD)) / 8 for n, m in fits if _is_head(n))
+    budget += extra - sum(2 * m.in_features for _, m in fits)
+    blocks: dict[int, list[tuple[str, nn.Linear]]] = {}
+    for n, m in fits:
+        if _block_index(n) != float("inf"):
+            blocks.setdefault(int(_block_index(n)), []).append((n, m))
+    for i in sorted(blocks):
+        weights = sum(m.weight.numel() for _, m in blocks[i])
+        costs = {t: weights * (bits(t) - bits("Q4_K")) / 8 for t in Q4K_LEADING}
+        t = next((t for t in Q4K_LEADING if costs[t] <= budget), None)
+        if t is None:
+            return
+        budget -= costs[t]
+        for n, _ in blocks[i]:
+            actions[n] = t
+
+
+def kquant_read_bytes(model: nn.Module, actions: Mapping[str, str]) -> int:
+    """Weight bytes a decode step reads for the linears under `actions` (kquant_actions'): K types at
+    their block size plus fp16 column scales, our schemes as their modules hold them, kept ones
+    as they are."""
+    total = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or m.bias is not None:
+            continue
+        t = actions.get(name, "keep")
+        if t in KQ.K_TYPES:
+            total += int(m.weight.numel() * KQ.bits_per_weight(t) / 8) + 2 * m.in_features
+        elif t == "keep":
+            total += m.weight.numel() * m.weight.element_size()
+        else:
+            target = _resolve(t, get_scheme(t), name, m.in_features)
+            total += weight_bytes(convert_weight(m.weight, target, empty=True))
+    return total
+
+
+def _is_head(name: str) -> bool:
+    return name.split(".")[-1] == "head"
 
 
 def _block_index(name: str) -> float:
@@ -202,6 +300,10 @@ def _resolve(action: Action, scheme: Scheme, name: str, width: int | None = None
         raise InputError(f"policy action for {name!r} must be a scheme name or 'keep', got {action!r}")
     if action == "keep":
         return None
+    if action in KQ.K_TYPES:  # (kquant_actions' per-matrix types)
+        return Scheme(
+            scheme.name if scheme.weights == "kquant" else action, "kquant", qtype=action, search=scheme.search
+        )
     target = get_scheme(action)
     if target.weights == scheme.weights and target.weights != "dense":
         target = replace(target, group_size=scheme.group_size)
@@ -230,7 +332,9 @@ def convert_weight(weight: torch.Tensor, target: Scheme, empty: bool = False) ->
     if target.weights == "kquant":
         if empty:
             return KQuantLinear(K, N, target.qtype, device=dev)
-        raise InputError(f"{target.name}: no quantizer writes {target.qtype} blocks (load a GGUF of that type)")
+        cs = KQ.column_scales(weight)
+        blocks = KQ.quantize_k(weight, target.qtype, search=target.search, col_scales=cs)
+        return KQuantLinear.from_blocks(target.qtype, blocks, (N, K), cs)
     if target.weights == "ggml":
         raise InputError(f"{target.name} keeps a GGUF file's own types: it applies when loading a .gguf file only")
     gs = target.group_size
@@ -257,15 +361,20 @@ def plan(
     if search is not None:
         sch = replace(sch, search=bool(search))
     targets: dict[str, Scheme] = {}
+    defaults = kquant_actions(model, sch.name) if sch.name in KQUANT_BASE else {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module.bias is not None:
             continue
         action = _user_action(policy, name, module)
         if action is None:
-            action = default_action(name, module, sch)
+            action = defaults.get(name) or default_action(name, module, sch)
         target = _resolve(action, sch, name, module.in_features)
         if target is None:
             continue
+        if target.weights == "kquant" and module.in_features % KQ.QK_K:
+            raise InputError(
+                f"{target.qtype} needs a width that is a multiple of {KQ.QK_K}; {name!r} is {module.in_features} wide"
+            )
         gs = target.group_size
         if target.weights != "dense" and gs is not None and module.in_features % gs:
             raise InputError(

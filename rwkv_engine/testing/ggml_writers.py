@@ -3,7 +3,7 @@ dict: for tests and benchmarks (the readers are proven against files of the prod
 
 GGUF: llama.cpp's convert_hf_to_gguf.py naming and layouts (see gguf.py), written by the
 `gguf` package's GGUFWriter, matrices quantized by `gguf.quants` (K-quants, which it cannot
-quantize, by the plain per-block quantizers below: valid blocks, not llama.cpp's optimized search).
+quantize, by our own quantizers, quant/kquantize.py).
 rwkv.cpp: python/convert_pytorch_to_ggml.py of RWKV/rwkv.cpp (header, per-tensor dims / name /
 type, its time_decay / time_first transforms), and its quantizer's choice of what to quantize
 (2-D tensors but emb and head).
@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..quant.ggml_quants import BY_NAME, QK_K
+from ..quant.kquantize import K_TYPES, quantize_k
 
 Tensor = torch.Tensor
 
@@ -27,65 +28,10 @@ Tensor = torch.Tensor
 # --- quantizing -----------------------------------------------------------------------------
 
 
-def _f16_bytes(x: np.ndarray) -> np.ndarray:
-    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
-
-
-def _pack_k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
-    """8 six-bit scales and mins per block [n, 8] -> 12 bytes [n, 12] (ggml's get_scale_min_k4 layout)."""
-    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
-    out = np.zeros((sc.shape[0], 12), dtype=np.uint8)
-    out[:, 0:4] = (sc[:, 0:4] & 0x3F) | ((sc[:, 4:8] >> 4) << 6)
-    out[:, 4:8] = (mn[:, 0:4] & 0x3F) | ((mn[:, 4:8] >> 4) << 6)
-    out[:, 8:12] = (sc[:, 4:8] & 0x0F) | ((mn[:, 4:8] & 0x0F) << 4)
-    return out
-
-
-def _quantize_k(x: np.ndarray, name: str) -> np.ndarray:
-    """Q4_K / Q5_K / Q6_K blocks of x [n * 256] (float32): an asymmetric (Q4_K/Q5_K) or symmetric
-    (Q6_K) rounding per sub-block with the scales quantized as ggml stores them."""
-    b = x.reshape(-1, QK_K).astype(np.float32)
-    n = b.shape[0]
-    if name == "Q6_K":
-        sub = b.reshape(n, 16, 16)
-        amax = np.abs(sub).max(-1)
-        s = amax / 31
-        d = (np.abs(s).max(-1, keepdims=True) / 127).astype(np.float16).astype(np.float32)
-        sc = np.where(d > 0, np.round(s / np.where(d > 0, d, 1)), 0).clip(-128, 127)
-        step = (d * sc)[..., None]
-        q = np.where(step > 0, np.round(sub / np.where(step > 0, step, 1)), 0).clip(-32, 31).astype(np.int16) + 32
-        q = q.reshape(n, 2, 4, 32).astype(np.uint8)  # per 128 values: 4 rows of 32
-        lo, hi = q & 0x0F, q >> 4
-        ql = (lo[:, :, 0:2] | (lo[:, :, 2:4] << 4)).reshape(n, 128)
-        qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(n, 64)
-        return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), _f16_bytes(d)], axis=1)
-    top = 15 if name == "Q4_K" else 31
-    sub = b.reshape(n, 8, 32)
-    lo = np.minimum(sub.min(-1), 0)
-    s = (sub.max(-1) - lo) / top
-    d = (s.max(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
-    dmin = (-lo.min(-1, keepdims=True) / 63).astype(np.float16).astype(np.float32)
-    sc = np.where(d > 0, np.ceil(s / np.where(d > 0, d, 1)), 0).clip(0, 63)
-    mn = np.where(dmin > 0, np.round(-lo / np.where(dmin > 0, dmin, 1)), 0).clip(0, 63)
-    step, off = (d * sc)[..., None], (dmin * mn)[..., None]
-    q = np.where(step > 0, np.round((sub + off) / np.where(step > 0, step, 1)), 0).clip(0, top).astype(np.uint8)
-    head = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(sc, mn)], axis=1)
-    q4 = q.reshape(n, 4, 2, 32) & 0x0F
-    qs = (q4[:, :, 0] | (q4[:, :, 1] << 4)).reshape(n, 128)
-    if name == "Q4_K":
-        return np.concatenate([head, qs], axis=1)
-    bits = (q >> 4).reshape(n, 8, 32)
-    qh = np.zeros((n, 32), dtype=np.uint8)
-    for j in range(8):
-        qh |= bits[:, j] << j
-    return np.concatenate([head, qh, qs], axis=1)
-
-
 def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
     """Raw blocks (uint8 [rows, bytes per row]) of x [rows, K] (float32) in a ggml type."""
-    if type_name in ("Q4_K", "Q5_K", "Q6_K"):
-        rows = x.shape[0]
-        return _quantize_k(x.reshape(-1), type_name).reshape(rows, -1)
+    if type_name in K_TYPES:
+        return quantize_k(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), type_name).numpy()
     from gguf import GGMLQuantizationType, quants
 
     return quants.quantize(x.astype(np.float32), GGMLQuantizationType[type_name])

@@ -1,7 +1,7 @@
 """Exported ExecuTorch programs run through `executorch.runtime` against the engine.
 
 Each version's tiny model is exported once per module (lowering costs tens of seconds even for
-a tiny model): fp32 and 4-bit, XNNPACK. fp32 must match the engine within 1e-5 relative RMS for
+a tiny model): fp32, and 4-bit for RWKV-7 (Q4_VERSION), XNNPACK. fp32 must match the engine within 1e-5 relative RMS for
 the logits and every state field, after a prompt (prefill pieces + decode rest) and after
 decode steps; the 4-bit program within Q4_BOUND of the fp32 engine's logits.
 """
@@ -31,15 +31,21 @@ STEPS = [5, 77, 140]
 Q4_BOUND = 0.25
 # The tiny model's matrices are under the size the default policy quantizes: name them.
 Q4_POLICY = {"blocks.1.*": "q4", "head": "q8"}
+Q4_VERSION = "7"
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
 def exported(request, make_pth, tmp_path_factory):
     version = request.param
-    model = rwkv_engine.load(make_pth(version, n_layer=2))  # 2 layers: lowering time grows with the graph
+    # Lowering time grows with the graph: one layer holds every op of RWKV-4/5/6 (layer 0 only adds
+    # ln0); RWKV-7's later layers differ from its first (the value residual), so it gets two.
+    model = rwkv_engine.load(make_pth(version, n_layer=2 if version == "7" else 1))
     out = tmp_path_factory.mktemp(f"pte{version}")
     programs = {}
-    for q in ("fp32", "q4"):
+    # fp32 for every version (each has its own graph); the 4-bit lowering (torchao's quantizer and
+    # XNNPACK's int kernels) is the same for every version, so it is exported for the newest only:
+    # each lowering takes a minute or more on a 2-core Zen 3.
+    for q in ("fp32", "q4") if version == Q4_VERSION else ("fp32",):
         export_program(model, out / f"{q}.pte", quantization=q, prefill_len=PREFILL, policy=Q4_POLICY)
         programs[q] = rwkv_engine.load(out / f"{q}.pte")
     return model, programs
@@ -94,6 +100,8 @@ def test_all_logits_and_batch_rows(exported):
 
 def test_q4_program_within_bound(exported):
     model, programs = exported
+    if "q4" not in programs:
+        pytest.skip(f"the 4-bit program is exported for version {Q4_VERSION} only")
     pte = programs["q4"]
     assert pte.metadata["quantized_modules"]["emb"] == "q8"
     assert pte.metadata["quantized_modules"]["blocks.1.att.key"] == "q4"

@@ -64,8 +64,11 @@ def test_every_level_compiles(name):
     if shutil.which(cxx) is None:
         _note(name, f"compile skipped: no {cxx}")
         pytest.skip(f"{name}: no {cxx} on PATH (Debian: g++-{lv.arch.replace('_', '-')}-linux-gnu)")
-    assert native.build_kernels(name, cxx=cxx).exists()  # (the standalone driver: test_kernel_cases_against_pytorch)
-    _note(name, "compiled")
+    # A level this CPU runs is built as it is loaded (the run tests load it); one it cannot run is
+    # only compiled, unoptimised (a third of the time: the run tests never load it here).
+    check_only = bool(_why_not_runnable(name))
+    assert native.build_kernels(name, cxx=cxx, check_only=check_only).exists()
+    _note(name, "compiled" + " (-O0 check)" * check_only)
 
 
 def _why_not_runnable(name: str) -> str:

@@ -27,12 +27,13 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_server import wait_ready
 
 SHAPES = {"0.1B": (12, 768), "1.5B": (24, 2048), "tiny": (2, 64)}  # (n_layer, n_embd)
 
@@ -117,22 +118,7 @@ def start_server(path: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     out = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited:\n{log.read_text()}")
-        m = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
-        if m:
-            try:
-                if httpx.get(m.group(1) + "/health", timeout=2).status_code == 200:
-                    return proc, m.group(1)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the server did not come up")
+    return proc, wait_ready(proc, log, timeout=600)
 
 
 async def ttft(client, url: str, i: int, tokens: int) -> float:

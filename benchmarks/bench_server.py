@@ -140,11 +140,12 @@ def start_server(
     return proc, wait_ready(proc, log_path)
 
 
-def wait_ready(proc: subprocess.Popen, log_path: Path) -> str:
-    """The base URL of a server subprocess once its /health says ok (SystemExit if it never does)."""
+def wait_ready(proc: subprocess.Popen, log_path: Path, timeout: float = 1800) -> str:
+    """The base URL of a server subprocess once its /health says ok (SystemExit if it does not
+    within `timeout` seconds)."""
     import httpx
 
-    deadline = time.monotonic() + 1800
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited:\n{log_path.read_text()[-3000:]}")

@@ -541,17 +541,26 @@ def check_stop_tokens(params) -> None:
 CALL_HEAD = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","arguments":')  # how the grammar writes a call's start
 
 
+def load_call(body: str) -> dict | None:
+    """The JSON object `body` if it is a tool call (a string "name" and an "arguments"), else None:
+    the check every tool-call format's reader shares."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+        return None
+    return call
+
+
 def parse_call(text: str) -> tuple[str, str] | None:
     """(name, arguments as the JSON text the model wrote) of a reply that is a whole tool call, else None."""
     head = text.lstrip(" ")
     if not head.startswith(TOOL_CALL_MARKER):
         return None
     body = head[len(TOOL_CALL_MARKER) :]
-    try:
-        call = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+    call = load_call(body)
+    if call is None:
         return None
     m = CALL_HEAD.match(body)
     if m and body.endswith("}"):

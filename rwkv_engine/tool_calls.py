@@ -50,6 +50,7 @@ from .structured import (
     ToolCallTrigger,
     call_grammar,
     g1_call_grammar,
+    load_call,
     parse_call,
 )
 
@@ -175,11 +176,8 @@ def read_g1(answer: str) -> tuple[str, list[tuple[str, str]]] | None:
         if m is None:
             return None
         body = m.group(1)
-        try:
-            call = json.loads(body)
-        except ValueError:
-            return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+        call = load_call(body)
+        if call is None:
             return None
         head = G1_HEAD.match(body)
         if head and body.rstrip().endswith("}"):

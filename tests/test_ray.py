@@ -3,17 +3,23 @@
 Two engine replicas behind one endpoint, driven by the official `openai` client: answers equal to
 `rwkv_engine.generate` (streamed or not), prefix affinity shown by the per-replica cache hits and
 routing counters in /metrics, a killed replica replaced while the other keeps answering, and
-`rwkv-engine batch` on Ray Data writing the file the local run writes.
+`rwkv-engine batch` on Ray Data writing the file the local run writes. Embeddings and rerank: a
+second application on the same Ray instance, under /emb, serves an EmbeddingRWKV model with its
+reranker (random weights); its answers and the World model's equal the single-process server's
+(the same app in this process) and `rwkv_engine.embed` / `Reranker.rerank`, and the same
+documents under other queries go to the replica that cached them.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -23,6 +29,7 @@ openai = pytest.importorskip("openai")
 import rwkv_engine  # noqa: E402
 from rwkv_engine import SamplingParams, testing  # noqa: E402
 from rwkv_engine.chat_format import render_chat  # noqa: E402
+from rwkv_engine.settings import Config, EngineConfig, ModelSpec  # noqa: E402
 
 from .test_serve import parse_prometheus  # noqa: E402
 
@@ -74,7 +81,6 @@ def test_routing_key_is_the_templates_prompt(ref):
 @pytest.fixture(scope="module")
 def cluster(model_path):
     from rwkv_engine.serve.ray import build_app, free_port
-    from rwkv_engine.settings import Config, EngineConfig, ModelSpec
 
     ray.init(
         num_cpus=4,
@@ -85,12 +91,15 @@ def cluster(model_path):
     )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = Config(ModelSpec(str(model_path)), EngineConfig(max_batch=4, prefill_chunk=CHUNK))
-    serve.run(build_app(config, replicas=2, replica_cpus=1), name="rwkv-engine", route_prefix="/")
+    serve.run(build_app(_config(model_path), replicas=2, replica_cpus=1), name="rwkv-engine", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     yield url
     serve.shutdown()
     ray.shutdown()
+
+
+def _config(model_path, **engine) -> Config:
+    return Config(ModelSpec(str(model_path)), EngineConfig(max_batch=4, prefill_chunk=CHUNK, **engine))
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +144,142 @@ def test_errors_and_endpoints_are_the_servers(cluster, client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+# --- embeddings and rerank -----------------------------------------------------------------------
+
+TEXTS = ["What marks the end of a sequence?", "An end token.", "Apples", "Machine learning needs data, " * 3]
+DOCS = ["Apples are fruit.", "Engines run.", "Pears and plums", "Nothing", "Fruit grows on trees, " * 2]
+
+
+@pytest.fixture(scope="module")
+def emb_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("emb")
+    embedder = testing.random_embedder_state_dict(n_layer=3, n_embd=64, seed=5)
+    reranker = testing.random_reranker_state_dict(2, n_embd=64, seed=6, layers=[0, 2])
+    return testing.save_pth(embedder, d / "emb.pth"), testing.save_pth(reranker, d / "rr.pth")
+
+
+@pytest.fixture(scope="module")
+def emb_app(cluster, emb_files):
+    """An EmbeddingRWKV model and its reranker as a second application, under /emb (replicas that
+    reserve no CPU, so that `batch --ray` still finds its workers' CPUs)."""
+    from rwkv_engine.serve.ray import build_app
+
+    config = _config(emb_files[0], reranker=str(emb_files[1]))
+    serve.run(build_app(config, replicas=2, replica_cpus=0), name="rwkv-emb", route_prefix="/emb")
+    yield cluster + "/emb"
+    serve.delete("rwkv-emb")
+
+
+class Local:
+    """The single-process server of `config`, in this process (`serve.server.build`)."""
+
+    def __init__(self, config: Config):
+        from starlette.testclient import TestClient
+
+        from rwkv_engine.serve.server import build
+
+        engine, app = build(config, progress=False)
+        self.engine = engine
+        self.client = TestClient(app, base_url="http://127.0.0.1")  # (a loopback Host)
+
+    def __enter__(self):
+        self.client.__enter__()  # the app's lifespan: the engine runs
+        return self
+
+    def __exit__(self, *exc):
+        self.client.__exit__(*exc)
+
+    def post(self, path: str, body: dict):
+        return self.client.post(path, json=body)
+
+
+def test_embeddings_through_ray_equal_the_servers(cluster, client, ref, model_path):
+    """The World model's embeddings (mean pooling) through the ingress: those of the single-process
+    server and of `rwkv_engine.embed`; its 400s (rerank without a reranker included) the same."""
+    model, tok = ref
+    before = _metrics(cluster)
+    want = rwkv_engine.embed(model, TEXTS, tok)
+    got = client.embeddings.create(model=NAME, input=TEXTS, encoding_format="float")
+    torch.testing.assert_close(torch.tensor([d.embedding for d in got.data]), want, rtol=0, atol=1e-6)
+    raw = client.embeddings.create(model=NAME, input=TEXTS)  # (the client asks for base64, decodes it)
+    torch.testing.assert_close(torch.tensor([d.embedding for d in raw.data]), want, rtol=0, atol=1e-6)
+    bad = [
+        ("/v1/embeddings", {"input": []}),
+        ("/v1/embeddings", {"input": [[1, 70000]]}),
+        ("/v1/embeddings", {"input": "a", "dimensions": 32}),
+        ("/v1/embeddings", {"input": "a", "encoding_format": "int8"}),
+        ("/v1/rerank", {"query": "q", "documents": ["d"]}),
+        ("/rerank", {"query": "q", "documents": "not a list"}),
+    ]
+    with Local(_config(model_path)) as local:
+        body = {"model": NAME, "input": TEXTS[:2]}
+        here, there = local.post("/v1/embeddings", body), httpx.post(cluster + "/v1/embeddings", json=body, timeout=60)
+        assert there.status_code == here.status_code == 200
+        assert _close(there.json(), here.json())
+        for path, body in bad:
+            body = {"model": NAME, **body}
+            here, there = local.post(path, body), httpx.post(cluster + path, json=body, timeout=60)
+            assert there.status_code == here.status_code == 400, (path, there.text)
+            assert there.json() == here.json()
+    # Embeddings (and invalid bodies) have no routing key: the least-loaded replica answers them;
+    # a valid rerank body is keyed by its documents.
+    m = _metrics(cluster)
+    routed = {
+        r: sum(v - before.get(k, 0) for k, v in m.items() if f'route="{r}"' in k) for r in ("least_loaded", "affinity")
+    }
+    assert routed == {"least_loaded": 3 + len(bad) - 1, "affinity": 1}, routed
+
+
+def test_rerank_through_ray_equals_the_servers_and_hits_the_cache(emb_app, emb_files):
+    """A rerank through the ingress of the embedder application: the single-process server's
+    answer and `Reranker.rerank`'s scores; the same documents under other queries, in another
+    order, go to the replica that has their prefix states (every document token from its cache);
+    embeddings with a task head equal `rwkv_engine.embed`'s."""
+    from rwkv_engine.embedding import load_reranker
+
+    model = rwkv_engine.load(emb_files[0], progress=False)
+    tok = rwkv_engine.load_tokenizer(model)
+    reranker = load_reranker(model, emb_files[1], progress=False)
+    query = "which fruit?"
+    want = reranker.rerank(tok, query, DOCS).tolist()
+    body = {"model": "emb", "query": query, "documents": DOCS, "top_n": 3}
+    with Local(_config(emb_files[0], reranker=str(emb_files[1]))) as local:
+        here = local.post("/v1/rerank", body).json()
+    there = httpx.post(emb_app + "/v1/rerank", json=body, timeout=60).json()
+    here.pop("id"), there.pop("id")
+    assert _close(there, here)
+    assert [r["relevance_score"] for r in there["results"]] == pytest.approx(sorted(want, reverse=True)[:3], abs=1e-6)
+
+    before = _metrics(emb_app)
+    n_docs = sum(len(reranker.document_ids(tok, d)) for d in DOCS)
+    shuffled = random.Random(0).sample(DOCS, len(DOCS))
+    for i, path in enumerate(["/v1/rerank", "/rerank", "/v1/rerank"]):
+        got = httpx.post(emb_app + path, json={"query": f"query {i}", "documents": shuffled}, timeout=60).json()
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n_docs, got["usage"]
+        scores = reranker.rerank(tok, f"query {i}", shuffled).tolist()
+        assert {r["index"]: r["relevance_score"] for r in got["results"]} == pytest.approx(dict(enumerate(scores)))
+    m = _metrics(emb_app)
+    affinity = {k: v - before.get(k, 0) for k, v in m.items() if 'route="affinity"' in k}
+    assert max(affinity.values()) == 3, affinity  # all three on one replica
+    assert m["rwkv_engine_replicas"] == 2  # this application's replicas only
+
+    emb = openai.OpenAI(base_url=emb_app + "/v1", api_key="unused", max_retries=0, timeout=120)
+    got = emb.embeddings.create(model="emb", input=TEXTS[:2], extra_body={"task": "sts"})
+    want = rwkv_engine.embed(model, TEXTS[:2], tok, task="sts")
+    torch.testing.assert_close(torch.tensor([d.embedding for d in got.data]), want, rtol=0, atol=1e-6)
+
+
+def _close(a, b) -> bool:
+    """JSON values equal, floats within 1e-6 (two processes may round a sum differently)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= 1e-6
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def _metrics(url) -> dict[str, float]:
     """The endpoint's summed metrics, checked to be a well-formed Prometheus exposition."""
     return parse_prometheus(httpx.get(url + "/metrics", timeout=60).text)
@@ -166,7 +311,7 @@ def test_prefix_affinity_keeps_the_cache_hitting(cluster, client):
 
 
 def test_killed_replica_is_replaced(cluster, client, ref):
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "rwkv-engine#EngineReplica" in a["name"]]
     assert len(names) == 2
     ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
     want = _generate(ref, "Once upon a time", 8, temperature=0.0)

@@ -22,11 +22,15 @@ Serving: HTTP -> Ray Serve's proxy -> `Ingress` (one replica) -> `EngineReplica`
   replica for once) is keyed by the token ids of that first chunk, the granularity of the replicas'
   prompt-state caches. Keys sit on a consistent-hash ring of the replicas (64 points each), so
   requests that share a system prompt or a conversation go to the same replica and its cache
-  hits. The owner is passed over while its queue is more than `spill` (default --max-batch)
-  requests longer than the shortest one; then, and for requests without a key, the replica with
-  the shortest queue takes the request.
+  hits. A rerank request is keyed by its documents (their texts as a set): the replicas cache
+  each document's prefix state, so the same documents under another query (in any order) go
+  where their states are. Embeddings have no key (any replica reads them as fast). The owner is
+  passed over while its queue is more than `spill` (default --max-batch) requests longer than
+  the shortest one; then, and for requests without a key, the replica with the shortest queue
+  takes the request.
 * `/metrics` on the endpoint: every replica's metrics summed sample by sample (replicas push
-  theirs to a small collector actor every second), each replica's prompt-cache hits and misses
+  theirs to a small collector actor every second, under their Serve application's name, so two
+  applications on one cluster, say a chat model and an embedder, each sum their own), each replica's prompt-cache hits and misses
   under `rwkv_engine_replica_prompt_cache_{hits,misses}_total{replica=...}`, and the router's
   decisions, `rwkv_engine_route_total{route="affinity"|"spill"|"least_loaded", replica=...}`.
 * Faults: Ray Serve replaces a replica that dies (or whose engine stopped: `check_health`). A
@@ -75,6 +79,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise InputError(f'--ray needs Ray Serve: pip install "rwkv-engine[ray]" (could not import ray: {e})') from None
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+RERANK = ("/v1/rerank", "/rerank")
 RING_POINTS = 64  # points per replica on the hash ring
 PUSH_SECONDS = 1.0  # how often a replica publishes its metrics
 METRICS_ACTOR = "rwkv_engine_metrics"
@@ -88,8 +93,9 @@ def routing_key(path: str, body: bytes, tokenizer, chunk: int, template=None, th
     """A hash of the first `chunk` prompt token ids of a completion or chat request, or None when
     the prompt is shorter (no cache entry can help it) or the body is not a valid request. A chat
     is rendered as the replicas render it: by their chat template (`template`, a
-    templates.ChatTemplate; None: the built-in World one) with their thinking default `think`."""
-    if path not in (COMPLETIONS, CHAT):
+    templates.ChatTemplate; None: the built-in World one) with their thinking default `think`.
+    A rerank request is keyed by its documents (`rerank_key`; no tokenizer needed)."""
+    if path not in (COMPLETIONS, CHAT, *RERANK):
         return None
     try:
         obj = json.loads(body)
@@ -97,6 +103,8 @@ def routing_key(path: str, body: bytes, tokenizer, chunk: int, template=None, th
         return None
     if not isinstance(obj, dict):
         return None
+    if path in RERANK:
+        return rerank_key(obj)
     # Enough characters for `chunk` tokens (a World token is at most a few dozen bytes of text).
     head = chunk * 32
     try:
@@ -120,6 +128,20 @@ def routing_key(path: str, body: bytes, tokenizer, chunk: int, template=None, th
     if len(ids) < chunk:
         return None
     return hashlib.sha1(array("q", ids[:chunk]).tobytes()).hexdigest()
+
+
+def rerank_key(obj: dict) -> str | None:
+    """A hash of a rerank request's documents as a set (their texts sorted), or None when the
+    request is not valid."""
+    try:
+        texts = p.RerankRequest.model_validate(obj).texts
+    except Exception:  # the replica answers it with the server's own error
+        return None
+    digest = hashlib.sha1()
+    for text in sorted(texts):
+        data = text.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
 
 
 # --- the request router (runs in the ingress process) --------------------------------------------
@@ -197,18 +219,20 @@ def _hash(text: str) -> int:
 
 @ray.remote(num_cpus=0)
 class MetricsBoard:
-    """The latest metrics text of every replica (entries older than a minute are dropped)."""
+    """The latest metrics text of every replica, by Serve application (entries older than a
+    minute are dropped)."""
 
     def __init__(self):
-        self.texts: dict[str, tuple[float, str]] = {}
+        self.texts: dict[tuple[str, str], tuple[float, str]] = {}
 
-    def put(self, replica: str, text: str) -> None:
-        self.texts[replica] = (time.monotonic(), text)
+    def put(self, app: str, replica: str, text: str) -> None:
+        self.texts[(app, replica)] = (time.monotonic(), text)
 
-    def get(self) -> dict[str, str]:
+    def get(self, app: str) -> dict[str, str]:
+        """replica -> its latest text, for the replicas of application `app`."""
         now = time.monotonic()
         self.texts = {k: v for k, v in self.texts.items() if now - v[0] < 60}
-        return {k: text for k, (_, text) in self.texts.items()}
+        return {replica: text for (a, replica), (_, text) in self.texts.items() if a == app}
 
 
 def merge_metrics(texts: dict[str, str], routes: dict[tuple[str, str], int]) -> str:
@@ -285,7 +309,8 @@ class EngineReplica:
         self.engine, self.app = build(share_mapped_weights(config), progress=False)
         self.template = config.chat.resolve(self.engine.model, config.model.model)  # (as build's)
         self.engine.start()
-        self.replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica, self.app_name = context.replica_id.unique_id, context.app_name
         self.board = board
         self._stop = threading.Event()
         threading.Thread(target=self._publish, name="metrics-push", daemon=True).start()
@@ -293,7 +318,8 @@ class EngineReplica:
     def _publish(self) -> None:
         while not self._stop.wait(PUSH_SECONDS):
             try:
-                self.board.put.remote(self.replica, self.engine.metrics.render(self.engine.gauges))
+                text = self.engine.metrics.render(self.engine.gauges)
+                self.board.put.remote(self.app_name, self.replica, text)
             except Exception:  # the collector is gone: the deployment is shutting down
                 return
 
@@ -308,6 +334,10 @@ class EngineReplica:
         """(name, Jinja text, source) of the chat template this replica renders chats with."""
         t = self.template
         return t.name, t.text, t.source
+
+    def tokenizer(self):
+        """The tokenizer this replica loaded (the ingress keys prompts with it)."""
+        return self.engine.tokenizer
 
     async def handle_http(self, key: str | None, token: str, request: dict):
         """Run one HTTP request through the app: yields {"status", "headers", "replica"}, then body
@@ -372,13 +402,15 @@ class Ingress:
     """Receives every HTTP request, keys it for routing and forwards it to a replica."""
 
     def __init__(self, replicas, config: Config, board):
-        from ..tokenizer import load_tokenizer
-
         self.replicas, self._ask = replicas.options(stream=True), replicas
-        self.template = None  # the replicas' chat template, asked for at the first chat request
+        # The replicas' tokenizer and chat template, asked for at the first request that needs
+        # them: only the loaded model tells which tokenizer fits it (an EmbeddingRWKV
+        # checkpoint's path does not), and the ingress need not load anything itself.
+        self.tokenizer = None
+        self.template = None
         self.think = config.chat.think
-        self.tokenizer = load_tokenizer(config.model.model, config.model.tokenizer)
         self.chunk = config.engine.prefill_chunk
+        self.app_name = serve.get_replica_context().app_name
         self.board = board
         # Ray Serve ships this class and the router's by value, each with copies of the module's
         # globals: both reach the one DECISIONS of this process through the module itself.
@@ -390,12 +422,14 @@ class Ingress:
         from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
         body = await request.body()
-        path = request.url.path
+        path = app_path(request.scope)
         if path == "/metrics" and request.method == "GET":
-            texts = await self.board.get.remote()
+            texts = await self.board.get.remote(self.app_name)
             return PlainTextResponse(
                 merge_metrics(texts, self.routes), media_type="text/plain; version=0.0.4; charset=utf-8"
             )
+        if path in (COMPLETIONS, CHAT) and self.tokenizer is None:
+            self.tokenizer = await self._ask.tokenizer.remote()
         if path == CHAT and self.template is None:
             self.template = ChatTemplate(*await self._ask.chat_template.remote())
         key = (
@@ -426,6 +460,15 @@ class Ingress:
         headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_rest(stream, sse), status_code=head["status"], headers=headers)
+
+
+def app_path(scope: dict) -> str:
+    """The request's path inside the application, which the replicas' app serves at "/": the
+    path less the `root_path` Ray Serve sets to the application's route prefix."""
+    path, root = scope["path"], scope.get("root_path", "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :] or "/"
+    return path
 
 
 async def _rest(stream, sse: bool):

@@ -142,6 +142,41 @@ def test_rerank(server, local):
     assert [r["relevance_score"] for r in got["results"]] == pytest.approx([want[i] for i in order], abs=1e-6)
 
 
+def test_metrics_count_embeddings_and_reranks(server, local):
+    """The embedding and rerank counters of /metrics move by what the answers report (usage) and
+    what the requests held; a rerank of the same documents again counts them as cache hits."""
+    _, tok, reranker = local
+    texts = ["metrics one", "metrics two, a little longer", "three"]
+    docs = ["Counted document A.", "Counted document B, longer than A.", "C"]
+    before = server.metrics()
+    got = httpx.post(server.url + "/v1/embeddings", json={"input": texts}, timeout=30).json()
+    assert httpx.post(server.url + "/v1/embeddings", json={"input": []}, timeout=30).status_code == 400
+    usages = []
+    for query in ("first query", "another query"):
+        r = httpx.post(server.url + "/v1/rerank", json={"query": query, "documents": docs}, timeout=30).json()
+        usages.append(r["usage"]["prompt_tokens"])
+    assert httpx.post(server.url + "/rerank", json={"query": "q", "documents": []}, timeout=30).status_code == 400
+    after = server.metrics()
+
+    def moved(name):
+        return after.get("rwkv_engine_" + name, 0) - before.get("rwkv_engine_" + name, 0)
+
+    assert moved('embedding_requests_total{outcome="ok"}') == 1
+    assert moved('embedding_requests_total{outcome="rejected"}') == 1
+    assert moved("embedding_inputs_total") == len(texts)
+    n_tokens = sum(len(tok.encode(t)) + 1 for t in texts)  # (each with its end token)
+    assert moved("embedding_tokens_total") == got["usage"]["prompt_tokens"] == n_tokens
+    assert moved('rerank_requests_total{outcome="ok"}') == 2
+    assert moved('rerank_requests_total{outcome="rejected"}') == 1
+    assert moved("rerank_documents_total") == 2 * len(docs)
+    assert moved("rerank_tokens_total") == sum(usages)
+    n_query = len(reranker.query_ids(tok, "first query")) + len(reranker.query_ids(tok, "another query"))
+    assert sum(usages) == 2 * sum(len(reranker.document_ids(tok, d)) for d in docs) + len(docs) * n_query
+    assert moved("rerank_cache_misses_total") == len(docs)  # read by the first query
+    assert moved("rerank_cache_hits_total") == len(docs)  # and cached for the second
+    assert moved("embedding_seconds_total") > 0
+
+
 @pytest.mark.parametrize(
     "path, body, says",
     [

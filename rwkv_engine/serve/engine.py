@@ -266,11 +266,11 @@ class Engine:
         elif self.reranker is None:
             raise InputError("this server has no reranker (start it with --reranker FILE)")
         else:
-            cache = _DocumentCache(self.cache) if self.cache.capacity else None
+            cache = _DocumentCache(self.cache, self.metrics) if self.cache.capacity else None
             work = Reranking(self.reranker, request.inputs, request.query, cfg.prefill_chunk, cache)
         with self._cond:
             self._reserve(1)
-            item = InputsPrefill(next(self._ids), work, sink, self.metrics, self._inputs_done)
+            item = InputsPrefill(next(self._ids), _Timed(work, self.metrics), sink, self.metrics, self._inputs_done)
             self._waiting.append(item)
             self._cond.notify_all()
         return Handle(self, item)
@@ -626,13 +626,34 @@ class Engine:
 
 
 class _DocumentCache:
-    """The prompt cache as a reranking's store of document-prefix states (embedding.Reranking)."""
+    """The prompt cache as a reranking's store of document-prefix states (embedding.Reranking);
+    each look-up counted (rerank_cache_hits_total, rerank_cache_misses_total)."""
 
-    def __init__(self, cache: PromptCache):
-        self.cache = cache
+    def __init__(self, cache: PromptCache, metrics: Metrics):
+        self.cache, self.metrics = cache, metrics
 
     def get(self, ids: list[int]) -> State | None:
-        return self.cache.get("", ids)
+        state = self.cache.get("", ids)
+        self.metrics.inc("rerank_cache_hits_total" if state is not None else "rerank_cache_misses_total")
+        return state
 
     def put(self, ids: list[int], state: State) -> None:
         self.cache.put("", ids, state)
+
+
+class _Timed:
+    """An embedding or rerank job (embedding.Embedding, Reranking) whose pieces' seconds are
+    counted in embedding_seconds_total; everything else is the job's own."""
+
+    def __init__(self, work, metrics: Metrics):
+        self.work, self.metrics = work, metrics
+
+    def step(self, *args, **kwargs) -> int:
+        t0 = time.perf_counter()
+        try:
+            return self.work.step(*args, **kwargs)
+        finally:
+            self.metrics.inc("embedding_seconds_total", time.perf_counter() - t0)
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)

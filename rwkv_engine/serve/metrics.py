@@ -52,6 +52,30 @@ METRICS: dict[str, tuple[str, str]] = {
     "state_store_evicted_total": ("counter", "State files deleted, least recently used first, to stay in capacity."),
     "state_store_bytes": ("gauge", "Bytes of state files in the --state-store directory (as this server counts)."),
     "state_store_capacity_bytes": ("gauge", "Capacity of the --state-store directory (--state-store-mb)."),
+    "embedding_requests_total": (
+        "counter",
+        "/v1/embeddings requests, by outcome: ok, rejected (answered 4xx: a bad request or a full queue), "
+        "cancelled (the client left), error (5xx).",
+    ),
+    "embedding_inputs_total": ("counter", "Inputs embedded (by requests answered ok)."),
+    "embedding_tokens_total": ("counter", "Tokens of the inputs embedded (their usage.prompt_tokens)."),
+    "rerank_requests_total": (
+        "counter",
+        "/v1/rerank and /rerank requests, by outcome: ok, rejected (answered 4xx: a bad request or a "
+        "full queue), cancelled (the client left), error (5xx).",
+    ),
+    "rerank_documents_total": ("counter", "Documents scored (by rerank requests answered ok)."),
+    "rerank_tokens_total": (
+        "counter",
+        "Tokens of the documents and queries scored (their usage.prompt_tokens, cached ones included).",
+    ),
+    "rerank_cache_hits_total": ("counter", "Reranked documents whose prefix state came from the prompt cache."),
+    "rerank_cache_misses_total": ("counter", "Reranked documents whose prefix was read (then cached)."),
+    "embedding_seconds_total": (
+        "counter",
+        "Seconds of the engine thread's work reading embedding and rerank inputs (a part of "
+        'engine_seconds_total{phase="prefill"}).',
+    ),
     "max_batch": ("gauge", "Most sequences decoded together (--max-batch)."),
     "speculative_passes_total": ("counter", "Verify passes of speculating sequences (one per row and step)."),
     "speculative_drafted_tokens_total": ("counter", "Draft tokens proposed to verify passes."),

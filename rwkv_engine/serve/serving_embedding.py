@@ -1,14 +1,18 @@
 """POST /v1/embeddings (OpenAI's API) and /v1/rerank, /rerank (Jina's and vLLM's): inputs read by
-the engine with nothing generated (`Engine.submit_inputs`), beside the chats (docs/server.md)."""
+the engine with nothing generated (`Engine.submit_inputs`), beside the chats (docs/server.md).
+Each request is counted in /metrics by outcome (`embedding_requests_total`, `rerank_requests_total`),
+and what an answered one read (inputs, documents, tokens)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+from collections.abc import Awaitable
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from ..embedding import encode, is_embedder
 from ..errors import InputError, RWKVEngineError
@@ -25,14 +29,33 @@ def router(ctx: ServingContext) -> APIRouter:
 
     @r.post("/v1/embeddings")
     async def embeddings(request: HTTPRequest):
-        return await create_embeddings(ctx, request)
+        return await _counted(ctx, "embedding_requests_total", create_embeddings(ctx, request))
 
     @r.post("/v1/rerank")
     @r.post("/rerank")
     async def rerank(request: HTTPRequest):
-        return await create_rerank(ctx, request)
+        return await _counted(ctx, "rerank_requests_total", create_rerank(ctx, request))
 
     return r
+
+
+async def _counted(ctx: ServingContext, counter: str, answer: Awaitable[Response]) -> Response:
+    """`answer`'s response, its outcome counted in `counter`: ok, rejected (a 4xx), cancelled
+    (the client left: a 499, a disconnect while the body was read), error (a 5xx, or anything
+    unexpected)."""
+    outcome = "error"
+    try:
+        response = await answer
+        outcome = "cancelled" if response.status_code == 499 else "ok"
+        return response
+    except APIError as e:
+        outcome = "rejected" if e.status < 500 else "error"
+        raise
+    except (ClientDisconnect, asyncio.CancelledError):
+        outcome = "cancelled"
+        raise
+    finally:
+        ctx.metrics.inc(counter, outcome=outcome)
 
 
 async def create_embeddings(ctx: ServingContext, request: HTTPRequest):
@@ -58,6 +81,8 @@ async def create_embeddings(ctx: ServingContext, request: HTTPRequest):
     got = await read(request, job)
     if got is None:
         return Response(status_code=499)
+    ctx.metrics.inc("embedding_inputs_total", len(ids))
+    ctx.metrics.inc("embedding_tokens_total", got.tokens)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(v, req.encoding_format)}
         for i, v in enumerate(got.values)
@@ -83,6 +108,8 @@ async def create_rerank(ctx: ServingContext, request: HTTPRequest):
     got = await read(request, job)
     if got is None:
         return Response(status_code=499)
+    ctx.metrics.inc("rerank_documents_total", len(docs))
+    ctx.metrics.inc("rerank_tokens_total", got.tokens)
     scores = got.values.tolist()
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n]
     results = []

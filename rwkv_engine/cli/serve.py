@@ -205,7 +205,8 @@ def add_arguments(parser) -> None:
     r.add_argument(
         "--ray",
         action="store_true",
-        help="serve with Ray Serve: --replicas engine replicas behind one endpoint, routed by prompt prefix",
+        help="serve with Ray Serve: --replicas engine replicas behind one endpoint, routed by prompt prefix "
+        "(a rerank by its documents)",
     )
     r.add_argument(
         "--replicas",

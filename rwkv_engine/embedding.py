@@ -320,11 +320,15 @@ class Reranker:
 
 
 class Reranking:
-    """One query against N documents, read piece by piece like an `Embedding` (`step`, `done`):
-    each document prefix alone (no padding: its end state is kept), in pieces of at most `budget`
-    tokens, or taken from `cache` (get(ids) -> State | None, put(ids, state): the serving engine's
-    prompt cache); each budget // len(query) document states (so at most that many are held),
-    the query on top of them at once and the reranker's score. `scores` [N] (sigmoid of the logits, CPU) once done."""
+    """One query against N documents, read piece by piece like an `Embedding` (`step`, `done`).
+
+    The documents go in length order, in groups of budget // len(query) (so at most that many
+    states are held). A group's document prefixes not in `cache` (get(ids) -> State | None,
+    put(ids, state): the serving engine's prompt cache) are read together, with no padding
+    (`_read_together`: a row leaves the batch where its document ends, so its state is the
+    document's own), in pieces of at most `budget` tokens, and cached; then the query is read on
+    top of all the group's states at once and scored. `scores` [N] (sigmoid of the logits, CPU)
+    once done; `cached`, the document tokens the cache gave."""
 
     def __init__(
         self, reranker: Reranker, documents: list[list[int]], query: list[int], budget=BATCH_TOKENS, cache=None
@@ -343,25 +347,60 @@ class Reranking:
             return next(self._steps)
 
     def _run(self):
-        model, rows = self.reranker.embedder, max(1, self.budget // len(self.query))
-        pending: list[State] = []  # document states not scored yet (at most `rows`)
-        for n, ids in enumerate(self.documents):
-            state = self.cache.get(ids) if self.cache is not None else None
-            if state is not None:
-                self.cached += len(ids)
-            else:
-                for pos in range(0, len(ids), self.budget):
-                    state = model.prefill(ids[pos : pos + self.budget], state)
-                    yield min(self.budget, len(ids) - pos)
-                if self.cache is not None:
-                    self.cache.put(ids, state)
-            pending.append(state)
-            if len(pending) == rows or n == len(self.documents) - 1:
-                first = n + 1 - len(pending)
-                self.scores[first : n + 1] = torch.sigmoid(self.reranker.score_ids(State.cat(pending), self.query))
-                self.done = n == len(self.documents) - 1
-                yield len(pending) * len(self.query)
-                pending = []
+        rows = max(1, self.budget // len(self.query))
+        order = sorted(range(len(self.documents)), key=lambda i: len(self.documents[i]))
+        for first in range(0, len(order), rows):
+            group = order[first : first + rows]
+            states: dict[int, State] = {}  # document -> the state after its prefix
+            unread: dict[tuple[int, ...], list[int]] = {}  # a prefix to read -> its documents
+            for i in group:
+                key = tuple(self.documents[i])
+                if key in unread:  # the same document twice: read once
+                    unread[key].append(i)
+                    continue
+                state = self.cache.get(self.documents[i]) if self.cache is not None else None
+                if state is None:
+                    unread[key] = [i]
+                else:
+                    states[i] = state
+                    self.cached += len(key)
+            if unread:
+                read = yield from _read_together(self.reranker.embedder, list(unread), self.budget)
+                for (key, docs), state in zip(unread.items(), read):
+                    if self.cache is not None:
+                        self.cache.put(list(key), state)
+                    states.update((i, state) for i in docs)
+            logits = self.reranker.score_ids(State.cat([states[i] for i in group]), self.query)
+            self.scores[group] = torch.sigmoid(logits)
+            self.done = first + rows >= len(order)
+            yield len(group) * len(self.query)
+
+
+def _read_together(model, seqs: list[tuple[int, ...]], budget: int):
+    """A generator: reads `seqs` (sorted by length, none empty) as one batch, yielding the tokens
+    of each piece (at most `budget`, or one position of the rows left); returns their end states.
+
+    No padding: the rows still unfinished read the next positions together, and a row leaves the
+    batch at the piece that ends its sequence, so its state is the one its sequence gives alone
+    (within rounding: a batch's matrix products may round otherwise than one row's)."""
+    ends = [len(s) for s in seqs]
+    ids = torch.zeros(len(seqs), ends[-1], dtype=torch.long)  # [B, T] (a finished row's rest: never read)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.as_tensor(s)
+    ids = ids.to(model.device)
+    out: list[State] = []
+    state, pos = None, 0
+    while len(out) < len(seqs):
+        live = len(seqs) - len(out)  # rows len(out).. are unfinished
+        end = min(ends[len(out)], pos + max(1, budget // live))
+        state = model.prefill(ids[len(out) :, pos:end], state)
+        yield live * (end - pos)
+        pos, first = end, len(out)
+        while len(out) < len(seqs) and ends[len(out)] == pos:
+            out.append(state[len(out) - first].clone())
+        if len(out) > first and len(out) < len(seqs):
+            state = state[len(out) - first :]
+    return out
 
 
 def load_reranker(model, path, instruction: str = DEFAULT_INSTRUCTION, progress: bool = True) -> Reranker:

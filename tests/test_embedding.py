@@ -170,6 +170,53 @@ def test_rerank_scores_match_reference(reference, files, embedder):
         assert torch.allclose(reranker.rerank(tok, query, docs), torch.sigmoid(ours), atol=1e-6)
 
 
+def test_rerank_reads_documents_together_as_alone(files, embedder):
+    """Documents of equal and of different lengths (one twice, one longer than the budget) read
+    in one batch: each state and score is the one its document gives read alone, the pieces
+    read exactly the documents' and queries' tokens (no padding) within the budget, a document
+    found in the cache, or met twice, is not read again, and documents of one length share
+    their pieces."""
+    model, tok = embedder
+    reranker = rwkv_engine.load_reranker(model, files["reranker"])
+    docs = [reranker.document_ids(tok, d) for d in ("Apples", "Pears", "Apples", *TEXTS)]
+    docs.append(reranker.document_ids(tok, " ".join(TEXTS * 3)))
+    query = reranker.query_ids(tok, "which fruit?")
+    budget = 8 * len(query)
+    assert len(docs[-1]) > budget and len(docs[0]) == len(docs[1])
+
+    class Cache(dict):
+        def get(self, ids):
+            return super().get(tuple(ids))
+
+        def put(self, ids, state):
+            self[tuple(ids)] = state
+
+    cache = Cache()
+    job = rwkv_engine.embedding.Reranking(reranker, docs, query, budget=budget, cache=cache)
+    pieces = []
+    while not job.done:
+        pieces.append(job.step())
+    distinct = {tuple(d) for d in docs}
+    assert sum(pieces) == sum(map(len, distinct)) + len(docs) * len(query) and max(pieces) <= budget
+    for d in distinct:
+        assert rel_rms(cache[d].att_kv, model.prefill(list(d)).att_kv) < 1e-5
+    alone = torch.cat([reranker.score_ids(model.prefill(d), query) for d in docs])
+    torch.testing.assert_close(job.scores, torch.sigmoid(alone), rtol=0, atol=1e-6)
+    again = rwkv_engine.embedding.Reranking(reranker, docs, reranker.query_ids(tok, "q"), budget=budget, cache=cache)
+    while not again.done:
+        again.step()
+    assert again.cached == sum(map(len, docs))
+    # Documents of one length: one piece reads them all, one scores them.
+    same = [_long_ids(30, seed) for seed in range(4)]
+    job = rwkv_engine.embedding.Reranking(reranker, same, query, budget=4 * 30)
+    pieces = []
+    while not job.done:
+        pieces.append(job.step())
+    assert pieces == [4 * 30, 4 * len(query)]
+    alone = torch.cat([reranker.score_ids(model.prefill(d), query) for d in same])
+    torch.testing.assert_close(job.scores, torch.sigmoid(alone), rtol=0, atol=1e-6)
+
+
 def _long_ids(n, seed=0):
     return torch.randint(1, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

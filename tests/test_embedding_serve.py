@@ -177,6 +177,43 @@ def test_metrics_count_embeddings_and_reranks(server, local):
     assert moved("embedding_seconds_total") > 0
 
 
+def test_request_outcomes():
+    """What `_counted` files a request under: its answer, or what it raised (re-raised)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from fastapi.responses import Response
+    from starlette.requests import ClientDisconnect
+
+    from rwkv_engine.serve.errors import APIError
+    from rwkv_engine.serve.metrics import Metrics
+    from rwkv_engine.serve.serving_embedding import _counted
+
+    ctx = SimpleNamespace(metrics=Metrics())
+
+    async def answer(result):
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    cases = [
+        (Response(status_code=200), "ok"),
+        (Response(status_code=499), "cancelled"),
+        (APIError(400, "bad"), "rejected"),
+        (APIError(429, "busy"), "rejected"),
+        (APIError(503, "stopped"), "error"),
+        (ClientDisconnect(), "cancelled"),
+        (RuntimeError("bug"), "error"),
+    ]
+    for result, outcome in cases:
+        before = ctx.metrics.get("rerank_requests_total", outcome=outcome)
+        try:
+            asyncio.run(_counted(ctx, "rerank_requests_total", answer(result)))
+        except Exception as e:
+            assert e is result
+        assert ctx.metrics.get("rerank_requests_total", outcome=outcome) == before + 1, outcome
+
+
 @pytest.mark.parametrize(
     "path, body, says",
     [

@@ -23,6 +23,7 @@ inputs are sorted by length first so the padding is small.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -324,11 +325,11 @@ class Reranking:
 
     The documents go in length order, in groups of budget // len(query) (so at most that many
     states are held). A group's document prefixes not in `cache` (get(ids) -> State | None,
-    put(ids, state): the serving engine's prompt cache) are read together, with no padding
-    (`_read_together`: a row leaves the batch where its document ends, so its state is the
-    document's own), in pieces of at most `budget` tokens, and cached; then the query is read on
-    top of all the group's states at once and scored. `scores` [N] (sigmoid of the logits, CPU)
-    once done; `cached`, the document tokens the cache gave."""
+    put(ids, state): the serving engine's prompt cache) are read, those of one length together
+    as one batch (`_read_together`; no padding, whose tokens would change the state), in pieces
+    of at most `budget` tokens, and cached; then the query is read on top of all the group's
+    states at once and scored. `scores` [N] (sigmoid of the logits, CPU) once done; `cached`,
+    the document tokens the cache gave."""
 
     def __init__(
         self, reranker: Reranker, documents: list[list[int]], query: list[int], budget=BATCH_TOKENS, cache=None
@@ -364,12 +365,13 @@ class Reranking:
                 else:
                     states[i] = state
                     self.cached += len(key)
-            if unread:
-                read = yield from _read_together(self.reranker.embedder, list(unread), self.budget)
-                for (key, docs), state in zip(unread.items(), read):
+            for _, same in itertools.groupby(unread, key=len):  # (unread is in length order)
+                run = list(same)
+                read = yield from _read_together(self.reranker.embedder, run, self.budget)
+                for key, state in zip(run, read):
                     if self.cache is not None:
                         self.cache.put(list(key), state)
-                    states.update((i, state) for i in docs)
+                    states.update((i, state) for i in unread[key])
             logits = self.reranker.score_ids(State.cat([states[i] for i in group]), self.query)
             self.scores[group] = torch.sigmoid(logits)
             self.done = first + rows >= len(order)
@@ -377,30 +379,18 @@ class Reranking:
 
 
 def _read_together(model, seqs: list[tuple[int, ...]], budget: int):
-    """A generator: reads `seqs` (sorted by length, none empty) as one batch, yielding the tokens
-    of each piece (at most `budget`, or one position of the rows left); returns their end states.
-
-    No padding: the rows still unfinished read the next positions together, and a row leaves the
-    batch at the piece that ends its sequence, so its state is the one its sequence gives alone
-    (within rounding: a batch's matrix products may round otherwise than one row's)."""
-    ends = [len(s) for s in seqs]
-    ids = torch.zeros(len(seqs), ends[-1], dtype=torch.long)  # [B, T] (a finished row's rest: never read)
-    for row, s in enumerate(seqs):
-        ids[row, : len(s)] = torch.as_tensor(s)
-    ids = ids.to(model.device)
-    out: list[State] = []
-    state, pos = None, 0
-    while len(out) < len(seqs):
-        live = len(seqs) - len(out)  # rows len(out).. are unfinished
-        end = min(ends[len(out)], pos + max(1, budget // live))
-        state = model.prefill(ids[len(out) :, pos:end], state)
-        yield live * (end - pos)
-        pos, first = end, len(out)
-        while len(out) < len(seqs) and ends[len(out)] == pos:
-            out.append(state[len(out) - first].clone())
-        if len(out) > first and len(out) < len(seqs):
-            state = state[len(out) - first :]
-    return out
+    """A generator: reads `seqs`, all of one length, as one batch [B, T] in pieces of at most
+    `budget` tokens (budget // B positions, at least one), yielding each piece's tokens; returns
+    their end states, one per sequence, each the one it gives read alone (within rounding: a
+    batch's matrix products may round otherwise than one row's)."""
+    ids = torch.tensor(seqs, device=model.device)
+    B, T = ids.shape
+    width = max(1, budget // B)
+    state = None
+    for pos in range(0, T, width):
+        state = model.prefill(ids[:, pos : pos + width], state)
+        yield B * (min(T, pos + width) - pos)
+    return [state[row].clone() for row in range(B)]
 
 
 def load_reranker(model, path, instruction: str = DEFAULT_INSTRUCTION, progress: bool = True) -> Reranker:

@@ -171,11 +171,11 @@ def test_rerank_scores_match_reference(reference, files, embedder):
 
 
 def test_rerank_reads_documents_together_as_alone(files, embedder):
-    """Documents of equal and of different lengths (one twice, one longer than the budget) read
-    in one batch: each state and score is the one its document gives read alone, the pieces
-    read exactly the documents' and queries' tokens (no padding) within the budget, a document
-    found in the cache, or met twice, is not read again, and documents of one length share
-    their pieces."""
+    """Documents of equal and of different lengths (one twice, one longer than the budget) in
+    one rerank: each state and score is the one its document gives read alone, the pieces read
+    exactly the documents' and queries' tokens (no padding) within the budget, a document found
+    in the cache, or met twice, is not read again, and documents of one length share their
+    pieces."""
     model, tok = embedder
     reranker = rwkv_engine.load_reranker(model, files["reranker"])
     docs = [reranker.document_ids(tok, d) for d in ("Apples", "Pears", "Apples", *TEXTS)]

@@ -61,10 +61,10 @@ inputs right-padded in one [B, T] forward, or a piece of a long one; embedding.E
 the work goes to the back of the line. So a job of a thousand texts takes one piece per turn and
 the decode step still runs every turn: a streaming chat waits one piece per token, and a chat
 admitted meanwhile has its prompt read next turn. Such work holds no batch row; it counts as
-one request in the queue and as one prompt being read. Rerank reads the document prefixes
-together, with no padding (a row leaves the batch where its document ends), and keeps each end
-state in the prompt cache (`PromptCache.get`, exact prefix), so the same documents against
-another query read only the query.
+one request in the queue and as one prompt being read. Rerank reads each document's prefix
+(those of one length together, as one batch) and keeps its end state in the prompt cache
+(`PromptCache.get`, exact prefix), so the same documents against another query read only the
+query.
 
 Where the next steps attach (none of them is built here):
 * A mixed step (a prefill piece and the decode passes in one forward under one token budget) is

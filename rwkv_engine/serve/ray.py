@@ -30,8 +30,9 @@ Serving: HTTP -> Ray Serve's proxy -> `Ingress` (one replica) -> `EngineReplica`
   takes the request.
 * `/metrics` on the endpoint: every replica's metrics summed sample by sample (replicas push
   theirs to a small collector actor every second, under their Serve application's name, so two
-  applications on one cluster, say a chat model and an embedder, each sum their own), each replica's prompt-cache hits and misses
-  under `rwkv_engine_replica_prompt_cache_{hits,misses}_total{replica=...}`, and the router's
+  applications on one cluster, say a chat model and an embedder, each sum their own), each
+  replica's prompt-cache hits and misses under
+  `rwkv_engine_replica_prompt_cache_{hits,misses}_total{replica=...}`, and the router's
   decisions, `rwkv_engine_route_total{route="affinity"|"spill"|"least_loaded", replica=...}`.
 * Faults: Ray Serve replaces a replica that dies (or whose engine stopped: `check_health`). A
   request that had received nothing yet is retried once on another replica; one cut in the middle

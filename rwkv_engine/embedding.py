@@ -23,6 +23,7 @@ inputs are sorted by length first so the padding is small.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -145,12 +146,15 @@ def embed_ids(
 class Embedding:
     """N token sequences embedded piece by piece, each piece at most `budget` padded tokens
     (`step`), so a caller can interleave other work between pieces: the serving engine reads
-    one piece per turn of its prefill budget beside the prompts (serve/engine.py), and
-    `embed_ids` reads them all in a row. Same pieces either way, so the same vectors.
+    one piece per turn beside the prompts, each cut to what is left of the turn's prefill
+    budget (serve/engine.py), and `embed_ids` reads them all in a row with the whole budget.
 
-    Inputs sorted by length share right-padded batches of rows x longest <= budget; an input
-    longer than the budget is a batch of its own, read in pieces of `budget` tokens with its state
-    and partial pool carried. `vectors` [N, D] (fp32, CPU) is complete once `done`.
+    Inputs sorted by length share right-padded batches of rows x longest <= the piece's budget;
+    an input longer than that is a batch of its own, read in pieces of at most the budget, its
+    state and partial pool carried. A smaller budget makes smaller batches (or shorter pieces of
+    a long input), which changes a vector only in its last bits (the GEMM's rounding): an input
+    alone, in a batch, or cut anywhere gets the same vector within rel-RMS 1e-5
+    (tests/test_embedding.py). `vectors` [N, D] (fp32, CPU) is complete once `done`.
     """
 
     def __init__(self, model, seqs: Sequence[Sequence[int]], task=None, normalize=None, budget: int = BATCH_TOKENS):
@@ -161,28 +165,43 @@ class Embedding:
         self.tokens = sum(len(s) for s in seqs)
         self.completed = 0  # inputs whose vector is in `vectors`
         self.done = not seqs
-        self._steps = self._run()
+        self._order = deque(sorted(range(len(seqs)), key=lambda i: len(seqs[i])))  # not started yet
+        # The batch being read (an input longer than a piece's budget): its inputs, running pool,
+        # state and the position its next piece starts at.
+        self._batch: list[int] = []
+        self._pool: _Pool | None = None
+        self._state: State | None = None
+        self._pos = 0
 
-    def step(self) -> int:
-        """Read the next piece; the number of (padded) tokens it read."""
+    def step(self, budget: int | None = None) -> int:
+        """Read the next piece, of at most `budget` padded tokens (None, and at most: the job's
+        `budget`); the number of (padded) tokens it read, 0 when no piece fits."""
+        budget = self.budget if budget is None else min(budget, self.budget)
+        if self.done or budget < 1:
+            return 0
         with torch.inference_mode():
-            return next(self._steps)
+            if self._pool is None:
+                self._start(budget)
+            pool, rows, pos = self._pool, len(self._batch), self._pos
+            width = budget // rows  # positions this piece reads
+            if width == 0:
+                return 0
+            end = min(pos + width, pool.ids.shape[1])
+            self._state = self.model.prefill(pool.ids[:, pos:end], self._state, each=lambda s, x: pool.take(pos + s, x))
+            self._pos = end
+            if end == pool.ids.shape[1]:
+                self._finish(self._batch, pool.result())
+                self._batch, self._pool, self._state, self._pos = [], None, None, 0
+                self.done = not self._order
+            return rows * (end - pos)
 
-    def _run(self):
-        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))
-        batches = list(_batches(order, self.seqs, self.budget))
-        for n, batch in enumerate(batches):
-            pool = _Pool(self.model, [self.seqs[i] for i in batch])
-            width = max(1, self.budget // len(batch))  # positions per piece
-            state, pos, T = None, 0, pool.ids.shape[1]
-            while pos < T:
-                end = min(pos + width, T)
-                state = self.model.prefill(pool.ids[:, pos:end], state, each=lambda s, x, p=pos: pool.take(p + s, x))
-                if end == T:
-                    self._finish(batch, pool.result())
-                    self.done = n == len(batches) - 1
-                yield len(batch) * (end - pos)
-                pos = end
+    def _start(self, budget: int) -> None:
+        """Begin the next batch: the shortest inputs left, as many as fit in `budget` padded (at least one)."""
+        order, seqs = self._order, self.seqs
+        batch = [order.popleft()]
+        while order and (len(batch) + 1) * len(seqs[order[0]]) <= budget:
+            batch.append(order.popleft())
+        self._batch, self._pool = batch, _Pool(self.model, [seqs[i] for i in batch])
 
     def _finish(self, batch: list[int], pooled: Tensor) -> None:
         if self.task is not None:
@@ -191,18 +210,6 @@ class Embedding:
             raise ModelOutputError("the model computed a non-finite embedding (its weights or the input overflow)")
         self.vectors[batch] = (F.normalize(pooled, dim=-1) if self.normalize else pooled).cpu()
         self.completed += len(batch)
-
-
-def _batches(order: list[int], seqs, batch_tokens: int):
-    """Runs of `order` (indices sorted by length) of at most batch_tokens rows x longest length."""
-    batch: list[int] = []
-    for i in order:
-        if batch and (len(batch) + 1) * len(seqs[i]) > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
 
 
 class _Pool:
@@ -321,10 +328,11 @@ class Reranker:
 
 class Reranking:
     """One query against N documents, read piece by piece like an `Embedding` (`step`, `done`):
-    each document prefix alone (no padding: its end state is kept), in pieces of at most `budget`
-    tokens, or taken from `cache` (get(ids) -> State | None, put(ids, state): the serving engine's
-    prompt cache); each budget // len(query) document states (so at most that many are held),
-    the query on top of them at once and the reranker's score. `scores` [N] (sigmoid of the logits, CPU) once done."""
+    each document prefix alone (no padding: its end state is kept), in pieces of at most the
+    step's budget, or taken from `cache` (get(ids) -> State | None, put(ids, state): the serving
+    engine's prompt cache); every budget // len(query) document states (so at most that many are
+    held), the query on top of them, as many at once as the step's budget holds, and the
+    reranker's score. `scores` [N] (sigmoid of the logits, CPU) once done."""
 
     def __init__(
         self, reranker: Reranker, documents: list[list[int]], query: list[int], budget=BATCH_TOKENS, cache=None
@@ -334,34 +342,63 @@ class Reranking:
         self.tokens = sum(len(d) for d in documents) + len(documents) * len(query)
         self.scores = torch.empty(len(documents))
         self.cached = 0  # document tokens taken from the cache
-        self.done = False
-        self._steps = self._run()
+        self.done = not documents
+        self._rows = max(1, self.budget // len(self.query))  # most document states held
+        self._pending: list[State] = []  # document states not scored yet, in order
+        self._scored = 0  # documents scored
+        self._next = 0  # the document being read, or the next one
+        self._pos = 0  # how much of it is read (into `_state`)
+        self._state: State | None = None
 
-    def step(self) -> int:
-        """Read the next piece; the number of tokens it read."""
+    def step(self, budget: int | None = None) -> int:
+        """Read the next piece, of at most `budget` tokens (None, and at most: the job's `budget`;
+        a query longer than that is scored one document at a time with the whole budget); the
+        number of tokens it read, 0 when no piece fits."""
+        budget = self.budget if budget is None else min(budget, self.budget)
         with torch.inference_mode():
-            return next(self._steps)
+            while not self.done and budget >= 1:
+                all_read = self._next == len(self.documents)
+                if self._pending and (len(self._pending) == self._rows or all_read):
+                    return self._score(budget)
+                ids = self.documents[self._next]
+                if self._pos == 0 and self.cache is not None:
+                    state = self.cache.get(ids)
+                    if state is not None:  # no forward: on to the next document
+                        self.cached += len(ids)
+                        self._read_document(state)
+                        continue
+                return self._read_piece(ids, budget)
+        return 0
 
-    def _run(self):
-        model, rows = self.reranker.embedder, max(1, self.budget // len(self.query))
-        pending: list[State] = []  # document states not scored yet (at most `rows`)
-        for n, ids in enumerate(self.documents):
-            state = self.cache.get(ids) if self.cache is not None else None
-            if state is not None:
-                self.cached += len(ids)
-            else:
-                for pos in range(0, len(ids), self.budget):
-                    state = model.prefill(ids[pos : pos + self.budget], state)
-                    yield min(self.budget, len(ids) - pos)
-                if self.cache is not None:
-                    self.cache.put(ids, state)
-            pending.append(state)
-            if len(pending) == rows or n == len(self.documents) - 1:
-                first = n + 1 - len(pending)
-                self.scores[first : n + 1] = torch.sigmoid(self.reranker.score_ids(State.cat(pending), self.query))
-                self.done = n == len(self.documents) - 1
-                yield len(pending) * len(self.query)
-                pending = []
+    def _read_piece(self, ids: list[int], budget: int) -> int:
+        start, end = self._pos, min(self._pos + budget, len(ids))
+        state = self.reranker.embedder.prefill(ids[start:end], self._state)
+        if end < len(ids):
+            self._pos, self._state = end, state
+        else:
+            if self.cache is not None:
+                self.cache.put(ids, state)
+            self._read_document(state)
+        return end - start
+
+    def _read_document(self, state: State) -> None:
+        self._pending.append(state)
+        self._next, self._pos, self._state = self._next + 1, 0, None
+
+    def _score(self, budget: int) -> int:
+        """Score the first pending documents, as many as `budget` holds (one with the whole budget)."""
+        q = len(self.query)
+        n = min(len(self._pending), budget // q)
+        if n == 0:
+            if budget < min(q, self.budget):
+                return 0
+            n = 1
+        first, states = self._scored, self._pending[:n]
+        self.scores[first : first + n] = torch.sigmoid(self.reranker.score_ids(State.cat(states), self.query))
+        del self._pending[:n]
+        self._scored += n
+        self.done = self._scored == len(self.documents)
+        return n * q
 
 
 def load_reranker(model, path, instruction: str = DEFAULT_INSTRUCTION, progress: bool = True) -> Reranker:

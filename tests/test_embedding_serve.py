@@ -249,13 +249,16 @@ def test_embedding_job_shares_the_prefill_budget(tmp_path, one_thread):
     streams = []
     for length in (40, 20):  # one leaves the job less than a piece, one more
         prompt = torch.randint(1, 1000, (length,), generator=g).tolist()
-        handle = engine.submit(Request(prompt, greedy), lambda e: None)
+        handle = engine.submit(Request(prompt, greedy), lambda e: log.log.append(("delta", e)))
         streams.append(handle._group.rows[0].stream)  # (its tokens: a token's text may be empty)
+        before = len(log.log)
         turn()
         assert streams[-1].tokens  # its prompt first, then its first token (and a decode step), in one turn
         prompt_read, embedded = turns[-1]
         assert prompt_read == length and embedded <= chunk - length
         assert (embedded == 0) if chunk - length < 32 else (embedded > 0)
+        kinds = [kind for kind, _ in log.log[before:]]
+        assert kinds[:2] == ["prompt", "delta"]  # its first token went out before the job's piece
         for _ in range(3):  # then one token per turn
             before = [len(s.tokens) for s in streams]
             turn()

@@ -350,7 +350,8 @@ class TimedLog(PassLog):
 
 def mixed_turns(model, tok, config: EngineConfig, prompts, params):
     """Drive a SteppedEngine on a TimedLog of `model` through `prompts` (2 arriving per turn).
-    Returns (per turn: (prompt tokens read, streams decoding at its start)), texts by request)."""
+    Returns (per turn: (prompt tokens read, streams decoding at its start, the budget gauge after
+    it)), texts by request)."""
     log = TimedLog(model)
     engine = SteppedEngine(log, tok, config)
     engine.clock = lambda: log.now
@@ -373,7 +374,8 @@ def mixed_turns(model, tok, config: EngineConfig, prompts, params):
                 engine.submit(Request(list(prompts[i]), params), sink_for(i))
         before, decoding = len(log.log), len(engine._batch.rows)
         engine.turn()
-        turns.append((sum(n for kind, n in log.log[before:] if kind == "prefill"), decoding))
+        read = sum(n for kind, n in log.log[before:] if kind == "prefill")
+        turns.append((read, decoding, engine.gauges()["prefill_budget_tokens"]))
         if len(finished) == len(prompts):
             break
     assert len(finished) == len(prompts)
@@ -397,14 +399,15 @@ def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_a
     assert budget == 48
     config = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=share)
     turns, texts = mixed_turns(model, tok, config, prompts, greedy)
-    assert max(read for read, decoding in turns if decoding) <= budget, turns
-    assert sum(1 for read, decoding in turns if read and decoding) >= 10  # the load was mixed
-    assert max(read for read, decoding in turns if not decoding) > budget  # the whole chunk when free
-    assert max(read for read, _ in turns) <= chunk
-    assert sum(read for read, _ in turns) == sum(map(len, prompts))
+    assert max(read for read, decoding, _ in turns if decoding) <= budget, turns
+    assert sum(1 for read, decoding, _ in turns if read and decoding) >= 10  # the load was mixed
+    assert all(gauge == budget for read, decoding, gauge in turns if read and decoding)
+    assert max(read for read, decoding, _ in turns if not decoding) > budget  # the whole chunk when free
+    assert max(read for read, _, _ in turns) <= chunk
+    assert sum(read for read, _, _ in turns) == sum(map(len, prompts))
     off = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=0)
     off_turns, off_texts = mixed_turns(model, tok, off, prompts, greedy)
-    assert max(read for read, decoding in off_turns if decoding) > budget
+    assert max(read for read, decoding, _ in off_turns if decoding) > budget
     assert off_texts == texts
     for i, ids in enumerate(prompts):
         alone = "".join(rwkv_engine.generate(model, tok, ids, greedy))

@@ -123,7 +123,7 @@ from .decode import DecodeBatch, token_entries
 from .logprobs import MAX_TOP_LOGPROBS
 from .messages import Delta, EngineStopped, Finished, InputsRequest, Prompt, QueueFull, Read, Request, Sink
 from .metrics import Metrics
-from .pace import PrefillPace
+from .pace import PrefillPace, device_clock
 from .prompt_cache import PromptCache
 from .state_store import StateStore, model_key
 from .work import DraftPrefill, Group, InputsPrefill, Prefill, PromptPrefill, Row, fail
@@ -192,7 +192,8 @@ class Engine:
         self._joining: list[tuple[Row, State]] = []
         self._batch = DecodeBatch(model, self.config.name)
         self.pace = PrefillPace(self.config.prefill_chunk, self.config.prefill_share)  # a turn's prefill budget
-        self.clock = time.perf_counter  # what the turn's work is timed by (a test may give a fake clock)
+        self.budget = self.config.prefill_chunk  # the last turn's prefill budget (a gauge)
+        self.clock = device_clock(model.device)  # what a turn's work is timed by (a test may give a fake one)
         self._reading = 0  # requests admitted with no choice started (Group.reading)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -359,6 +360,7 @@ class Engine:
             "prompt_cache_capacity_bytes": self.cache.capacity,
             **(self.cache.store.gauges() if self.cache.store is not None else {}),
             "max_batch": self.config.max_batch,
+            "prefill_budget_tokens": self.budget,
             "speculative_acceptance_rate": self.speculative.acceptance_rate,
             "speculative_tokens_per_pass": self.speculative.tokens_per_pass,
         }
@@ -417,7 +419,8 @@ class Engine:
         piece and the decode step's passes run as one forward under one token budget.)"""
         if self._prefilling:
             t0 = self.clock()
-            read = self._prefill(self.pace.budget(decoding=bool(self._batch.rows)))
+            self.budget = self.pace.budget(decoding=bool(self._batch.rows))
+            read = self._prefill(self.budget)
             seconds = self.clock() - t0
             self.pace.prefilled(read, seconds)
             self.metrics.inc("engine_seconds_total", seconds, phase="prefill")
@@ -485,8 +488,9 @@ class Engine:
         allowed, `prefill_piece_end`: it may pass a budget of at least min(chunk, 32) by up to
         GEMV_MAX_ROWS tokens). Prompts (and drafts) go before inputs work (embeddings, rerank),
         which reads what they leave, so a chat's prompt is not held behind a large embedding
-        job; an inputs work that read nothing in its last turn goes first, so a stream of
-        chats does not stall the job either."""
+        job, and the choices of the prompts read start (their first tokens go out) before the
+        job's piece runs; an inputs work that read nothing in its last turn goes first, so a
+        stream of chats does not stall the job either."""
         chunk, left = self.config.prefill_chunk, budget
         tried: list[Prefill] = []  # work whose piece did not fit this turn
         read: list[Prefill] = []
@@ -494,6 +498,8 @@ class Engine:
             work = self._next_work(tried)
             if work is None:
                 break
+            if isinstance(work, InputsPrefill) and self._starting:
+                self._start_choices()  # first tokens from the prompts read, before the job's piece
             if not work.done:
                 try:
                     n = work.step(chunk, left)

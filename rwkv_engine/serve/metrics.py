@@ -53,6 +53,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "state_store_bytes": ("gauge", "Bytes of state files in the --state-store directory (as this server counts)."),
     "state_store_capacity_bytes": ("gauge", "Capacity of the --state-store directory (--state-store-mb)."),
     "max_batch": ("gauge", "Most sequences decoded together (--max-batch)."),
+    "prefill_budget_tokens": (
+        "gauge",
+        "Prompt tokens the last turn with prefill work could read: --prefill-chunk, or while streams "
+        "decode about --prefill-share decode steps' time worth.",
+    ),
     "speculative_passes_total": ("counter", "Verify passes of speculating sequences (one per row and step)."),
     "speculative_drafted_tokens_total": ("counter", "Draft tokens proposed to verify passes."),
     "speculative_accepted_tokens_total": ("counter", "Draft tokens the verify passes accepted."),

@@ -17,7 +17,26 @@ measured the budget is the whole chunk, as it is with `share` 0 (the budget off)
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
+import torch
+
 from ..models.model import WKV_CHUNK
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """`time.perf_counter`, on a GPU after the work queued on it: a prefill's kernels run after
+    its `forward` returns, so without the wait its time would be counted in the next decode step
+    (whose sampling waits for them)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock
 
 
 class PrefillPace:

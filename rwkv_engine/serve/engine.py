@@ -13,10 +13,10 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
    left, which then goes to the back of the line, then (if the budget is not spent) of the
    next one; a piece that does not fit waits for the next turn. The work is a request's prompt,
    or a speculating row's draft model reading what it has not read (its prompt, or what it
-   missed while drafting paused), and before them in line none of the embedding and rerank
-   work (below). So a short prompt that arrives while a long one is being read waits for about
-   one piece of it, not for the whole of it. A prompt is read without holding batch rows: a
-   long one, or an echo that only scores its prompt, keeps no other request from starting;
+   missed while drafting paused); embedding and rerank work (below) comes after them. So a
+   short prompt that arrives while a long one is being read waits for about one piece of it,
+   not for the whole of it. A prompt is read without holding batch rows: a long one, or an
+   echo that only scores its prompt, keeps no other request from starting;
 3. starts choices of requests whose prompt is read on the free batch rows (`_start_choices`):
    each samples its first token from the prompt's last logits and joins the decoding batch (one
    `State` [B, ...]). A request holds at most `rows_per_request` rows (half the batch) at once,

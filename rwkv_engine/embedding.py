@@ -24,6 +24,7 @@ inputs are sorted by length first so the padding is small.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -146,12 +147,15 @@ def embed_ids(
 class Embedding:
     """N token sequences embedded piece by piece, each piece at most `budget` padded tokens
     (`step`), so a caller can interleave other work between pieces: the serving engine reads
-    one piece per turn of its prefill budget beside the prompts (serve/engine.py), and
-    `embed_ids` reads them all in a row. Same pieces either way, so the same vectors.
+    one piece per turn beside the prompts, each cut to what is left of the turn's prefill
+    budget (serve/engine.py), and `embed_ids` reads them all in a row with the whole budget.
 
-    Inputs sorted by length share right-padded batches of rows x longest <= budget; an input
-    longer than the budget is a batch of its own, read in pieces of `budget` tokens with its state
-    and partial pool carried. `vectors` [N, D] (fp32, CPU) is complete once `done`.
+    Inputs sorted by length share right-padded batches of rows x longest <= the piece's budget;
+    an input longer than that is a batch of its own, read in pieces of at most the budget, its
+    state and partial pool carried. A smaller budget makes smaller batches (or shorter pieces of
+    a long input), which changes a vector only in its last bits (the GEMM's rounding): an input
+    alone, in a batch, or cut anywhere gets the same vector within rel-RMS 1e-5
+    (tests/test_embedding.py). `vectors` [N, D] (fp32, CPU) is complete once `done`.
     """
 
     def __init__(self, model, seqs: Sequence[Sequence[int]], task=None, normalize=None, budget: int = BATCH_TOKENS):
@@ -162,28 +166,43 @@ class Embedding:
         self.tokens = sum(len(s) for s in seqs)
         self.completed = 0  # inputs whose vector is in `vectors`
         self.done = not seqs
-        self._steps = self._run()
+        self._order = deque(sorted(range(len(seqs)), key=lambda i: len(seqs[i])))  # not started yet
+        # The batch being read (an input longer than a piece's budget): its inputs, running pool,
+        # state and the position its next piece starts at.
+        self._batch: list[int] = []
+        self._pool: _Pool | None = None
+        self._state: State | None = None
+        self._pos = 0
 
-    def step(self) -> int:
-        """Read the next piece; the number of (padded) tokens it read."""
+    def step(self, budget: int | None = None) -> int:
+        """Read the next piece, of at most `budget` padded tokens (None, and at most: the job's
+        `budget`); the number of (padded) tokens it read, 0 when no piece fits."""
+        budget = self.budget if budget is None else min(budget, self.budget)
+        if self.done or budget < 1:
+            return 0
         with torch.inference_mode():
-            return next(self._steps)
+            if self._pool is None:
+                self._start(budget)
+            pool, rows, pos = self._pool, len(self._batch), self._pos
+            width = budget // rows  # positions this piece reads
+            if width == 0:
+                return 0
+            end = min(pos + width, pool.ids.shape[1])
+            self._state = self.model.prefill(pool.ids[:, pos:end], self._state, each=lambda s, x: pool.take(pos + s, x))
+            self._pos = end
+            if end == pool.ids.shape[1]:
+                self._finish(self._batch, pool.result())
+                self._batch, self._pool, self._state, self._pos = [], None, None, 0
+                self.done = not self._order
+            return rows * (end - pos)
 
-    def _run(self):
-        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i]))
-        batches = list(_batches(order, self.seqs, self.budget))
-        for n, batch in enumerate(batches):
-            pool = _Pool(self.model, [self.seqs[i] for i in batch])
-            width = max(1, self.budget // len(batch))  # positions per piece
-            state, pos, T = None, 0, pool.ids.shape[1]
-            while pos < T:
-                end = min(pos + width, T)
-                state = self.model.prefill(pool.ids[:, pos:end], state, each=lambda s, x, p=pos: pool.take(p + s, x))
-                if end == T:
-                    self._finish(batch, pool.result())
-                    self.done = n == len(batches) - 1
-                yield len(batch) * (end - pos)
-                pos = end
+    def _start(self, budget: int) -> None:
+        """Begin the next batch: the shortest inputs left, as many as fit in `budget` padded (at least one)."""
+        order, seqs = self._order, self.seqs
+        batch = [order.popleft()]
+        while order and (len(batch) + 1) * len(seqs[order[0]]) <= budget:
+            batch.append(order.popleft())
+        self._batch, self._pool = batch, _Pool(self.model, [seqs[i] for i in batch])
 
     def _finish(self, batch: list[int], pooled: Tensor) -> None:
         if self.task is not None:
@@ -192,18 +211,6 @@ class Embedding:
             raise ModelOutputError("the model computed a non-finite embedding (its weights or the input overflow)")
         self.vectors[batch] = (F.normalize(pooled, dim=-1) if self.normalize else pooled).cpu()
         self.completed += len(batch)
-
-
-def _batches(order: list[int], seqs, batch_tokens: int):
-    """Runs of `order` (indices sorted by length) of at most batch_tokens rows x longest length."""
-    batch: list[int] = []
-    for i in order:
-        if batch and (len(batch) + 1) * len(seqs[i]) > batch_tokens:
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
 
 
 class _Pool:
@@ -326,10 +333,10 @@ class Reranking:
     The documents go in length order, in groups of budget // len(query) (so at most that many
     states are held). A group's document prefixes not in `cache` (get(ids) -> State | None,
     put(ids, state): the serving engine's prompt cache) are read, those of one length together
-    as one batch (`_read_together`; no padding, whose tokens would change the state), in pieces
-    of at most `budget` tokens, and cached; then the query is read on top of all the group's
-    states at once and scored. `scores` [N] (sigmoid of the logits, CPU) once done; `cached`,
-    the document tokens the cache gave."""
+    as one batch (no padding, whose tokens would change the state), in pieces cut to the step's
+    budget, and cached; then the query is read on top of the group's states, as many at once as
+    the step's budget holds, and scored. `scores` [N] (sigmoid of the logits, CPU) once done;
+    `cached`, the document tokens the cache gave."""
 
     def __init__(
         self, reranker: Reranker, documents: list[list[int]], query: list[int], budget=BATCH_TOKENS, cache=None
@@ -339,16 +346,27 @@ class Reranking:
         self.tokens = sum(len(d) for d in documents) + len(documents) * len(query)
         self.scores = torch.empty(len(documents))
         self.cached = 0  # document tokens taken from the cache
-        self.done = False
+        self.done = not documents
         self._steps = self._run()
+        next(self._steps)  # to the first `yield`: nothing is read before the first step
 
-    def step(self) -> int:
-        """Read the next piece; the number of tokens it read."""
+    def step(self, budget: int | None = None) -> int:
+        """Read the next piece, of at most `budget` tokens (None, and at most: the job's `budget`);
+        the number of tokens it read, 0 when no piece fits. Two rounding exceptions: a batch of
+        equal documents reads at least one position of each (its rows were chosen to fit the
+        budget of the step that began it), and a query longer than the job's budget is scored one
+        document at a time."""
+        budget = self.budget if budget is None else min(budget, self.budget)
+        if self.done or budget < 1:
+            return 0
         with torch.inference_mode():
-            return next(self._steps)
+            return self._steps.send(budget)
 
     def _run(self):
-        rows = max(1, self.budget // len(self.query))
+        """A generator: receives each step's budget, yields the tokens that step read."""
+        budget = yield 0
+        q = len(self.query)
+        rows = max(1, self.budget // q)
         order = sorted(range(len(self.documents)), key=lambda i: len(self.documents[i]))
         for first in range(0, len(order), rows):
             group = order[first : first + rows]
@@ -367,30 +385,36 @@ class Reranking:
                     self.cached += len(key)
             for _, same in itertools.groupby(unread, key=len):  # (unread is in length order)
                 run = list(same)
-                read = yield from _read_together(self.reranker.embedder, run, self.budget)
-                for key, state in zip(run, read):
-                    if self.cache is not None:
-                        self.cache.put(list(key), state)
-                    states.update((i, state) for i in unread[key])
-            logits = self.reranker.score_ids(State.cat([states[i] for i in group]), self.query)
-            self.scores[group] = torch.sigmoid(logits)
-            self.done = first + rows >= len(order)
-            yield len(group) * len(self.query)
-
-
-def _read_together(model, seqs: list[tuple[int, ...]], budget: int):
-    """A generator: reads `seqs`, all of one length, as one batch [B, T] in pieces of at most
-    `budget` tokens (budget // B positions, at least one), yielding each piece's tokens; returns
-    their end states, one per sequence, each the one it gives read alone (within rounding: a
-    batch's matrix products may round otherwise than one row's)."""
-    ids = torch.tensor(seqs, device=model.device)
-    B, T = ids.shape
-    width = max(1, budget // B)
-    state = None
-    for pos in range(0, T, width):
-        state = model.prefill(ids[:, pos : pos + width], state)
-        yield B * (min(T, pos + width) - pos)
-    return [state[row].clone() for row in range(B)]
+                while run:
+                    batch, run = run[:budget], run[budget:]
+                    ids = torch.tensor(batch, device=self.reranker.embedder.device)
+                    B, T = ids.shape
+                    state, pos = None, 0
+                    while pos < T:
+                        width = max(1, budget // B)
+                        state = self.reranker.embedder.prefill(ids[:, pos : pos + width], state)
+                        read = B * (min(T, pos + width) - pos)
+                        pos += width
+                        budget = yield read
+                    for row, key in enumerate(batch):
+                        own = state[row].clone()
+                        if self.cache is not None:
+                            self.cache.put(list(key), own)
+                        states.update((i, own) for i in unread[key])
+            scored = 0
+            while scored < len(group):
+                n = min(len(group) - scored, budget // q)
+                if n == 0:
+                    if budget < min(q, self.budget):
+                        budget = yield 0
+                        continue
+                    n = 1
+                part = group[scored : scored + n]
+                logits = self.reranker.score_ids(State.cat([states[i] for i in part]), self.query)
+                self.scores[part] = torch.sigmoid(logits)
+                scored += n
+                self.done = first + scored == len(order)
+                budget = yield n * q
 
 
 def load_reranker(model, path, instruction: str = DEFAULT_INSTRUCTION, progress: bool = True) -> Reranker:

@@ -193,7 +193,10 @@ class RWKVEngineLM(TemplateLM):
 
             return sink
 
-        config = EngineConfig(max_batch=self.batch_size, max_queue=max(1, len(jobs)), state_cache_bytes=0)
+        # prefill_share 0: whole prefill chunks between decode steps (no stream waits for its tokens).
+        config = EngineConfig(
+            max_batch=self.batch_size, max_queue=max(1, len(jobs)), state_cache_bytes=0, prefill_share=0
+        )
         engine = Engine(self.model, self.tokenizer, config)
         engine.start()
         try:

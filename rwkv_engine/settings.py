@@ -127,6 +127,9 @@ class EngineConfig:
     max_batch: int = CPU_MAX_BATCH  # sequences decoded together (= batch rows); also prompts read at once
     max_queue: int = 64  # requests waiting beyond max_batch; more: QueueFull (HTTP 429)
     prefill_chunk: int = 256  # prompt tokens per prefill step (and cache granularity)
+    # While rows decode, a turn's prefill takes about this many times a decode step's time (at
+    # least one 32-token piece, at most prefill_chunk); 0: always prefill_chunk (serve/pace.py).
+    prefill_share: float = 1.0
     state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
     state_store: str | None = None  # a directory the prompt-cache states spill to (None: memory only)
     state_store_bytes: int = 8 << 30  # its capacity (least recently used files go first)
@@ -143,6 +146,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InputError(f"{name} must be a positive integer, got {value!r}")
+        share = self.prefill_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < float("inf"):
+            raise InputError(f"prefill_share must be a number >= 0, got {share!r}")
         for name in ("state_cache_bytes", "state_store_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

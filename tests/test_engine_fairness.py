@@ -330,3 +330,124 @@ def test_prefill_piece_end_cuts_to_the_budget_on_the_cache_grid():
                 if start % chunk == 0 and prefill_end(start, total, chunk) - start <= budget:
                     assert end == prefill_end(start, total, chunk)
                 start = end
+
+
+class TimedLog(PassLog):
+    """PassLog on a fake clock (`now`, seconds) that only the model's work moves: TOKEN seconds
+    per prompt token prefilled, STEP seconds per decode pass. (Powers of two: the engine's
+    estimates of both are then exact.)"""
+
+    TOKEN, STEP = 2.0**-10, 12 * 2.0**-10
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.now = 0.0
+
+    def forward(self, tokens, *args, **kw):
+        self.now += self.TOKEN * len(tokens) if isinstance(tokens, list) else self.STEP
+        return super().forward(tokens, *args, **kw)
+
+
+def mixed_turns(model, tok, config: EngineConfig, prompts, params):
+    """Drive a SteppedEngine on a TimedLog of `model` through `prompts` (2 arriving per turn).
+    Returns (per turn: (prompt tokens read, streams decoding at its start, the budget gauge after
+    it)), texts by request)."""
+    log = TimedLog(model)
+    engine = SteppedEngine(log, tok, config)
+    engine.clock = lambda: log.now
+    texts: dict[int, list[str]] = {}
+    finished: set[int] = set()
+
+    def sink_for(i):
+        def sink(event):
+            if isinstance(event, Delta):
+                texts.setdefault(i, []).append(event.text)
+            elif isinstance(event, Finished):
+                finished.add(i)
+
+        return sink
+
+    turns = []
+    for t in range(400):
+        for i in (2 * t, 2 * t + 1):
+            if i < len(prompts):
+                engine.submit(Request(list(prompts[i]), params), sink_for(i))
+        before, decoding = len(log.log), len(engine._batch.rows)
+        engine.turn()
+        read = sum(n for kind, n in log.log[before:] if kind == "prefill")
+        turns.append((read, decoding, engine.gauges()["prefill_budget_tokens"]))
+        if len(finished) == len(prompts):
+            break
+    assert len(finished) == len(prompts)
+    return turns, {i: "".join(t) for i, t in texts.items()}
+
+
+def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_and_tokenizer, one_thread):
+    """Issue 38 item 2, the time-aware budget, on a fake clock (so counted, not timed): prompts
+    cost TOKEN a token, a decode step STEP. While streams decode, a turn reads at most
+    prefill_share x STEP / TOKEN = 48 tokens (a stream waits about 1 + 4 decode steps between
+    two tokens, not a whole chunk); while none decodes, up to the whole chunk of 128. With the
+    share 0 (the budget off) turns with streams decoding read whole chunks again. Either way
+    every request gets the text `generate` gives it alone."""
+    import random
+
+    model, tok = model_and_tokenizer
+    chunk, share, rng = 128, 4.0, random.Random(39)
+    prompts = [[rng.randrange(1, 2000) for _ in range(rng.randint(40, 400))] for _ in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=())
+    budget = int(share * TimedLog.STEP / TimedLog.TOKEN)
+    assert budget == 48
+    config = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=share)
+    turns, texts = mixed_turns(model, tok, config, prompts, greedy)
+    assert max(read for read, decoding, _ in turns if decoding) <= budget, turns
+    assert sum(1 for read, decoding, _ in turns if read and decoding) >= 10  # the load was mixed
+    assert all(gauge == budget for read, decoding, gauge in turns if read and decoding)
+    assert max(read for read, decoding, _ in turns if not decoding) > budget  # the whole chunk when free
+    assert max(read for read, _, _ in turns) <= chunk
+    assert sum(read for read, _, _ in turns) == sum(map(len, prompts))
+    off = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=0)
+    off_turns, off_texts = mixed_turns(model, tok, off, prompts, greedy)
+    assert max(read for read, decoding, _ in off_turns if decoding) > budget
+    assert off_texts == texts
+    for i, ids in enumerate(prompts):
+        alone = "".join(rwkv_engine.generate(model, tok, ids, greedy))
+        assert texts.get(i, "") == alone, f"request {i} ({len(ids)} prompt tokens)"
+
+
+def test_prefill_pace_budget():
+    """`PrefillPace.budget`: the whole chunk while no stream decodes, with the share 0, or before
+    both times are measured; else share x step / token seconds, at least 32 (one WKV chunk, or
+    the chunk if smaller), at most the chunk; the estimates follow what is measured."""
+    from rwkv_engine.serve.pace import PrefillPace
+
+    pace = PrefillPace(chunk=256, share=1.0, smoothing=0.5)
+    assert pace.budget(decoding=True) == 256
+    pace.prefilled(100, 0.5)  # 5 ms a token
+    assert pace.budget(decoding=True) == 256  # no decode step measured yet
+    pace.decoded(0.4)
+    assert pace.budget(decoding=True) == 80 and pace.budget(decoding=False) == 256
+    pace.decoded(0.2)  # the step estimate moves half way: 0.3 s
+    assert pace.budget(decoding=True) == 60
+    pace.prefilled(0, 1.0)  # a turn that read nothing measures nothing
+    assert pace.budget(decoding=True) == 60
+    pace.decoded(0.01)
+    pace.decoded(0.01)
+    assert pace.budget(decoding=True) == 32  # the floor: one WKV chunk
+    pace.decoded(100.0)
+    assert pace.budget(decoding=True) == 256  # the ceiling: the chunk
+    small = PrefillPace(chunk=16, share=1.0)
+    small.prefilled(16, 1.0)
+    small.decoded(1e-3)
+    assert small.budget(decoding=True) == 16
+    off = PrefillPace(chunk=256, share=0.0)
+    off.prefilled(100, 0.5)
+    off.decoded(1e-3)
+    assert off.budget(decoding=True) == 256
+
+
+@pytest.mark.parametrize("share", [-1, float("nan"), float("inf"), "1", True])
+def test_prefill_share_must_be_a_number_at_least_0(share):
+    from rwkv_engine.errors import InputError
+
+    with pytest.raises(InputError, match="prefill_share"):
+        EngineConfig(prefill_share=share)

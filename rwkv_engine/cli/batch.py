@@ -42,6 +42,8 @@ def add_arguments(parser) -> None:
         help="requests in flight at once, per worker (default: twice --max-batch)",
     )
     serve.add_engine_arguments(parser)
+    # Nobody reads the tokens as they come: whole prefill chunks between decode steps (throughput).
+    parser.set_defaults(prefill_share=0.0)
     r = parser.add_argument_group("spread over a Ray cluster (needs the [ray] extra)")
     r.add_argument("--ray", action="store_true", help="run on Ray Data: --workers actors, one model load each")
     r.add_argument(

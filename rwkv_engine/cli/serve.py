@@ -95,6 +95,20 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    """An argparse type: a finite number >= 0 (--prefill-share)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser) -> None:
     # The model flags every command shares, --quantization / --group-size included: the engine
     # serves whatever model `common.load_model` returns (see `build`).
@@ -254,8 +268,18 @@ def add_engine_arguments(parser) -> None:
         type=_positive,
         metavar="N",
         default=EngineConfig.prefill_chunk,
-        help="prompt tokens prefilled between two decode steps; also the prompt-cache "
+        help="most prompt tokens prefilled between two decode steps; also the prompt-cache "
         "granularity (default: %(default)s)",
+    )
+    e.add_argument(
+        "--prefill-share",
+        type=_share,
+        metavar="R",
+        default=EngineConfig.prefill_share,
+        help="while streams decode, prefill between two decode steps for about R times a decode step's "
+        "time (measured as the engine runs; at least a 32-token piece, at most --prefill-chunk), so "
+        "streams get their tokens at an even pace while new prompts are read; 0 = always "
+        "--prefill-chunk tokens (default: %(default)s)",
     )
     e.add_argument(
         "--state-cache-mb",
@@ -361,6 +385,7 @@ def engine_config(args) -> EngineConfig:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
+        prefill_share=args.prefill_share,
         state_cache_bytes=args.state_cache_mb << 20,
         state_store=state_store(args.state_store),
         state_store_bytes=args.state_store_mb << 20,

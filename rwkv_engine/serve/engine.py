@@ -5,11 +5,15 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
 
 1. drops cancelled requests (their batch rows are free for this turn) and admits waiting
    requests while fewer than `max_batch` prompts are being read or wait for their first row;
-2. prefills at most `prefill_chunk` tokens of `Prefill` work (work.py), round-robin: the next
-   piece of the first, cut to the budget left, which then goes to the back of the line, then
-   (if the budget is not spent) of the next one; a piece that does not fit waits for the next
-   turn (`_prefill`). The work is a request's prompt, or a speculating row's draft model
-   reading what it has not read (its prompt, or what it missed while drafting paused). So a
+2. prefills `Prefill` work (work.py) under the turn's token budget (`PrefillPace`, pace.py):
+   `prefill_chunk` tokens while no row decodes; while rows decode, about `prefill_share` times
+   a decode step's time worth of tokens (measured as the engine runs; at least one 32-token
+   piece, at most `prefill_chunk`), so the streams' tokens come at an even pace while new
+   prompts are read. Round-robin (`_prefill`): the next piece of the first, cut to the budget
+   left, which then goes to the back of the line, then (if the budget is not spent) of the
+   next one; a piece that does not fit waits for the next turn. The work is a request's prompt,
+   or a speculating row's draft model reading what it has not read (its prompt, or what it
+   missed while drafting paused); embedding and rerank work (below) comes after them. So a
    short prompt that arrives while a long one is being read waits for about one piece of it,
    not for the whole of it. A prompt is read without holding batch rows: a long one, or an
    echo that only scores its prompt, keeps no other request from starting;
@@ -25,9 +29,10 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
    the request's own parameters and random generator, speculating rows by speculative
    acceptance (speculative.py), both drawing from `Sampler.prepare`.
 
-So new prompts delay the running requests by at most one chunk of prefill per decode step
-(tests/test_engine_fairness.py counts it); they are never paused for a whole prompt. A row leaves the batch when its `TextStream` ends (stop
-token, stop string, max_tokens) or when it is cancelled; the batch state drops it.
+So new prompts delay the running requests by at most one turn's prefill budget per decode step
+(tests/test_engine_fairness.py counts it); they are never paused for a whole prompt. A row
+leaves the batch when its `TextStream` ends (stop token, stop string, max_tokens) or when it is
+cancelled; the batch state drops it.
 
 Batched = alone, bit for bit (on the CPU, with the native kernels): a request gets the tokens
 `rwkv_engine.generate` gives it alone, greedy or sampled with a seed, whatever else is running.
@@ -55,22 +60,28 @@ its own `Sampler` (choice i of a seeded request uses seed + i, so it equals the 
 n = 1 and that seed), starts when a row is free for it and ends on its own.
 
 Embeddings and rerank scores (`submit_inputs`, an `InputsRequest`): inputs read with nothing
-generated are `InputsPrefill` work (work.py) beside the prompts, in the same round-robin and the
-same budget: each step reads one piece of at most `prefill_chunk` padded tokens (several short
-inputs right-padded in one [B, T] forward, or a piece of a long one; embedding.Embedding), then
-the work goes to the back of the line. So a job of a thousand texts takes one piece per turn and
-the decode step still runs every turn: a streaming chat waits one piece per token, and a chat
-admitted meanwhile has its prompt read next turn. Such work holds no batch row; it counts as
-one request in the queue and as one prompt being read. Rerank reads each document's prefix
-(those of one length together, as one batch) and keeps its end state in the prompt cache
-(`PromptCache.get`, exact prefix), so the same documents against another query read only the
-query.
+generated are `InputsPrefill` work (work.py) beside the prompts, under the same budget: each
+step reads one piece cut to the budget left (several short inputs right-padded in one [B, T]
+forward, fewer of them when less is left, or a piece of a long one; embedding.Embedding), then
+the work goes to the back of the line. Prompts go first in a turn, the job reads what they
+leave (at least a 32-token piece, else nothing), and a job that read nothing in a turn goes
+first in the next. So a job of a thousand texts takes at most one turn's budget per turn and
+the decode step still runs every turn: a streaming chat waits one turn's prefill per token, a
+chat admitted meanwhile has its prompt read in the next turn, before the job's piece, and the
+job reads at least every other turn however many chats arrive. Such work holds no batch row;
+it counts as one request in the queue and as one prompt being read. Rerank reads each
+document's prefix (those of one length together, as one batch) and keeps its end state in the
+prompt cache (`PromptCache.get`, exact prefix), so the same documents against another query
+read only the query.
 
 Where the next steps attach (none of them is built here):
-* A mixed step (a prefill piece and the decode passes in one forward under one token budget) is
-  an arrangement of `_turn`: `PromptPrefill.piece` gives a piece's forward arguments and
-  `PromptPrefill.absorb` takes its output; in `DecodeBatch.step`, `_feeds` gives the decode
-  rows' tokens, `passes` runs their forwards and `_decide` takes their logits.
+* A mixed step (a prefill piece and the decode passes in one forward, sharing the linear
+  layers' weight reads) is an arrangement of `_turn`: `PromptPrefill.piece` gives a piece's
+  forward arguments and `PromptPrefill.absorb` takes its output; in `DecodeBatch.step`,
+  `_feeds` gives the decode rows' tokens, `passes` runs their forwards and `_decide` takes
+  their logits. On the CPU it needs a kernel that runs the decode rows' GEMV (their bits, the
+  rows alone) and the piece's GEMM over one pass of each weight: the GEMM over both would give
+  the decode rows batch-dependent bits.
 
 Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each sampled token's
 `Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
@@ -113,6 +124,7 @@ from .decode import DecodeBatch, token_entries
 from .logprobs import MAX_TOP_LOGPROBS
 from .messages import Delta, EngineStopped, Finished, InputsRequest, Prompt, QueueFull, Read, Request, Sink
 from .metrics import Metrics
+from .pace import PrefillPace, device_clock
 from .prompt_cache import PromptCache
 from .state_store import StateStore, model_key
 from .work import DraftPrefill, Group, InputsPrefill, Prefill, PromptPrefill, Row, fail
@@ -180,6 +192,9 @@ class Engine:
         self._starting: deque[Group] = deque()
         self._joining: list[tuple[Row, State]] = []
         self._batch = DecodeBatch(model, self.config.name)
+        self.pace = PrefillPace(self.config.prefill_chunk, self.config.prefill_share)  # a turn's prefill budget
+        self.budget = self.config.prefill_chunk  # the last turn's prefill budget (a gauge)
+        self.clock = device_clock(model.device)  # what a turn's work is timed by (a test may give a fake one)
         self._reading = 0  # requests admitted with no choice started (Group.reading)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -271,7 +286,7 @@ class Engine:
             work = Reranking(self.reranker, request.inputs, request.query, cfg.prefill_chunk, cache)
         with self._cond:
             self._reserve(1)
-            item = InputsPrefill(next(self._ids), _Timed(work, self.metrics), sink, self.metrics, self._inputs_done)
+            item = InputsPrefill(next(self._ids), work, sink, self.metrics, self._inputs_done)
             self._waiting.append(item)
             self._cond.notify_all()
         return Handle(self, item)
@@ -346,6 +361,7 @@ class Engine:
             "prompt_cache_capacity_bytes": self.cache.capacity,
             **(self.cache.store.gauges() if self.cache.store is not None else {}),
             "max_batch": self.config.max_batch,
+            "prefill_budget_tokens": self.budget,
             "speculative_acceptance_rate": self.speculative.acceptance_rate,
             "speculative_tokens_per_pass": self.speculative.tokens_per_pass,
         }
@@ -396,22 +412,28 @@ class Engine:
         return bool(self._prefilling or self._starting or self._batch.rows)
 
     def _turn(self) -> None:
-        """One turn's model work: prefill under the token budget, then choices start on the free
-        rows (their first token) and join the batch, then one decode step.
+        """One turn's model work: prefill under the turn's token budget (`PrefillPace`: the whole
+        chunk, or while rows decode about `prefill_share` decode steps' time of it), then choices
+        start on the free rows (their first token) and join the batch, then one decode step.
 
         (Each part is its own method so that a turn can be arranged differently, e.g. a prefill
         piece and the decode step's passes run as one forward under one token budget.)"""
         if self._prefilling:
-            t0 = time.perf_counter()
-            self._prefill(self.config.prefill_chunk)
-            self.metrics.inc("engine_seconds_total", time.perf_counter() - t0, phase="prefill")
+            t0 = self.clock()
+            self.budget = self.pace.budget(decoding=bool(self._batch.rows))
+            read = self._prefill(self.budget)
+            seconds = self.clock() - t0
+            self.pace.prefilled(read, seconds)
+            self.metrics.inc("engine_seconds_total", seconds, phase="prefill")
         if self._starting:
             self._start_choices()
         if self._joining:
             self._batch.join(self._joining)
             self._joining = []
         if self._batch.rows:
+            t0 = self.clock()
             self._decode_step()
+            self.pace.decoded(self.clock() - t0)
 
     def _clear(self) -> list[Row]:
         """Forget every admitted request; returns their rows."""
@@ -457,36 +479,61 @@ class Engine:
                     r.finish("cancelled")
             self._batch.keep([i for i, r in enumerate(rows) if not r.cancelled])
 
-    def _prefill(self, budget: int) -> None:
-        """Pieces of the prefill work, round-robin, while `budget` tokens are left: the first
-        work's next piece, cut to the budget left, which then goes to the back of the line, then
-        the next one's. A piece that does not fit in what is left waits, first in line, for the
-        next turn, so a turn reads at most `budget` tokens (a turn's first piece always runs,
-        whole if nothing shorter is allowed: a chunk under 64 tokens may then pass it by up to
-        GEMV_MAX_ROWS)."""
+    def _prefill(self, budget: int) -> int:
+        """Pieces of the prefill work while `budget` tokens are left; returns the tokens read.
+
+        Round-robin: the next work's next piece, cut to the budget left, after which the work
+        goes to the back of the line; a piece that does not fit in what is left waits, in its
+        place in line, for the next turn, and the next work's piece is tried. So a turn reads at
+        most `budget` tokens (a turn's first piece always runs, whole if nothing shorter is
+        allowed, `prefill_piece_end`: it may pass a budget of at least min(chunk, 32) by up to
+        GEMV_MAX_ROWS tokens). Prompts (and drafts) go before inputs work (embeddings, rerank),
+        which reads what they leave, so a chat's prompt is not held behind a large embedding
+        job, and the choices of the prompts read start (their first tokens go out) before the
+        job's piece runs; an inputs work that read nothing in its last turn goes first, so a
+        stream of chats does not stall the job either."""
         chunk, left = self.config.prefill_chunk, budget
-        while self._prefilling and left > 0:
-            work = self._prefilling[0]
+        tried: list[Prefill] = []  # work whose piece did not fit this turn
+        read: list[Prefill] = []
+        while left > 0:
+            work = self._next_work(tried)
+            if work is None:
+                break
+            if isinstance(work, InputsPrefill) and self._starting:
+                self._start_choices()  # first tokens from the prompts read, before the job's piece
             if not work.done:
                 try:
                     n = work.step(chunk, left)
                     if n == 0 and left == budget:  # no shorter piece is allowed: the natural one
                         n = work.step(chunk, chunk + GEMV_MAX_ROWS)
                 except Exception as e:  # one request's failure must not stop the others
-                    self._prefilling.popleft()
+                    self._prefilling.remove(work)
                     self._fail(work.rows, e)
                     continue
                 if n == 0 and not work.done:
-                    break
+                    tried.append(work)
+                    continue
+                read.append(work)
                 left -= max(1, n)
+            self._prefilling.remove(work)
             if not work.done:
-                self._prefilling.rotate(-1)
+                self._prefilling.append(work)  # to the back of the line
                 continue
-            self._prefilling.popleft()
             try:
                 self._prefilled(work)
             except Exception as e:
                 self._fail(work.rows, e)
+        for work in self._prefilling:
+            if isinstance(work, InputsPrefill):
+                work.starved = work not in read
+        return budget - left
+
+    def _next_work(self, tried: list[Prefill]) -> Prefill | None:
+        """The prefill work whose piece comes next (not one of `tried`): the first prompt or
+        draft in line, or an inputs work that read nothing last turn; else the first inputs work."""
+        line = [w for w in self._prefilling if w not in tried]
+        first = next((w for w in line if not isinstance(w, InputsPrefill) or w.starved), None)
+        return first if first is not None else (line[0] if line else None)
 
     def _prefilled(self, work: Prefill) -> None:
         """What follows a finished piece of prefill work: a request's prompt read starts its
@@ -641,20 +688,3 @@ class _DocumentCache:
     def put(self, ids: list[int], state: State) -> None:
         self.cache.put("", ids, state)
 
-
-class _Timed:
-    """An embedding or rerank job (embedding.Embedding, Reranking) whose pieces' seconds are
-    counted in embedding_seconds_total; everything else is the job's own."""
-
-    def __init__(self, work, metrics: Metrics):
-        self.work, self.metrics = work, metrics
-
-    def step(self, *args, **kwargs) -> int:
-        t0 = time.perf_counter()
-        try:
-            return self.work.step(*args, **kwargs)
-        finally:
-            self.metrics.inc("embedding_seconds_total", time.perf_counter() - t0)
-
-    def __getattr__(self, name: str):
-        return getattr(self.work, name)

@@ -77,6 +77,11 @@ METRICS: dict[str, tuple[str, str]] = {
         'engine_seconds_total{phase="prefill"}).',
     ),
     "max_batch": ("gauge", "Most sequences decoded together (--max-batch)."),
+    "prefill_budget_tokens": (
+        "gauge",
+        "Prompt tokens the last turn with prefill work could read: --prefill-chunk, or while streams "
+        "decode about --prefill-share decode steps' time worth.",
+    ),
     "speculative_passes_total": ("counter", "Verify passes of speculating sequences (one per row and step)."),
     "speculative_drafted_tokens_total": ("counter", "Draft tokens proposed to verify passes."),
     "speculative_accepted_tokens_total": ("counter", "Draft tokens the verify passes accepted."),

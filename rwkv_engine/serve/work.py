@@ -9,6 +9,7 @@ request's sink, on the engine thread.
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -263,16 +264,22 @@ class DraftPrefill(Prefill):
 
 class InputsPrefill(Prefill):
     """An `InputsRequest` in the engine: inputs read and nothing generated (an embedding or rerank
-    request). It is prefill work like a prompt, one piece of at most `prefill_chunk` padded tokens
-    per step (embedding.Embedding / Reranking), round-robin with the prompts, so a job of
-    thousands of inputs delays the decoding rows by one piece per turn, never by the whole job.
-    It holds no batch row. It is its own `rows` (one, for cancel and failure): `finish`."""
+    request). It is prefill work like a prompt, one piece per step (embedding.Embedding /
+    Reranking) cut to the budget the step is given: fewer inputs in a padded batch, or fewer
+    positions of a long one, so a job of thousands of inputs takes what the turn's prompts left
+    and delays the decoding rows by one piece per turn, never by the whole job. A piece under
+    MIN_PIECE tokens is not worth a forward: with less left, the step reads nothing (and the
+    engine lets the job go first next turn, `starved`). It holds no batch row. It is its own
+    `rows` (one, for cancel and failure): `finish`."""
+
+    MIN_PIECE = 32  # fewest tokens a piece reads (or the whole chunk, if smaller)
 
     def __init__(self, item_id: int, work, sink: Callable[[object], None], metrics: Metrics, on_done):
         self.id, self.work, self.sink, self.metrics, self.on_done = item_id, work, sink, metrics, on_done
         self.cancelled = False
         self.finished = False
         self.reading = False  # admitted (one of the prompts read at once)
+        self.starved = False  # read nothing in its last turn (Engine._prefill)
 
     @property
     def rows(self) -> list[InputsPrefill]:
@@ -283,9 +290,11 @@ class InputsPrefill(Prefill):
         return self.work.done or self.finished
 
     def step(self, chunk: int, budget: int) -> int:
-        if budget < chunk:  # its piece (up to a chunk) cannot be cut: it waits for a whole turn's budget
+        if budget < min(self.MIN_PIECE, chunk):
             return 0
-        n = self.work.step()
+        t0 = time.perf_counter()
+        n = self.work.step(min(chunk, budget))
+        self.metrics.inc("embedding_seconds_total", time.perf_counter() - t0)
         self.metrics.inc("prefill_tokens_total", n)
         return n
 

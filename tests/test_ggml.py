@@ -368,6 +368,12 @@ def test_gguf_quantized_embedding_stays_blocks(tmp_path, emb_type):
         want = torch.from_numpy(gq.dequantize(np.asarray(raw.data), raw.tensor_type).reshape(V, C))[ids]
         got = emb.rows(ids)
         assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert emb.file_rows is not None and emb.file_rows.serves(emb.qweight)  # rows read with pread
+        rows, emb.file_rows = emb.file_rows, None  # and through the mapping: the same bits
+        assert torch.equal(emb.rows(ids).view(torch.int32), want.view(torch.int32))
+        emb.file_rows = rows
+        with pytest.raises(IndexError):
+            emb(torch.tensor([V]))
         ln = [torch.from_numpy(np.array(tensors[f"token_embd_norm.{k}"].data)) for k in ("weight", "bias")]
         table = embedding(
             torch.from_numpy(gq.dequantize(np.asarray(raw.data), raw.tensor_type).reshape(V, C)), *ln, model.dtype

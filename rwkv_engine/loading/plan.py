@@ -16,7 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..device import cuda_dtype, resolve_device
 from ..errors import CheckpointError, InputError
-from ..memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
+from ..memory import FileRows, release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
 from ..models import RWKV
 from ..models.layers import lora_dtype
 from ..quant.ggml_embedding import GgmlEmbedding
@@ -264,6 +264,14 @@ class Plan:
             b = moved
         return {f"{module}.qweight": b, f"{module}.col_scales": torch.ones(K, dtype=torch.float16)}
 
+    def embedding_rows(self, blocks: Tensor) -> FileRows | None:
+        """The GgmlEmbedding's rows of blocks read from the file with pread (memory.FileRows: a
+        lookup through the mapping would fault in whole folios of the table), or None."""
+        src = self.ck.ggml.rows["emb.weight"]
+        if not FileRows.available() or src.offset is None:
+            return None
+        return FileRows(self.ck.ggml.path, src.offset, tuple(blocks.shape), torch.uint8, blocks)
+
     def _embedding_blocks(self, lazy) -> dict[str, Tensor]:
         """A quantized GGUF embedding as GgmlEmbedding's buffers: the file's blocks (a view of its
         mapping, not copied) and ln0, which a lookup applies to the rows it dequantizes."""
@@ -373,6 +381,8 @@ def assemble(plan_: Plan, progress: bool = True) -> RWKV:
     model.load_state_dict(sd, strict=True, assign=True)
     if rows is not None:
         model.emb.file_rows = rows
+    if plan_.embedding_blocks:
+        model.emb.file_rows = plan_.embedding_rows(model.emb.qweight)
     for module, r in table_rows.items():
         model.get_submodule(module).file_rows = r
     model.initial_state = plan_.initial_state()

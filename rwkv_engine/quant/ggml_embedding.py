@@ -13,7 +13,10 @@ holds: gguf.quants' values of the row (`rows`), then F.layer_norm with ln0, in t
 The result equals the folded table's row bit for bit (layer_norm works row by row).
 
 Buffers: qweight uint8 [vocab, C / block_size * block_bytes] (the blocks, row n = token n),
-ln_weight and ln_bias fp32 [C] (ln0). K-quant rows are decoded by the native decoder where it
+ln_weight and ln_bias fp32 [C] (ln0). `file_rows` (memory.FileRows over the same bytes, set by the
+loader) reads a lookup's rows with pread, as a model directory's embedding is read: through the
+mapping, each fault maps a whole folio of the file, and a prompt's scattered rows would put much of
+the table into the process's memory. K-quant rows are decoded by the native decoder where it
 loads (kernels/native dequant_kq, gguf.quants' values bit for bit), other types by
 quant/ggml_quants.py.
 """
@@ -35,6 +38,8 @@ _CHUNK_ROWS = 4096  # rows per step of `dequantize()`: small temporaries
 
 class GgmlEmbedding(nn.Module):
     """Token embedding rows LayerNorm(ln0)(W[ids]) from W in ggml blocks (see the module docstring)."""
+
+    file_rows = None  # memory.FileRows of qweight's rows in the model file, or None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str | int, dtype: torch.dtype, device=None):
         super().__init__()
@@ -73,7 +78,11 @@ class GgmlEmbedding(nn.Module):
     def rows(self, ids: Tensor) -> Tensor:
         """The stored rows of `ids` (1-D int64), dequantized: fp32 [len(ids), C], gguf.quants' values."""
         n, C = ids.numel(), self.embedding_dim
-        blocks = self.qweight.index_select(0, ids.to(self.qweight.device))  # [n, row bytes], a small copy
+        rows = self.file_rows
+        if rows is not None and rows.serves(self.qweight):
+            blocks = rows.read(ids.cpu())  # [n, row bytes]
+        else:
+            blocks = self.qweight.index_select(0, ids.to(self.qweight.device))  # a small copy
         ops = native.load() if self.qtype in KQUANT and blocks.device.type == "cpu" else None
         if ops is not None and n > 0:
             return ops.dequant_kq(blocks, self.type_id, C, 0, n, torch.float32)

@@ -382,6 +382,10 @@ def test_gguf_quantized_embedding_stays_blocks(tmp_path, emb_type):
         assert looked.shape == (2, 3, C) and looked.dtype == model.dtype
         assert torch.equal(looked.reshape(-1, C), table[ids])
         assert torch.equal(emb.dequantize(), table)
+        alone = GgmlEmbedding.from_blocks(emb_type, emb.qweight.clone(), (V, C), *ln, model.dtype)
+        assert alone.file_rows is None and torch.equal(alone(ids), table[ids])  # (through the tensor)
+        with pytest.raises(InputError, match="blocks of a 300 x 256 table"):
+            GgmlEmbedding.from_blocks(emb_type, emb.qweight[:, 1:], (V, C), *ln, model.dtype)
         ours = testing.logits_along(model, IDS[:4], IDS[4:])
         model.emb = torch.nn.Embedding.from_pretrained(table, freeze=True)
         model.reset_decode_step()

@@ -86,7 +86,8 @@ class GgmlEmbedding(nn.Module):
         ops = native.load() if self.qtype in KQUANT and blocks.device.type == "cpu" else None
         if ops is not None and n > 0:
             return ops.dequant_kq(blocks, self.type_id, C, 0, n, torch.float32)
-        return dequantize(blocks.reshape(-1), self.type_id, (n, C))
+        # (quant/ggml_quants.py on the CPU: a few rows, and its shift tables live there)
+        return dequantize(blocks.reshape(-1).cpu(), self.type_id, (n, C)).to(blocks.device)
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids [...] -> [..., C] in the model dtype."""

@@ -340,3 +340,53 @@ def test_gguf_scheme_needs_a_gguf(tmp_path):
     sd = _model("7")
     with pytest.raises(InputError, match="not a GGUF file"):
         rwkv_engine.load(testing.save_pth(sd, tmp_path / "m.pth"), quantization="gguf", progress=False)
+
+
+@pytest.mark.parametrize("emb_type", ["Q8_0", "Q4_K", "Q6_K", "Q5_1"])
+def test_gguf_quantized_embedding_stays_blocks(tmp_path, emb_type):
+    """A quantized GGUF embedding (Q4_K in llama-quantize's Q4_K_M, Q6_K in its Q6_K, Q8_0 in its
+    Q8_0) is kept as the file's blocks: no [vocab, C] float table anywhere in the model, a lookup's
+    rows are gguf.quants' values bit for bit, ln0 applied to them gives the folded table's rows
+    (loading/transforms.embedding) bit for bit, and the logits are those of the folded table."""
+    from rwkv_engine.loading.transforms import embedding
+    from rwkv_engine.quant.ggml_embedding import GgmlEmbedding
+
+    sd = testing.random_state_dict("7", n_layer=2, n_embd=256, vocab_size=300, head_size=64, seed=5)
+    path = write_gguf(sd, tmp_path / "m.gguf", lambda n: emb_type if n == "token_embd.weight" else "Q4_K")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    raw = tensors["token_embd.weight"]
+    assert raw.tensor_type.name == emb_type
+    V, C = 300, 256
+    for dtype in ("fp32", "bf16"):
+        model = rwkv_engine.load(path, dtype=dtype, progress=False)
+        emb = model.emb
+        assert isinstance(emb, GgmlEmbedding) and emb.qtype == emb_type
+        assert np.array_equal(emb.qweight.numpy(), np.asarray(raw.data).reshape(V, -1))  # the file's bytes
+        big = [k for k, t in model.state_dict().items() if t.is_floating_point() and t.numel() >= V * C]
+        assert big == [], big  # (the head is a KQuantLinear: its blocks)
+        ids = torch.tensor([0, 299, 7, 7, 150, 1])
+        want = torch.from_numpy(gq.dequantize(np.asarray(raw.data), raw.tensor_type).reshape(V, C))[ids]
+        got = emb.rows(ids)
+        assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert emb.file_rows is not None and emb.file_rows.serves(emb.qweight)  # rows read with pread
+        rows, emb.file_rows = emb.file_rows, None  # and through the mapping: the same bits
+        assert torch.equal(emb.rows(ids).view(torch.int32), want.view(torch.int32))
+        emb.file_rows = rows
+        with pytest.raises(IndexError):
+            emb(torch.tensor([V]))
+        ln = [torch.from_numpy(np.array(tensors[f"token_embd_norm.{k}"].data)) for k in ("weight", "bias")]
+        table = embedding(
+            torch.from_numpy(gq.dequantize(np.asarray(raw.data), raw.tensor_type).reshape(V, C)), *ln, model.dtype
+        )
+        looked = emb(ids.view(2, 3))
+        assert looked.shape == (2, 3, C) and looked.dtype == model.dtype
+        assert torch.equal(looked.reshape(-1, C), table[ids])
+        assert torch.equal(emb.dequantize(), table)
+        alone = GgmlEmbedding.from_blocks(emb_type, emb.qweight.clone(), (V, C), *ln, model.dtype)
+        assert alone.file_rows is None and torch.equal(alone(ids), table[ids])  # (through the tensor)
+        with pytest.raises(InputError, match="blocks of a 300 x 256 table"):
+            GgmlEmbedding.from_blocks(emb_type, emb.qweight[:, 1:], (V, C), *ln, model.dtype)
+        ours = testing.logits_along(model, IDS[:4], IDS[4:])
+        model.emb = torch.nn.Embedding.from_pretrained(table, freeze=True)
+        model.reset_decode_step()
+        assert torch.equal(testing.logits_along(model, IDS[:4], IDS[4:]), ours)

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..models.layers import mean_norm
+from ..quant.ggml_embedding import GgmlEmbedding
 from ..quant.linear import _QuantLinearBase
 from ..quant.schemes import SCHEMES, _user_action, default_action, replace_module
 
@@ -123,13 +124,14 @@ def exportable_copy(model) -> nn.Module:
             "--quantization q8 / q4)"
         )
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}  # the tensors are shared
-    for native in (model._native_step, model.emb.file_rows):  # native handles: not copied, not needed
+    for native in (model._native_step, getattr(model.emb, "file_rows", None)):  # native handles: not copied
         memo[id(native)] = None
     m = copy.deepcopy(model, memo=memo)
     m.native_decode = False
     m._native_step = None
     m.layer_observer = None
-    m.emb = nn.Embedding.from_pretrained(model.emb.weight, freeze=True)
+    table = model.emb.dequantize() if isinstance(model.emb, GgmlEmbedding) else model.emb.weight  # (a GGUF's blocks)
+    m.emb = nn.Embedding.from_pretrained(table, freeze=True)
     m.set_lora_dtype(torch.float32)  # 16-bit LoRA matrices (a bf16 checkpoint's): fp32 copies in the program
     for name, module in list(m.named_modules()):
         if isinstance(module, nn.Linear) and type(module) is not nn.Linear:

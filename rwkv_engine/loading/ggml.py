@@ -22,6 +22,7 @@ class RowSource:
     rows: Callable[[int, int], Tensor]  # (r0, r1) -> fp32 [r1 - r0, shape[1]]
     source: Callable[[], Tensor] | None = None  # the mapped bytes read, whose pages can be dropped after
     dtype: torch.dtype = torch.float32
+    offset: int | None = None  # where the stored rows start in the file (for reads with pread)
 
     def __getitem__(self, s: slice) -> Tensor:
         r0, r1, _ = s.indices(self.shape[0])

@@ -177,14 +177,24 @@ def read(path: Path) -> GgmlTensors:
         def mapped(off=t.data_offset, n=t.n_bytes) -> torch.Tensor:
             return out.file_bytes(off, n)
 
-        _add(out, t.name, tid, shape, raw, mapped, arch, head_size, rescale, path)
+        _add(out, t.name, tid, shape, raw, mapped, arch, head_size, rescale, path, t.data_offset)
     if not out.tensors:
         raise CheckpointError(f"{path}: the GGUF file has no tensors")
     return out
 
 
 def _add(
-    out: GgmlTensors, name: str, tid: int, shape, raw, mapped, arch: str, head_size, rescale: int, path: Path
+    out: GgmlTensors,
+    name: str,
+    tid: int,
+    shape,
+    raw,
+    mapped,
+    arch: str,
+    head_size,
+    rescale: int,
+    path: Path,
+    offset: int,
 ) -> None:
     tname = TYPES[tid][0]
     declared = {"F32": torch.float32, "F16": torch.float16}.get(tname, torch.bfloat16)
@@ -218,7 +228,7 @@ def _add(
             def rows(r0, r1):
                 return dequantize(mapped()[r0 * row_bytes : r1 * row_bytes], tid, (r1 - r0, shape[1]))
 
-            out.rows[_TOP[name]] = RowSource(shape, rows, mapped)
+            out.rows[_TOP[name]] = RowSource(shape, rows, mapped, offset=offset)
         return
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if not m:

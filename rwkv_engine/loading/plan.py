@@ -16,9 +16,10 @@ from torch import nn
 from ..config import ModelConfig
 from ..device import cuda_dtype, resolve_device
 from ..errors import CheckpointError, InputError
-from ..memory import release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
+from ..memory import FileRows, release_free_memory, release_pages, spill, to_huge_pages, tune_malloc
 from ..models import RWKV
 from ..models.layers import lora_dtype
+from ..quant.ggml_embedding import GgmlEmbedding
 from ..quant.ggml_quants import BY_NAME, KQUANT, QK_K, TYPES, block_scales, scale_blocks
 from ..quant.schemes import applied_scheme, convert_weight, describe, get_scheme, plan, replace_module
 from . import converted
@@ -116,6 +117,23 @@ class Plan:
         self.model.quantization = applied_scheme(scheme, self.targets, dtype)
         self.model.quantization_report = report
         self.huge_pages = False  # tensors() puts the weights on huge pages (load sets it on the CPU)
+        self.embedding_blocks = False  # the embedding is a GgmlEmbedding (embedding_as_blocks)
+
+    def embedding_as_blocks(self) -> bool:
+        """Make the model's embedding a GgmlEmbedding over the file's blocks where the checkpoint's
+        is a quantized GGUF table and the model is on the CPU; whether it did. For `load` only:
+        `convert` writes the folded table, as for any checkpoint."""
+        ggml = None if self.built else self.ck.ggml
+        src = ggml.rows.get("emb.weight") if ggml is not None and "emb.weight" in self.mapping else None
+        if src is None or self.device.type != "cpu":
+            return False
+        V, C = src.shape
+        tid = BY_NAME[ggml.types["emb.weight"]]
+        if C % TYPES[tid][1] or self.expected.get("emb.weight", ((),))[0] != (V, C):
+            return False
+        self.model.emb = GgmlEmbedding(V, C, tid, self.dtype, device="meta")
+        self.embedding_blocks = True
+        return True
 
     def _as_stored(self, targets: dict) -> dict:
         """The "gguf" scheme per matrix: its own type in the file. K-quants run from their blocks
@@ -181,6 +199,11 @@ class Plan:
                 continue
             # a quantized GGUF embedding is read a few rows at a time (no whole fp32 copy)
             lazy = ck.ggml.rows.get(name) if ck.ggml is not None and name == "emb.weight" else None
+            if lazy is not None and self.embedding_blocks:
+                yield self._embedding_blocks(lazy)  # kept as blocks: not even a folded table
+                if progress is not None:
+                    progress.update(lazy.numel() * lazy.element_size())
+                continue
             src = lazy if lazy is not None else ck.get(name)
             nbytes = src.numel() * src.element_size()
             dt = dtype
@@ -240,6 +263,24 @@ class Plan:
             release_pages(b)  # the file's pages of it, now copied
             b = moved
         return {f"{module}.qweight": b, f"{module}.col_scales": torch.ones(K, dtype=torch.float16)}
+
+    def embedding_rows(self, blocks: Tensor) -> FileRows | None:
+        """The GgmlEmbedding's rows of blocks read from the file with pread (memory.FileRows: a
+        lookup through the mapping would fault in whole folios of the table), or None."""
+        src = self.ck.ggml.rows["emb.weight"]
+        if not FileRows.available() or src.offset is None:
+            return None
+        return FileRows(self.ck.ggml.path, src.offset, tuple(blocks.shape), torch.uint8, blocks)
+
+    def _embedding_blocks(self, lazy) -> dict[str, Tensor]:
+        """A quantized GGUF embedding as GgmlEmbedding's buffers: the file's blocks (a view of its
+        mapping, not copied) and ln0, which a lookup applies to the rows it dequantizes."""
+        ck = self.ck
+        blocks = lazy.source().view(lazy.shape[0], -1)
+        check_finite(block_scales(blocks, BY_NAME[ck.ggml.types["emb.weight"]]), f"{ck.where}: tensor emb.weight")
+        release_pages(blocks)  # the check read every page; a lookup reads its rows again
+        ln = [ck.get(f"blocks.0.ln0.{leaf}").float() for leaf in ("weight", "bias")]
+        return {"emb.qweight": blocks, "emb.ln_weight": ln[0], "emb.ln_bias": ln[1]}
 
     def _q8_as_is(self, name: str, module: str, q8) -> dict[str, Tensor]:
         """A Q8_0 matrix's codes and scales as the module's buffers, no re-quantization (the fp16
@@ -320,6 +361,7 @@ def assemble(plan_: Plan, progress: bool = True) -> RWKV:
     """The model of a checkpoint's Plan, its tensors read, transformed and assigned one at a time."""
     device = plan_.device
     plan_.huge_pages = device.type == "cpu"  # each tensor as it comes: no second copy of the model
+    plan_.embedding_as_blocks()  # a quantized GGUF's table stays its blocks (on the CPU)
     model = plan_.model
     bar = Progress("loading", plan_.source_bytes(), len(plan_.mapping), progress)
     sd: dict[str, Tensor] = {}
@@ -337,7 +379,10 @@ def assemble(plan_: Plan, progress: bool = True) -> RWKV:
     finally:
         bar.close(ok)
     model.load_state_dict(sd, strict=True, assign=True)
-    model.emb.file_rows = rows
+    if rows is not None:
+        model.emb.file_rows = rows
+    if plan_.embedding_blocks:
+        model.emb.file_rows = plan_.embedding_rows(model.emb.qweight)
     for module, r in table_rows.items():
         model.get_submodule(module).file_rows = r
     model.initial_state = plan_.initial_state()

@@ -204,7 +204,7 @@ class RWKV(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.emb.weight.device
+        return self.ln_out.weight.device  # (the embedding may be a GGUF's blocks: quant/ggml_embedding.py)
 
     def lora_names(self) -> list[str]:
         """The state-dict names of the small LoRA matrices (RWKV-6/7: each time mix's `LORA`).

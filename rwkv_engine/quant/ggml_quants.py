@@ -47,8 +47,18 @@ TYPES: dict[int, tuple[str, int, int]] = {
 BY_NAME = {name: tid for tid, (name, _, _) in TYPES.items()}
 QUANTIZED = frozenset(n for n in BY_NAME if n not in ("F32", "F16", "BF16"))
 KQUANT = ("Q4_K", "Q5_K", "Q6_K")  # run from their blocks (quant/kquant_linear.py)
-# Byte offsets of a K-quant block's fp16 scale fields (d, and dmin where the type has one).
-_K_FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# Byte offsets of a quantized block's fp16 fields (its scale d, and the offset m / dmin where the
+# type has one): every value of the block is a finite multiple or sum of them.
+_FP16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 def type_name(type_id: int) -> str:
@@ -200,7 +210,7 @@ def scale_blocks(blocks: Tensor, type_id: int, factor: float, what: str) -> Tens
 
     name, _, ts = TYPES[type_id]
     out = blocks.reshape(-1, ts).clone()
-    for o in _K_FP16_FIELDS[name]:
+    for o in _FP16_FIELDS[name]:
         field = out[:, o : o + 2].contiguous().view(torch.float16)
         scaled = (field.float() * factor).half()
         if not torch.equal(scaled.float(), field.float() * factor):
@@ -213,12 +223,12 @@ def scale_blocks(blocks: Tensor, type_id: int, factor: float, what: str) -> Tens
 
 
 def block_scales(blocks: Tensor, type_id: int) -> Tensor:
-    """The fp16 scale fields (d, and dmin where the type has one) of K-quant blocks [N, bytes], as
-    fp16 [blocks, fields]: every value of a block is a finite multiple of them (the codes are
-    integers), so they are what a NaN / infinity check of the matrix reads."""
+    """The fp16 fields (d, and m / dmin where the type has one) of quantized blocks [N, bytes], as
+    fp16 [blocks, fields]: every value of a block is a finite multiple (or sum) of them (the codes
+    are integers), so they are what a NaN / infinity check of the matrix reads."""
     name, _, ts = TYPES[type_id]
     rows = blocks.reshape(-1, ts)
-    return torch.stack([rows[:, o : o + 2].contiguous().view(torch.float16)[:, 0] for o in _K_FP16_FIELDS[name]], 1)
+    return torch.stack([rows[:, o : o + 2].contiguous().view(torch.float16)[:, 0] for o in _FP16_FIELDS[name]], 1)
 
 
 def q8_0_split(data: Tensor, shape: tuple[int, int]) -> tuple[Tensor, Tensor]:

@@ -199,8 +199,9 @@ def _histogram_cutoff(gaps: Tensor, weights: Tensor, target: Tensor) -> Tensor:
 def _top_k_keep(gaps: Tensor, top_k: Sequence[int]) -> Tensor | None:
     """Step 5: [n, V] True at the top_k[b] most probable tokens of row b (all where top_k is 0 or
     at least V); None when no row has a top_k. Exactly k tokens, ties at the k-th broken by
-    `torch.topk`'s order; one topk per distinct k, so that the ties a row keeps do not depend on
-    the other rows (a topk of a larger k may order tied tokens differently)."""
+    the order of `torch.topk(row, max(k, 256))` (as `_draw_compact` reads them); one topk per
+    distinct size, so that the ties a row keeps do not depend on the other rows (a topk of
+    another size may order tied tokens differently)."""
     n, V = gaps.shape
     groups: dict[int, list[int]] = {}
     for b, k in enumerate(top_k):
@@ -211,7 +212,7 @@ def _top_k_keep(gaps: Tensor, top_k: Sequence[int]) -> Tensor | None:
     keep = torch.ones(n, V, dtype=torch.bool, device=gaps.device)
     for k, rows in groups.items():
         index = torch.tensor(rows, device=gaps.device)
-        ids = gaps.index_select(0, index).topk(k, dim=1).indices  # [m, k]
+        ids = gaps.index_select(0, index).topk(min(V, max(k, _NUCLEUS_TOPK)), dim=1).indices[:, :k]  # [m, k]
         keep.index_copy_(
             0, index, torch.zeros(len(rows), V, dtype=torch.bool, device=gaps.device).scatter_(1, ids, True)
         )
@@ -296,21 +297,91 @@ def sample_rows(logits: Tensor, temperature, top_p, top_k, generators: Sequence[
 
 
 def _draw_rows(logits: Tensor, temperature, top_p, top_k, generators, top: Tensor | None = None) -> Tensor:
-    """Steps 3-7 for fp32 logits [n, V]: the tokens [n] (on the logits' device, no host
-    synchronisation but the top-p cut's); -1 for a row with no token left to draw (all -inf).
-    top: the rows' maxima [n, 1], if at hand.
+    """Steps 3-7 for fp32 logits [n, V]: the tokens [n] (on the logits' device; the host waits
+    for the device at most twice, for the top-p cut); -1 for a row with no token left to draw
+    (all -inf). top: the rows' maxima [n, 1], if at hand.
 
     Step 7 is one uniform u in (0, 1] from each row's generator (`torch.rand`) and the inverse of
     the distribution's running sum in token-id order: the token where the sum of the kept
     weights first reaches u times their total. One random number a row, O(V), no sort; a row
-    draws the same token alone and in any batch.
+    draws the same token alone and in any batch. The rows whose kept tokens lie among their 256
+    most probable draw among those (`_draw_compact`), the others over the whole row (`_draw_full`).
     """
-    weights, top = _tempered_weights(logits, temperature, top_p, top_k, top)
+    n, V = logits.shape
+    temperature, top_p, top_k = _listed(temperature, n), _listed(top_p, n), _listed(top_k, n)
+    _check_temperature(temperature)
     device = logits.device
+    if top is None:
+        top = logits.amax(1, keepdim=True)
     u = [torch.rand(1, generator=g, device=device if g is None else g.device).to(device) for g in generators]
-    cum = weights.cumsum_(1)
-    tokens = torch.searchsorted(cum, (1 - torch.cat(u))[:, None] * cum[:, -1:])[:, 0]
+    u = 1 - torch.cat(u)[:, None]  # [n, 1], in (0, 1]
+    tokens = torch.full((n,), -1, dtype=torch.long, device=device)
+    rest = list(range(n))
+    small = [b for b in range(n) if top_p[b] < 1 or 0 < top_k[b] <= min(V, _NUCLEUS_TOPK)]
+    if small:
+        index = torch.tensor(small, device=device)
+        params = ([temperature[b] for b in small], [top_p[b] for b in small], [top_k[b] for b in small])
+        every = len(small) == n
+        rows = (logits, top, u) if every else (logits[small], top[small], u[small])
+        got, done = _draw_compact(*rows, *params)
+        tokens.index_copy_(0, index, got)
+        drawn = {small[j] for j in done}
+        rest = [b for b in range(n) if b not in drawn]
+    if rest:
+        index = torch.tensor(rest, device=device)
+        params = ([temperature[b] for b in rest], [top_p[b] for b in rest], [top_k[b] for b in rest])
+        tokens.index_copy_(0, index, _draw_full(logits[rest], top[rest], u[rest], *params))
     return torch.where(top[:, 0] > -math.inf, tokens, -1)
+
+
+def _draw_full(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, top_k) -> Tensor:
+    """`_draw_rows` over whole rows [n, V], given their maxima and uniform numbers [n, 1]."""
+    weights, _ = _tempered_weights(logits, temperature, top_p, top_k, top)
+    cum = weights.cumsum_(1)
+    return torch.searchsorted(cum, u * cum[:, -1:])[:, 0]
+
+
+def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, top_k) -> tuple[Tensor, list[int]]:
+    """`_draw_rows` for rows [m, V] whose kept tokens may all lie among their k = 256 most probable
+    (top_k <= k, or top_p < 1): the tokens [m] and which rows were drawn (the others are left to
+    `_draw_full`: top_p's cutoff beyond the k-th token, or tied with it). Those rows' kept tokens
+    are what `_kept` keeps (the same topk, the same running sums to the bit); their weights,
+    ordered by token id, have the same running sums as the whole row's, whose other weights
+    are 0: the same token, for the cost of one topk and, with top_p, one pass for the mass."""
+    m, V = logits.shape
+    k = min(V, _NUCLEUS_TOPK)
+    device = logits.device
+    gaps = logits - torch.where(top > -math.inf, top, 0.0)
+    values, ids = gaps.topk(k, dim=1)  # [m, k], most probable first
+    limit = torch.tensor([t if 0 < t <= k else k for t in top_k], device=device)[:, None]
+    keep = torch.arange(k, device=device)[None, :] < limit
+    done = torch.ones(m, dtype=torch.bool, device=device)
+    cut = [j for j in range(m) if top_p[j] < 1]
+    if cut:
+        every = len(cut) == m
+        rows = gaps if every else gaps[cut]
+        p = torch.tensor([top_p[j] for j in cut], dtype=torch.float64, device=device)[:, None]
+        target = p * rows.exp().sum(1, keepdim=True, dtype=torch.float64)  # as _nucleus_cutoff
+        v = values if every else values[cut]
+        running = v.double().exp().cumsum(1)
+        first = (running < target).sum(1, keepdim=True)
+        cutoff = v.gather(1, first.clamp(max=k - 1))
+        # Beyond the k-th token (not reached, or a tie with the k-th): drawn here only where
+        # top_k <= k cuts first (top_k's tokens are then all top-p keeps).
+        beyond = ((first >= k) | (v[:, -1:] >= cutoff)) & (k < V)
+        by_k = limit[cut] < k if k < V else torch.ones_like(beyond)
+        cutoff = torch.where(beyond, -math.inf, cutoff)
+        index = torch.tensor(cut, device=device)
+        done.index_copy_(0, index, (~beyond | by_k)[:, 0])
+        keep_p = torch.full((m, 1), -math.inf, device=device).index_copy_(0, index, cutoff)
+        keep &= values >= keep_p
+    tiny = torch.finfo(torch.float32).tiny
+    t = torch.tensor([max(x, tiny) for x in temperature], dtype=torch.float32, device=device)[:, None]
+    weights = torch.where(keep, values if all(x == 1 for x in temperature) else values / t, -math.inf).exp_()
+    order = ids.argsort(dim=1)  # by token id
+    cum = weights.gather(1, order).cumsum_(1)
+    j = torch.searchsorted(cum, u * cum[:, -1:])
+    return ids.gather(1, order.gather(1, j))[:, 0], done.nonzero()[:, 0].tolist()
 
 
 def draw(probs: Tensor, generators: torch.Generator | Sequence[torch.Generator | None] | None = None) -> Tensor:

@@ -352,9 +352,9 @@ def _kept_by_sorting(logits, top_p, top_k):
     if top_p < 1:
         first = min(int((values.cumsum(0) < top_p).sum()), len(p) - 1)
         keep = p >= values[first]
-    if 0 < top_k < len(p):
+    if 0 < top_k < len(p):  # ties at the k-th: the order of torch.topk(row, max(k, 256))
         ranked = torch.zeros_like(keep)
-        ranked[torch.topk(logits, top_k).indices] = True
+        ranked[torch.topk(logits, min(len(p), max(top_k, 256))).indices[:top_k]] = True
         keep &= ranked
     return keep
 
@@ -406,6 +406,28 @@ def test_draw_is_the_running_sum_inverted_at_one_uniform_number():
             assert got[b] == want or abs(float(cum[got[b]] - u * cum[-1])) < 1e-5, (t, b, got[b], want)
     # One random number a row a step: the generators are still in step with the mirror.
     assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(mine, mirror))
+
+
+@pytest.mark.parametrize("V", [65536, 300])
+def test_the_compact_draw_is_the_full_draw(V):
+    """Rows whose kept tokens lie among their 256 most probable draw among those only; they must
+    draw the token the whole row's running sum gives for the same u, ties and bans included."""
+    gen = torch.Generator().manual_seed(24)
+    temperature = [1.0, 0.7, 1.3, 1.0, 0.5, 1.0, 2.0, 1e-3, 1.0, 1.0]
+    top_p = [0.85, 0.3, 1.0, 0.95, 0.5, 0.1, 0.9, 0.9, 0.99, 0.6]
+    top_k = [0, 0, 40, 5, 1, 0, 256, 0, 300, 7]
+    n, compact = len(top_p), 0
+    for scale, step in [(0.5, None), (3.0, None), (8.0, None), (4.0, 0.5), (20.0, None)]:
+        logits = _logits(gen, n, V, scale, step)
+        logits[0, :50] = logits[0].max()  # 50 tied top tokens
+        logits[3, 100:200] = -math.inf
+        top = logits.amax(1, keepdim=True)
+        u = 1 - torch.rand(n, 1, generator=gen)
+        got, done = sampling._draw_compact(logits, top, u, temperature, top_p, top_k)
+        want = sampling._draw_full(logits, top, u, temperature, top_p, top_k)
+        assert done and all(got[j] == want[j] for j in done), (scale, step, done, got, want)
+        compact += len(done)
+    assert compact > n * 5 // 2  # most rows of the peaked steps drew compactly
 
 
 def test_a_row_draws_the_same_alone_and_in_any_batch():

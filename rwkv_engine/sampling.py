@@ -160,7 +160,7 @@ def _nucleus_cutoff(gaps: Tensor, weights: Tensor, top_p: Tensor) -> Tensor:
     other rows. The host waits for the device once (which rows need the histogram).
     """
     n, V = gaps.shape
-    target = top_p.to(gaps.device)[:, None] * weights.sum(1, keepdim=True, dtype=torch.float64)
+    target = top_p.to(gaps.device)[:, None] * _mass(weights)
     values = gaps.topk(min(V, _NUCLEUS_TOPK), dim=1).values  # [n, k], most probable first
     running = values.double().exp().cumsum(1)
     first = (running < target).sum(1, keepdim=True)
@@ -173,6 +173,14 @@ def _nucleus_cutoff(gaps: Tensor, weights: Tensor, top_p: Tensor) -> Tensor:
         )
         cutoff.index_copy_(0, index, _histogram_cutoff(*rows))
     return cutoff
+
+
+def _mass(weights: Tensor) -> Tensor:
+    """Each row's sum [n, 1] (float64) of weights [n, V]: fp32 sums of 4096-token pieces, added in
+    float64. A piece's sum is one thread's, whatever the batch (a sum over a whole row may be
+    split over threads when the row is alone), so a row's cutoff does not depend on the other
+    rows; and it costs a tenth of `sum(dtype=torch.float64)`, which converts the whole row."""
+    return torch.stack([piece.sum(1) for piece in weights.split(4096, dim=1)], 1).double().sum(1, keepdim=True)
 
 
 def _histogram_cutoff(gaps: Tensor, weights: Tensor, target: Tensor) -> Tensor:
@@ -361,7 +369,7 @@ def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, to
         every = len(cut) == m
         rows = gaps if every else gaps[cut]
         p = torch.tensor([top_p[j] for j in cut], dtype=torch.float64, device=device)[:, None]
-        target = p * rows.exp().sum(1, keepdim=True, dtype=torch.float64)  # as _nucleus_cutoff
+        target = p * _mass(rows.exp())  # as _nucleus_cutoff
         v = values if every else values[cut]
         running = v.double().exp().cumsum(1)
         first = (running < target).sum(1, keepdim=True)

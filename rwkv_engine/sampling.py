@@ -306,14 +306,15 @@ def sample_rows(logits: Tensor, temperature, top_p, top_k, generators: Sequence[
 
 def _draw_rows(logits: Tensor, temperature, top_p, top_k, generators, top: Tensor | None = None) -> Tensor:
     """Steps 3-7 for fp32 logits [n, V]: the tokens [n] (on the logits' device; the host waits
-    for the device at most twice, for the top-p cut); -1 for a row with no token left to draw
+    for the device a few times, never once a row); -1 for a row with no token left to draw
     (all -inf). top: the rows' maxima [n, 1], if at hand.
 
     Step 7 is one uniform u in (0, 1] from each row's generator (`torch.rand`) and the inverse of
     the distribution's running sum in token-id order: the token where the sum of the kept
     weights first reaches u times their total. One random number a row, O(V), no sort; a row
     draws the same token alone and in any batch. The rows whose kept tokens lie among their 256
-    most probable draw among those (`_draw_compact`), the others over the whole row (`_draw_full`).
+    most probable draw among those (`_draw_compact`), the others over the whole row (`_draw_full`,
+    `_draw_handed`).
     """
     n, V = logits.shape
     temperature, top_p, top_k = _listed(temperature, n), _listed(top_p, n), _listed(top_k, n)
@@ -331,10 +332,12 @@ def _draw_rows(logits: Tensor, temperature, top_p, top_k, generators, top: Tenso
         params = ([temperature[b] for b in small], [top_p[b] for b in small], [top_k[b] for b in small])
         every = len(small) == n
         rows = (logits, top, u) if every else (logits[small], top[small], u[small])
-        got, done = _draw_compact(*rows, *params)
+        got, done, handed = _draw_compact(*rows, *params)
         tokens.index_copy_(0, index, got)
-        drawn = {small[j] for j in done}
-        rest = [b for b in range(n) if b not in drawn]
+        if handed is not None:  # the wide nuclei: drawn over the whole row, from what was computed
+            local, handed_tokens = handed
+            tokens.index_copy_(0, torch.tensor([small[j] for j in local], device=device), handed_tokens)
+        rest = [b for b in range(n) if not (top_p[b] < 1 or 0 < top_k[b] <= min(V, _NUCLEUS_TOPK))]
     if rest:
         index = torch.tensor(rest, device=device)
         params = ([temperature[b] for b in rest], [top_p[b] for b in rest], [top_k[b] for b in rest])
@@ -349,13 +352,15 @@ def _draw_full(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, top_k
     return torch.searchsorted(cum, u * cum[:, -1:])[:, 0]
 
 
-def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, top_k) -> tuple[Tensor, list[int]]:
+def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, top_k):
     """`_draw_rows` for rows [m, V] whose kept tokens may all lie among their k = 256 most probable
-    (top_k <= k, or top_p < 1): the tokens [m] and which rows were drawn (the others are left to
-    `_draw_full`: top_p's cutoff beyond the k-th token, or tied with it). Those rows' kept tokens
-    are what `_kept` keeps (the same topk, the same running sums to the bit); their weights,
-    ordered by token id, have the same running sums as the whole row's, whose other weights
-    are 0: the same token, for the cost of one topk and, with top_p, one pass for the mass."""
+    (top_k <= k, or top_p < 1): (the tokens [m], the rows drawn so, and None or (the other rows,
+    their tokens)). The rows drawn so keep what `_kept` keeps (the same topk, the same running
+    sums to the bit); their weights, ordered by token id, have the same running sums as the whole
+    row's, whose other weights are 0: the same token as `_draw_full`, for the cost of one topk
+    and, with top_p, one pass for the mass. The other rows (top_p's cutoff beyond the k-th token,
+    or tied with it) are drawn over the whole row by `_draw_handed`, from the gaps, weights, mass
+    and cutoff computed here: the same tokens as `_draw_full`."""
     m, V = logits.shape
     k = min(V, _NUCLEUS_TOPK)
     device = logits.device
@@ -369,7 +374,8 @@ def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, to
         every = len(cut) == m
         rows = gaps if every else gaps[cut]
         p = torch.tensor([top_p[j] for j in cut], dtype=torch.float64, device=device)[:, None]
-        target = p * _mass(rows.exp())  # as _nucleus_cutoff
+        exp = rows.exp()
+        target = p * _mass(exp)  # as _nucleus_cutoff
         v = values if every else values[cut]
         running = v.double().exp().cumsum(1)
         first = (running < target).sum(1, keepdim=True)
@@ -378,10 +384,10 @@ def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, to
         # top_k <= k cuts first (top_k's tokens are then all top-p keeps).
         beyond = ((first >= k) | (v[:, -1:] >= cutoff)) & (k < V)
         by_k = limit[cut] < k if k < V else torch.ones_like(beyond)
-        cutoff = torch.where(beyond, -math.inf, cutoff)
         index = torch.tensor(cut, device=device)
         done.index_copy_(0, index, (~beyond | by_k)[:, 0])
-        keep_p = torch.full((m, 1), -math.inf, device=device).index_copy_(0, index, cutoff)
+        keep_p = torch.full((m, 1), -math.inf, device=device)
+        keep_p.index_copy_(0, index, torch.where(beyond, -math.inf, cutoff))
         keep &= values >= keep_p
     tiny = torch.finfo(torch.float32).tiny
     t = torch.tensor([max(x, tiny) for x in temperature], dtype=torch.float32, device=device)[:, None]
@@ -389,7 +395,50 @@ def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, to
     order = ids.argsort(dim=1)  # by token id
     cum = weights.gather(1, order).cumsum_(1)
     j = torch.searchsorted(cum, u * cum[:, -1:])
-    return ids.gather(1, order.gather(1, j))[:, 0], done.nonzero()[:, 0].tolist()
+    tokens = ids.gather(1, order.gather(1, j))[:, 0]
+    done = done.nonzero()[:, 0].tolist()
+    if len(done) == m:
+        return tokens, done, None
+    drawn = set(done)
+    at = [i for i, j in enumerate(cut) if j not in drawn]  # (every row not drawn is a cut row)
+    local = [cut[i] for i in at]
+    pick = torch.tensor(at, device=device)
+    wide = (first.index_select(0, pick) >= k)[:, 0].tolist()
+    handed = _draw_handed(
+        gaps.index_select(0, torch.tensor(local, device=device)),
+        exp.index_select(0, pick),
+        target.index_select(0, pick),
+        cutoff.index_select(0, pick),
+        wide,
+        u.index_select(0, torch.tensor(local, device=device)),
+        [temperature[j] for j in local],
+        [top_k[j] for j in local],
+    )
+    return tokens, done, (local, handed)
+
+
+def _draw_handed(gaps, exp, target, cutoff, wide: list[bool], u, temperature, top_k) -> Tensor:
+    """`_draw_full` for top_p rows [n, V] whose nucleus reaches beyond their 256 most probable
+    tokens, from their gaps, exp(gaps), targets (top_p x mass) [n, 1] and the cutoff among the
+    top 256 [n, 1], which holds where the nucleus only ties beyond them (`wide` False); the wide
+    rows' cutoff comes from `_histogram_cutoff`. The same values as `_tempered_weights`."""
+    rows = [b for b, w in enumerate(wide) if w]
+    if rows:
+        index = torch.tensor(rows, device=gaps.device)
+        picked = (t.index_select(0, index) for t in (gaps, exp, target))
+        cutoff = cutoff.index_copy(0, index, _histogram_cutoff(*picked))
+    keep = gaps >= cutoff
+    by_k = _top_k_keep(gaps, top_k)
+    if by_k is not None:
+        keep &= by_k
+    if all(t == 1 for t in temperature):
+        weights = exp
+    else:
+        tiny = torch.finfo(torch.float32).tiny
+        t = torch.tensor([max(t, tiny) for t in temperature], dtype=torch.float32, device=gaps.device)
+        weights = gaps.div(t[:, None]).exp_()
+    cum = weights.masked_fill_(keep.logical_not_(), 0.0).cumsum_(1)
+    return torch.searchsorted(cum, u * cum[:, -1:])[:, 0]
 
 
 def draw(probs: Tensor, generators: torch.Generator | Sequence[torch.Generator | None] | None = None) -> Tensor:

@@ -416,18 +416,23 @@ def test_the_compact_draw_is_the_full_draw(V):
     temperature = [1.0, 0.7, 1.3, 1.0, 0.5, 1.0, 2.0, 1e-3, 1.0, 1.0]
     top_p = [0.85, 0.3, 1.0, 0.95, 0.5, 0.1, 0.9, 0.9, 0.99, 0.6]
     top_k = [0, 0, 40, 5, 1, 0, 256, 0, 300, 7]
-    n, compact = len(top_p), 0
+    n, compact, wide = len(top_p), 0, 0
     for scale, step in [(0.5, None), (3.0, None), (8.0, None), (4.0, 0.5), (20.0, None)]:
         logits = _logits(gen, n, V, scale, step)
         logits[0, :50] = logits[0].max()  # 50 tied top tokens
         logits[3, 100:200] = -math.inf
         top = logits.amax(1, keepdim=True)
         u = 1 - torch.rand(n, 1, generator=gen)
-        got, done = sampling._draw_compact(logits, top, u, temperature, top_p, top_k)
+        got, done, handed = sampling._draw_compact(logits, top, u, temperature, top_p, top_k)
         want = sampling._draw_full(logits, top, u, temperature, top_p, top_k)
         assert done and all(got[j] == want[j] for j in done), (scale, step, done, got, want)
+        if handed is not None:  # the wide nuclei, drawn from what the compact path computed
+            local, tokens = handed
+            assert sorted(local + done) == list(range(n))
+            assert tokens.tolist() == [int(want[j]) for j in local], (scale, step, local)
+            wide += len(local)
         compact += len(done)
-    assert compact > n * 5 // 2  # most rows of the peaked steps drew compactly
+    assert compact > n * 5 // 2 and wide > 0  # most rows of the peaked steps drew compactly
 
 
 def test_a_row_draws_the_same_alone_and_in_any_batch():

@@ -32,13 +32,13 @@ is computed as `softmax(log p / T)` over the kept tokens, which is the same dist
 log p / T leaves fp32's range, it is the T -> 0 limit (`_tempered_weights`).
 
 Every step is a batched tensor operation over the rows, whatever their parameters, in O(V) a
-row: the top-p cut reads a histogram of each row and sorts only the tokens of the bin where the
-running sum reaches top_p (`_nucleus_cutoff`), and the draw (step 7) is one random number a row
-and a running sum, where a sort of the row and `torch.multinomial` over the kept tokens (one
-exponential random number per kept token, most probable first) cost 10-90 ms a row on a
-random model's flat distribution. That changed seeded draws once (issue 38): the same seed
-still gives the same tokens, alone or in any batch, but not the tokens of earlier versions
-(docs/generation.md).
+row: the top-p cutoff is found among a row's 256 most probable tokens, or for a wider nucleus
+from a histogram of the row, sorting only the tokens of the bin where the running sum reaches
+top_p (`_nucleus_cutoff`); the draw (step 7) is one random number a row and a running sum,
+where a growing topk of the row and `torch.multinomial` over the kept tokens (one exponential
+random number per kept token, most probable first) cost most of a decode step on a random
+model's flat rows. That changed seeded draws once (issue 38): the same seed still gives the
+same tokens, alone or in any batch, but not the tokens of earlier versions (docs/generation.md).
 
 Steps 1-2 with the grammar mask are `Sampler.prepare`, the one function that makes what is drawn
 from, first refusing NaN or infinite logits (ModelOutputError): `Sampler.sample_batch` draws from

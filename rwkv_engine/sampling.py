@@ -19,7 +19,8 @@ One sampling step, in this order (docs/formats.md D, the `rwkv` pip `PIPELINE.ge
    reaches >= top_p; every token with p < cutoff is dropped (ties with the cutoff are kept).
 5. top-k (if > 0): keep only the k most probable of what is left.
 6. temperature, *after* the cut: `p = p ** (1 / T)` over the kept tokens, renormalised.
-7. draw one token from p with the sequence's generator.
+7. draw one token from p with the sequence's generator: one uniform number u in (0, 1], and
+   the token at which the running sum of p, in token-id order, first reaches u.
 8. counts: every count is multiplied by `penalty_decay`, then the drawn token's count gets +1.
 
 Why this order: the models are trained and tuned with it. Cutting before the temperature means
@@ -28,7 +29,16 @@ choice among plausible tokens but can never bring back the long tail that top-p 
 temperature first, T=1.5 on a 65536-token vocabulary pulls in thousands of junk tokens). Step 6
 is computed as `softmax(log p / T)` over the kept tokens, which is the same distribution as
 `p ** (1/T)` renormalised but cannot underflow to all zeros at small T; below T ~ 1e-37, where
-log p / T leaves fp32's range, it is the T -> 0 limit (`_tempered`).
+log p / T leaves fp32's range, it is the T -> 0 limit (`_tempered_weights`).
+
+Every step is a batched tensor operation over the rows, whatever their parameters, in O(V) a
+row: the top-p cutoff is found among a row's 256 most probable tokens, or for a wider nucleus
+from a histogram of the row, sorting only the tokens of the bin where the running sum reaches
+top_p (`_nucleus_cutoff`); the draw (step 7) is one random number a row and a running sum,
+where a growing topk of the row and `torch.multinomial` over the kept tokens (one exponential
+random number per kept token, most probable first) cost most of a decode step on a random
+model's flat rows. That changed seeded draws once (issue 38): the same seed still gives the
+same tokens, alone or in any batch, but not the tokens of earlier versions (docs/generation.md).
 
 Steps 1-2 with the grammar mask are `Sampler.prepare`, the one function that makes what is drawn
 from, first refusing NaN or infinite logits (ModelOutputError): `Sampler.sample_batch` draws from
@@ -128,127 +138,139 @@ def update_counts(counts: Tensor, tokens, decay) -> Tensor:
     return counts.scatter_add(1, tokens, torch.ones_like(tokens, dtype=counts.dtype))
 
 
-def _kept(logp: Tensor, top_p: float, top_k: int) -> tuple[Tensor, Tensor] | None:
-    """Steps 4-5 for one row of log-probabilities [V].
+# Step 4: the cutoff among a row's 256 most probable tokens (`_NUCLEUS_TOPK`) where they hold
+# top_p of its mass (a trained model's rows, mostly), else from a histogram of the row: bins of
+# 1/256 nat of log-probability below the row's maximum (a probability ratio of 1.004 a bin) over
+# 64 nats; the last bin holds everything further down (less than 1e-23 of the mass).
+_NUCLEUS_TOPK = 256
+_BINS_PER_NAT = 256
+_BINS = 64 * _BINS_PER_NAT
 
-    Returns (logp [m], ids [m]) of the tokens top-p and top-k keep, most probable first, or None
-    when they keep everything. Uses `topk` with a growing k (256, then x 8) instead of a full
-    sort: the nucleus is usually small, and a full sort of 65536 floats is the most expensive
-    step by far. The sizes k whose topk would certainly fall short of the nucleus are skipped
-    (`_NucleusBound`, one O(V) pass), so a flat distribution costs one topk, not a series of
-    growing ones; the topk that decides is the one a plain growing k reaches, so the result is
-    the same to the bit (tied tokens in the same order too).
+
+def _nucleus_cutoff(gaps: Tensor, weights: Tensor, top_p: Tensor) -> Tensor:
+    """Step 4 for rows whose top_p < 1: the cutoff of each row, as a gap to the row's maximum [n, 1].
+
+    gaps [n, V]: logits minus the row's maximum (-inf for banned tokens); weights = exp(gaps);
+    top_p [n] (float64). The cutoff is the probability at which the running sum of the
+    probabilities, most probable first, first reaches top_p; every token at least as probable is
+    kept (ties included). In O(V) a row, without sorting it: the running sum goes through the
+    row's `_NUCLEUS_TOPK` most probable tokens; a row where they hold less than top_p goes to
+    `_histogram_cutoff`. Sums are float64 (the reference sums fp32: the kept set can differ only
+    where the running sum is within rounding of top_p). A row's cutoff does not depend on the
+    other rows. The host waits for the device once (which rows need the histogram).
     """
-    V = logp.shape[0]
-    if top_p >= 1:
-        return None if top_k <= 0 or top_k >= V else torch.topk(logp, top_k)
-    bound = _NucleusBound(logp, top_p)
-    k = bound.skip(min(V, max(256, top_k)), top_k)
-    while True:
-        values, ids = torch.topk(logp, k)
-        cumulative = values.exp().cumsum(0)
-        if bool(cumulative[-1] >= top_p) or k == V:
-            # The cutoff is the probability at which the running sum first reaches top_p;
-            # everything at least that probable is kept, ties included.
-            first = min(int((cumulative < top_p).sum()), k - 1)
-            m = int((logp >= values[first]).sum())
-            break
-        if 0 < top_k <= k:  # the cutoff is further down than top_k: top-k decides
-            m = top_k
-            break
-        k = bound.skip(min(V, k * 8), top_k)
-    if top_k > 0:
-        m = min(m, top_k)
-    if m > k:  # ties with the cutoff beyond the first k
-        values, ids = torch.topk(logp, m)
-    return values[:m], ids[:m]
+    n, V = gaps.shape
+    target = top_p.to(gaps.device)[:, None] * _mass(weights)
+    values = gaps.topk(min(V, _NUCLEUS_TOPK), dim=1).values  # [n, k], most probable first
+    running = values.double().exp().cumsum(1)
+    first = (running < target).sum(1, keepdim=True)
+    cutoff = values.gather(1, first.clamp(max=values.shape[1] - 1))
+    wide = (first >= values.shape[1])[:, 0].nonzero()[:, 0].tolist()  # the rows whose nucleus is wider
+    if wide:
+        index = torch.tensor(wide, device=gaps.device)
+        rows = (
+            (gaps, weights, target) if len(wide) == n else (t.index_select(0, index) for t in (gaps, weights, target))
+        )
+        cutoff.index_copy_(0, index, _histogram_cutoff(*rows))
+    return cutoff
 
 
-class _NucleusBound:
-    """Which topk sizes of `_kept` certainly hold less than top_p of a row's mass, from one
-    histogram of the row (O(V)): the mass over bins of log-probability below the row's maximum,
-    each 1/16 wide (a probability ratio of 1.06), summed in float64. The k most probable tokens
-    lie in the first bins that hold k tokens, so their mass is at most those bins' mass; a k
-    whose bound is below top_p by more than any rounding of `_kept`'s fp32 running sum (MARGIN)
-    cannot reach it."""
-
-    BINS, MARGIN = 1024, 1e-2
-
-    def __init__(self, logp: Tensor, top_p: float):
-        self.top_p, self.V = top_p, logp.shape[0]
-        self._cum: tuple[Tensor, Tensor] | None = None
-        self._logp = logp
-
-    def _histogram(self) -> tuple[Tensor, Tensor]:
-        if self._cum is None:  # built at the first k that a row's nucleus may outgrow
-            logp = self._logp
-            bins = ((logp.max() - logp) * 16).clamp_(max=self.BINS - 1).long()
-            mass = torch.bincount(bins, weights=logp.double().exp(), minlength=self.BINS)
-            self._cum = torch.bincount(bins, minlength=self.BINS).cumsum(0), mass.cumsum(0)
-        return self._cum
-
-    def skip(self, k: int, top_k: int) -> int:
-        """The first of k, k x 8, ... (at most V) that may hold the nucleus, or that top_k stops at."""
-        while k < self.V and not 0 < top_k <= k:
-            if k <= 256:  # a first topk this small costs less than the histogram
-                return k
-            count, mass = self._histogram()
-            j = min(int(torch.searchsorted(count, k)), self.BINS - 1)  # the first bins holding k tokens
-            if float(mass[j]) >= self.top_p - self.MARGIN:
-                return k
-            k = min(self.V, k * 8)
-        return k
+def _mass(weights: Tensor) -> Tensor:
+    """Each row's sum [n, 1] (float64) of weights [n, V]: fp32 sums of 4096-token pieces, added in
+    float64. A piece's sum is one thread's, whatever the batch (a sum over a whole row may be
+    split over threads when the row is alone), so a row's cutoff does not depend on the other
+    rows; and it costs a tenth of `sum(dtype=torch.float64)`, which converts the whole row."""
+    return torch.stack([piece.sum(1) for piece in weights.split(4096, dim=1)], 1).double().sum(1, keepdim=True)
 
 
-def _cut(values: Tensor, ids: Tensor, top_p: float, top_k: int, V: int) -> tuple[Tensor, Tensor] | None:
-    """What `_kept` returns for a row, given what its first `torch.topk(row, k)` returned (values
-    and ids [k]); None where `_kept` has to look further than k tokens: the running sum does not
-    reach top_p within them and no top_k stops the cut first (`_kept` grows k), or ties with the
-    cutoff reach the k-th token (`_kept` counts them over the row). The same tensor operations
-    as `_kept` on the same tensors, so the same result to the bit.
-    """
-    k = values.shape[0]
-    if top_p >= 1:
-        return values, ids
-    cumulative = values.exp().cumsum(0)
-    if bool(cumulative[-1] >= top_p) or k == V:
-        first = min(int((cumulative < top_p).sum()), k - 1)
-        m = int((values >= values[first]).sum())
-        if m == k and k < V:  # ties with the cutoff may continue beyond the k-th token
-            return None
-    elif 0 < top_k <= k:
-        m = top_k
-    else:
+def _histogram_cutoff(gaps: Tensor, weights: Tensor, target: Tensor) -> Tensor:
+    """`_nucleus_cutoff` of rows [n, V] whose nucleus is wide (a flat row: a random model's holds
+    thousands of tokens), for target [n, 1] = top_p x the row's mass: the mass of each bin
+    (`_BINS`), summed over the bins in float64, names the bin where the running sum reaches the
+    target; only that bin's tokens (a few dozen) are sorted, and the running sum goes on through
+    them from the mass of the bins above. The host waits for the device once (the size of the
+    largest such bin)."""
+    n, V = gaps.shape
+    bins = (gaps * -_BINS_PER_NAT).clamp_(max=_BINS - 1).long()  # [n, V]; bin 0 holds the maximum
+    mass = torch.zeros(n, _BINS, dtype=weights.dtype, device=gaps.device).scatter_add_(1, bins, weights)
+    cum = mass.double().cumsum(1)  # [n, BINS]
+    j = torch.searchsorted(cum, target).clamp_(max=_BINS - 1)  # [n, 1]: the bin where the sum reaches it
+    above = torch.where(j > 0, cum.gather(1, (j - 1).clamp(min=0)), 0.0)  # the mass of the bins before
+    inbin = bins == j
+    count = torch.count_nonzero(inbin, dim=1)[:, None]
+    values = torch.where(inbin, gaps, -math.inf).topk(max(1, int(count.max())), dim=1).values  # descending
+    running = above + values.double().exp().cumsum(1)
+    first = torch.minimum((running < target).sum(1, keepdim=True), (count - 1).clamp_(min=0))
+    return values.gather(1, first)
+
+
+def _top_k_keep(gaps: Tensor, top_k: Sequence[int]) -> Tensor | None:
+    """Step 5: [n, V] True at the top_k[b] most probable tokens of row b (all where top_k is 0 or
+    at least V); None when no row has a top_k. Exactly k tokens, ties at the k-th broken by
+    the order of `torch.topk(row, max(k, 256))` (as `_draw_compact` reads them); one topk per
+    distinct size, so that the ties a row keeps do not depend on the other rows (a topk of
+    another size may order tied tokens differently)."""
+    n, V = gaps.shape
+    groups: dict[int, list[int]] = {}
+    for b, k in enumerate(top_k):
+        if 0 < k < V:
+            groups.setdefault(int(k), []).append(b)
+    if not groups:
         return None
-    if top_k > 0:
-        m = min(m, top_k)
-    return values[:m], ids[:m]
-
-
-def _kept_rows(logp: Tensor, top_p: Sequence[float], top_k: Sequence[int]) -> list[tuple[Tensor, Tensor] | None]:
-    """`_kept` for every row of logp [n, V]: the same tensors, with one topk for all rows.
-
-    The rows whose first topk in `_kept` has the same size k share one `torch.topk(rows, k)`,
-    which runs the same selection on each row as `torch.topk(row, k)`, so it gives the same values
-    and ids (tied values in the same order too); `_cut` finishes each row from them. A row whose
-    cut lies beyond those k tokens runs `_kept` itself.
-    """
-    n, V = logp.shape
-    out: list[tuple[Tensor, Tensor] | None] = [None] * n
-    groups: dict[int, list[int]] = {}  # first topk size of _kept -> rows
-    for b in range(n):
-        p, k = float(top_p[b]), int(top_k[b])
-        if p < 1:
-            groups.setdefault(min(V, max(256, k)), []).append(b)
-        elif 0 < k < V:
-            groups.setdefault(k, []).append(b)
+    keep = torch.ones(n, V, dtype=torch.bool, device=gaps.device)
     for k, rows in groups.items():
-        values, ids = torch.topk(logp if len(rows) == n else logp[rows], k, dim=1)
-        for j, b in enumerate(rows):
-            p, tk = float(top_p[b]), int(top_k[b])
-            kept = _cut(values[j], ids[j], p, tk, V)
-            out[b] = kept if kept is not None else _kept(logp[b], p, tk)
-    return out
+        index = torch.tensor(rows, device=gaps.device)
+        ids = gaps.index_select(0, index).topk(min(V, max(k, _NUCLEUS_TOPK)), dim=1).indices[:, :k]  # [m, k]
+        keep.index_copy_(
+            0, index, torch.zeros(len(rows), V, dtype=torch.bool, device=gaps.device).scatter_(1, ids, True)
+        )
+    return keep
+
+
+def _kept(gaps: Tensor, top_p: Sequence[float], top_k: Sequence[int], weights: Tensor | None = None) -> Tensor | None:
+    """Steps 4-5 for gaps [n, V] (logits minus each row's maximum): [n, V] True at the tokens
+    top-p and top-k keep; None when they keep everything. weights: exp(gaps), if at hand."""
+    n = gaps.shape[0]
+    keep = _top_k_keep(gaps, top_k)
+    cut = [b for b in range(n) if top_p[b] < 1]
+    if not cut:
+        return keep
+    every = len(cut) == n
+    rows = gaps if every else gaps[cut]
+    weights = rows.exp() if weights is None else weights if every else weights[cut]
+    cutoff = _nucleus_cutoff(rows, weights, torch.tensor([top_p[b] for b in cut], dtype=torch.float64))
+    if not every:
+        index = torch.tensor(cut, device=gaps.device)
+        cutoff = torch.full((n, 1), -math.inf, device=gaps.device).index_copy_(0, index, cutoff)
+    return gaps >= cutoff if keep is None else keep.logical_and_(gaps >= cutoff)
+
+
+def _tempered_weights(logits: Tensor, temperature, top_p, top_k, top: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Steps 3-6 for logits [n, V] (fp32; top: their maxima [n, 1], if at hand): (weights [n, V],
+    top). Row b's weights are proportional to its sampling distribution, exp(gap / T) at the kept
+    tokens and 0 elsewhere, 1 at the most probable token.
+
+    Step 6 is softmax(log p / T) over the kept tokens, computed from the gaps to the maximum (the
+    same distribution, log p and the gaps differ by a constant). A T below fp32's smallest normal
+    number (~1.2e-38) is taken as that number, where every gap but 0 / T is -inf: the T -> 0
+    limit, the most probable token with its exact ties.
+    """
+    n, V = logits.shape
+    temperature, top_p, top_k = _listed(temperature, n), _listed(top_p, n), _listed(top_k, n)
+    _check_temperature(temperature)
+    if top is None:
+        top = logits.amax(1, keepdim=True)
+    gaps = logits - torch.where(top > -math.inf, top, 0.0)  # (a row with every token banned: all -inf)
+    if all(t == 1 for t in temperature):
+        weights = gaps.exp()
+    else:
+        tiny = torch.finfo(torch.float32).tiny
+        t = torch.tensor([max(t, tiny) for t in temperature], dtype=torch.float32, device=logits.device)
+        weights = gaps.div(t[:, None]).exp_()
+    keep = _kept(gaps, top_p, top_k, weights if all(t == 1 for t in temperature) else None)
+    if keep is not None:
+        weights.masked_fill_(keep.logical_not_(), 0.0)
+    return weights, top
 
 
 def _check_temperature(temperature) -> None:
@@ -272,60 +294,151 @@ def rwkv_probs(logits: Tensor, temperature=1.0, top_p=1.0, top_k=0) -> Tensor:
     logits: [V] or [B, V]; temperature (> 0), top_p, top_k: numbers or [B]. Returns fp32
     probabilities of the same shape, each row summing to 1.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    rows = logp.reshape(-1, logp.shape[-1])
-    B = rows.shape[0]
-    temperature, top_p, top_k = _listed(temperature, B), _listed(top_p, B), _listed(top_k, B)
-    _check_temperature(temperature)
-    probs = torch.zeros_like(rows)
-    for b, kept in enumerate(_kept_rows(rows, top_p, top_k)):
-        if kept is None:
-            probs[b] = _tempered(rows[b], temperature[b])
-        else:
-            probs[b, kept[1]] = _tempered(kept[0], temperature[b])
-    return probs.reshape(logp.shape)
+    rows = logits.float().reshape(-1, logits.shape[-1])
+    weights, _ = _tempered_weights(rows, temperature, top_p, top_k)
+    return (weights / weights.sum(1, keepdim=True)).reshape(logits.shape)
 
 
 def sample_rows(logits: Tensor, temperature, top_p, top_k, generators: Sequence[torch.Generator | None]) -> list[int]:
-    """Steps 3-7 for logits [B, V], row b drawn with generators[b]; the law of `rwkv_probs`.
+    """Steps 3-7 for logits [B, V], row b drawn with generators[b]; the law of `rwkv_probs`."""
+    return _draw_rows(logits.float(), temperature, top_p, top_k, generators).tolist()
 
-    Draws among the kept tokens only, which is much cheaper than a draw over the whole
-    vocabulary when top-p / top-k keep few tokens.
+
+def _draw_rows(logits: Tensor, temperature, top_p, top_k, generators, top: Tensor | None = None) -> Tensor:
+    """Steps 3-7 for fp32 logits [n, V]: the tokens [n] (on the logits' device; the host waits
+    for the device a few times, never once a row); -1 for a row with no token left to draw
+    (all -inf). top: the rows' maxima [n, 1], if at hand.
+
+    Step 7 is one uniform u in (0, 1] from each row's generator (`torch.rand`) and the inverse of
+    the distribution's running sum in token-id order: the token where the sum of the kept
+    weights first reaches u times their total. One random number a row, O(V), no sort; a row
+    draws the same token alone and in any batch. The rows whose kept tokens lie among their 256
+    most probable draw among those (`_draw_compact`), the others over the whole row (`_draw_full`,
+    `_draw_handed`).
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    B = logp.shape[0]
-    temperature, top_p, top_k = _listed(temperature, B), _listed(top_p, B), _listed(top_k, B)
+    n, V = logits.shape
+    temperature, top_p, top_k = _listed(temperature, n), _listed(top_p, n), _listed(top_k, n)
     _check_temperature(temperature)
-    return _draw_kept(logp, _kept_rows(logp, top_p, top_k), temperature, generators)
+    device = logits.device
+    if top is None:
+        top = logits.amax(1, keepdim=True)
+    u = [torch.rand(1, generator=g, device=device if g is None else g.device).to(device) for g in generators]
+    u = 1 - torch.cat(u)[:, None]  # [n, 1], in (0, 1]
+    tokens = torch.full((n,), -1, dtype=torch.long, device=device)
+    rest = list(range(n))
+    small = [b for b in range(n) if top_p[b] < 1 or 0 < top_k[b] <= min(V, _NUCLEUS_TOPK)]
+    if small:
+        index = torch.tensor(small, device=device)
+        params = ([temperature[b] for b in small], [top_p[b] for b in small], [top_k[b] for b in small])
+        every = len(small) == n
+        rows = (logits, top, u) if every else (logits[small], top[small], u[small])
+        got, done, handed = _draw_compact(*rows, *params)
+        tokens.index_copy_(0, index, got)
+        if handed is not None:  # the wide nuclei: drawn over the whole row, from what was computed
+            local, handed_tokens = handed
+            tokens.index_copy_(0, torch.tensor([small[j] for j in local], device=device), handed_tokens)
+        rest = [b for b in range(n) if not (top_p[b] < 1 or 0 < top_k[b] <= min(V, _NUCLEUS_TOPK))]
+    if rest:
+        index = torch.tensor(rest, device=device)
+        params = ([temperature[b] for b in rest], [top_p[b] for b in rest], [top_k[b] for b in rest])
+        tokens.index_copy_(0, index, _draw_full(logits[rest], top[rest], u[rest], *params))
+    return torch.where(top[:, 0] > -math.inf, tokens, -1)
 
 
-def _tempered(logp: Tensor, temperature: float) -> Tensor:
-    """Step 6: softmax(logp / T) over the log-probabilities [m] of a row's kept tokens.
-
-    Below T ~ 1e-37, logp / T leaves fp32's range (-inf everywhere, or 0 / 0 where T itself
-    rounds to 0 in fp32, as 1e-300 does), and the softmax is NaN. The law then is (up to fp32
-    rounding) its T -> 0 limit, the most probable token with its exact ties; it is computed
-    from the gaps to the maximum in float64, where any T > 0 is representable. Ordinary
-    temperatures take the first line only, so their draws are unchanged to the bit.
-    """
-    scaled = logp / temperature
-    if torch.isfinite(scaled.max()):
-        return torch.softmax(scaled, dim=-1)
-    gaps = logp.double() - logp.max()
-    return torch.softmax(gaps / temperature, dim=-1).float()
+def _draw_full(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, top_k) -> Tensor:
+    """`_draw_rows` over whole rows [n, V], given their maxima and uniform numbers [n, 1]."""
+    weights, _ = _tempered_weights(logits, temperature, top_p, top_k, top)
+    cum = weights.cumsum_(1)
+    return torch.searchsorted(cum, u * cum[:, -1:])[:, 0]
 
 
-def _draw_kept(logp: Tensor, kept_rows, temperature: list, generators) -> list[int]:
-    """Steps 6-7 for log-probabilities [B, V] and each row's kept (log p, ids), or None for all."""
-    out = []
-    for b, kept in enumerate(kept_rows):
-        if kept is None:
-            weights, ids = _tempered(logp[b], temperature[b]), None
-        else:
-            weights, ids = _tempered(kept[0], temperature[b]), kept[1]
-        i = torch.multinomial(weights, 1, generator=generators[b])[0]
-        out.append(int(i if ids is None else ids[i]))
-    return out
+def _draw_compact(logits: Tensor, top: Tensor, u: Tensor, temperature, top_p, top_k):
+    """`_draw_rows` for rows [m, V] whose kept tokens may all lie among their k = 256 most probable
+    (top_k <= k, or top_p < 1): (the tokens [m], the rows drawn so, and None or (the other rows,
+    their tokens)). The rows drawn so keep what `_kept` keeps (the same topk, the same running
+    sums to the bit); their weights, ordered by token id, have the same running sums as the whole
+    row's, whose other weights are 0: the same token as `_draw_full`, for the cost of one topk
+    and, with top_p, one pass for the mass. The other rows (top_p's cutoff beyond the k-th token,
+    or tied with it) are drawn over the whole row by `_draw_handed`, from the gaps, weights, mass
+    and cutoff computed here: the same tokens as `_draw_full`."""
+    m, V = logits.shape
+    k = min(V, _NUCLEUS_TOPK)
+    device = logits.device
+    gaps = logits - torch.where(top > -math.inf, top, 0.0)
+    values, ids = gaps.topk(k, dim=1)  # [m, k], most probable first
+    limit = torch.tensor([t if 0 < t <= k else k for t in top_k], device=device)[:, None]
+    keep = torch.arange(k, device=device)[None, :] < limit
+    done = torch.ones(m, dtype=torch.bool, device=device)
+    cut = [j for j in range(m) if top_p[j] < 1]
+    if cut:
+        every = len(cut) == m
+        rows = gaps if every else gaps[cut]
+        p = torch.tensor([top_p[j] for j in cut], dtype=torch.float64, device=device)[:, None]
+        exp = rows.exp()
+        target = p * _mass(exp)  # as _nucleus_cutoff
+        v = values if every else values[cut]
+        running = v.double().exp().cumsum(1)
+        first = (running < target).sum(1, keepdim=True)
+        cutoff = v.gather(1, first.clamp(max=k - 1))
+        # Beyond the k-th token (not reached, or a tie with the k-th): drawn here only where
+        # top_k <= k cuts first (top_k's tokens are then all top-p keeps).
+        beyond = ((first >= k) | (v[:, -1:] >= cutoff)) & (k < V)
+        by_k = limit[cut] < k if k < V else torch.ones_like(beyond)
+        index = torch.tensor(cut, device=device)
+        done.index_copy_(0, index, (~beyond | by_k)[:, 0])
+        keep_p = torch.full((m, 1), -math.inf, device=device)
+        keep_p.index_copy_(0, index, torch.where(beyond, -math.inf, cutoff))
+        keep &= values >= keep_p
+    tiny = torch.finfo(torch.float32).tiny
+    t = torch.tensor([max(x, tiny) for x in temperature], dtype=torch.float32, device=device)[:, None]
+    weights = torch.where(keep, values if all(x == 1 for x in temperature) else values / t, -math.inf).exp_()
+    order = ids.argsort(dim=1)  # by token id
+    cum = weights.gather(1, order).cumsum_(1)
+    j = torch.searchsorted(cum, u * cum[:, -1:])
+    tokens = ids.gather(1, order.gather(1, j))[:, 0]
+    done = done.nonzero()[:, 0].tolist()
+    if len(done) == m:
+        return tokens, done, None
+    drawn = set(done)
+    at = [i for i, j in enumerate(cut) if j not in drawn]  # (every row not drawn is a cut row)
+    local = [cut[i] for i in at]
+    pick = torch.tensor(at, device=device)
+    wide = (first.index_select(0, pick) >= k)[:, 0].tolist()
+    handed = _draw_handed(
+        gaps.index_select(0, torch.tensor(local, device=device)),
+        exp.index_select(0, pick),
+        target.index_select(0, pick),
+        cutoff.index_select(0, pick),
+        wide,
+        u.index_select(0, torch.tensor(local, device=device)),
+        [temperature[j] for j in local],
+        [top_k[j] for j in local],
+    )
+    return tokens, done, (local, handed)
+
+
+def _draw_handed(gaps, exp, target, cutoff, wide: list[bool], u, temperature, top_k) -> Tensor:
+    """`_draw_full` for top_p rows [n, V] whose nucleus reaches beyond their 256 most probable
+    tokens, from their gaps, exp(gaps), targets (top_p x mass) [n, 1] and the cutoff among the
+    top 256 [n, 1], which holds where the nucleus only ties beyond them (`wide` False); the wide
+    rows' cutoff comes from `_histogram_cutoff`. The same values as `_tempered_weights`."""
+    rows = [b for b, w in enumerate(wide) if w]
+    if rows:
+        index = torch.tensor(rows, device=gaps.device)
+        picked = (t.index_select(0, index) for t in (gaps, exp, target))
+        cutoff = cutoff.index_copy(0, index, _histogram_cutoff(*picked))
+    keep = gaps >= cutoff
+    by_k = _top_k_keep(gaps, top_k)
+    if by_k is not None:
+        keep &= by_k
+    if all(t == 1 for t in temperature):
+        weights = exp
+    else:
+        tiny = torch.finfo(torch.float32).tiny
+        t = torch.tensor([max(t, tiny) for t in temperature], dtype=torch.float32, device=gaps.device)
+        weights = gaps.div(t[:, None]).exp_()
+    cum = weights.masked_fill_(keep.logical_not_(), 0.0).cumsum_(1)
+    return torch.searchsorted(cum, u * cum[:, -1:])[:, 0]
 
 
 def draw(probs: Tensor, generators: torch.Generator | Sequence[torch.Generator | None] | None = None) -> Tensor:
@@ -383,8 +496,6 @@ class Sampler:
         return dense.index_put_((self._seen,), self._count)
 
     def _ready(self, device: torch.device) -> None:
-        if self._bias is not None and self._bias.device != device:
-            self._bias, self._bias_ids = self._bias.to(device), self._bias_ids.to(device)
         if self.generator is None:
             self.generator = torch.Generator(device=device)
             if self.params.seed is None:
@@ -394,21 +505,8 @@ class Sampler:
 
     def adjusted_logits(self, logits: Tensor) -> Tensor:
         """Steps 1-2: logits [V] with bias, bans and penalties applied (does not update counts)."""
-        return self._adjust_(logits.to(torch.float32, copy=True))
-
-    def _adjust_(self, out: Tensor) -> Tensor:
-        """`adjusted_logits` in place on fp32 logits [V]."""
-        self._ready(out.device)
-        if self._bias is not None:
-            ids = self._bias_ids
-            out.index_put_((ids,), out[ids] + self._bias)
-        p = self.params
-        if self.generated < p.min_tokens and len(self._stop_ids):
-            out[self._stop_ids.to(out.device)] = -math.inf
-        if self._position and (p.presence_penalty or p.frequency_penalty):
-            seen = self._seen.to(out.device)
-            penalty = p.presence_penalty + self._count.to(out.device) * p.frequency_penalty
-            out.index_put_((seen,), out[seen] - penalty)
+        out = logits.to(torch.float32, copy=True)
+        _adjust_rows([self], out[None])
         return out
 
     def __call__(self, logits: Tensor) -> int:
@@ -438,8 +536,7 @@ class Sampler:
         or infinite. The one home of that rule: `sample_batch` and speculative decoding call it."""
         check_finite(logits)
         adjusted = logits.to(torch.float32, copy=True)
-        for s, row in zip(samplers, adjusted):
-            s._adjust_(row)
+        _adjust_rows(samplers, adjusted)
         constrained = [
             (b, s.constraint) for b, s in enumerate(samplers) if s.constraint is not None and s.constraint.active
         ]
@@ -451,28 +548,79 @@ class Sampler:
 
     @staticmethod
     def sample_batch(samplers: Sequence[Sampler], logits: Tensor) -> list[int]:
-        """One token for each row of logits [B, V], row b sampled by samplers[b]."""
+        """One token for each row of logits [B, V], row b sampled by samplers[b].
+
+        Batched whatever the rows' parameters: the greedy rows' tokens are one arg-max over the
+        batch, the drawn rows' one `_draw_rows` (one random number each); the host waits for the
+        device a few times a step, never once a row: the finiteness check, the rows `_draw_rows`
+        draws compactly, the wide nuclei and their histogram (only where there are such), the tokens.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(samplers):
             raise InputError(f"sample_batch: logits {tuple(logits.shape)} do not match {len(samplers)} samplers")
+        if not samplers:
+            return []
         adjusted = Sampler.prepare(samplers, logits)
-        params = [s.params for s in samplers]
-        out = [None] * len(samplers)
-        greedy = [b for b, p in enumerate(params) if p.greedy]
-        idx = [b for b, p in enumerate(params) if not p.greedy]
-        if greedy:  # one argmax and one transfer for all of them (on a GPU, not one sync per row)
-            rows = adjusted if len(greedy) == len(samplers) else adjusted[greedy]
-            for b, t in zip(greedy, rows.argmax(dim=-1).tolist()):
-                out[b] = t
-        if idx:
-            drawn = sample_rows(
-                adjusted if len(idx) == len(samplers) else adjusted[idx],
-                temperature=[params[b].temperature for b in idx],
-                top_p=[params[b].top_p for b in idx],
-                top_k=[params[b].top_k for b in idx],
-                generators=[samplers[b].generator for b in idx],
+        drawn = [b for b, s in enumerate(samplers) if not s.params.greedy]
+        if len(drawn) < len(samplers):  # the greedy rows' tokens: the first of tied maxima
+            top, tokens = adjusted.max(dim=1, keepdim=True)
+            tokens = torch.where(top > -math.inf, tokens, -1)[:, 0]
+        else:  # (the maxima alone cost a tenth of a max with its indices)
+            top = adjusted.amax(dim=1, keepdim=True)
+        if drawn:
+            every = len(drawn) == len(samplers)
+            params = [samplers[b].params for b in drawn]
+            got = _draw_rows(
+                adjusted if every else adjusted[drawn],
+                temperature=[p.temperature for p in params],
+                top_p=[p.top_p for p in params],
+                top_k=[p.top_k for p in params],
+                generators=[samplers[b].generator for b in drawn],
+                top=top if every else top[drawn],
             )
-            for b, t in zip(idx, drawn):
-                out[b] = t
+            tokens = got if every else tokens.index_copy_(0, torch.tensor(drawn, device=tokens.device), got)
+        out = tokens.tolist()
+        if out and min(out) < 0:
+            raise InputError("every token is banned at this step (bias, bans, min_tokens and grammar together)")
         for s, t in zip(samplers, out):
             s.accept(t)
         return out
+
+
+def _adjust_rows(samplers: Sequence[Sampler], out: Tensor) -> None:
+    """Steps 1-2 in place on fp32 logits [B, V], row b by samplers[b]: the bias, the stop tokens'
+    ban under min_tokens and the penalties of all rows are gathered (each sampler keeps them
+    sparse, on the host) into one index of the flattened logits each and written by one indexed
+    operation each, so a step costs three device operations whatever the number of rows. The
+    same values as adding the dense vectors of `bias_vector` and `apply_penalties` row by row."""
+    V = out.shape[1]
+    flat = out.view(-1)
+    bias: list[tuple[int, Tensor, Tensor]] = []
+    stops: list[tuple[int, Tensor]] = []
+    penalties: list[tuple[int, Tensor, Tensor, float, float]] = []
+    for b, s in enumerate(samplers):
+        s._ready(out.device)
+        p = s.params
+        if s._bias is not None:
+            bias.append((b, s._bias_ids, s._bias))
+        if s.generated < p.min_tokens and len(s._stop_ids):
+            stops.append((b, s._stop_ids))
+        if s._position and (p.presence_penalty or p.frequency_penalty):
+            penalties.append((b, s._seen, s._count, p.presence_penalty, p.frequency_penalty))
+    if bias:
+        ids, values = _flat_ids(bias, V, out.device), torch.cat([v for _, _, v in bias]).to(out.device)
+        flat.index_put_((ids,), values, accumulate=True)
+    if stops:
+        flat.index_fill_(0, _flat_ids(stops, V, out.device), -math.inf)
+    if penalties:
+        lengths = torch.tensor([len(ids) for _, ids, *_ in penalties])
+        presence = torch.tensor([e[3] for e in penalties], dtype=torch.float32).repeat_interleave(lengths)
+        frequency = torch.tensor([e[4] for e in penalties], dtype=torch.float32).repeat_interleave(lengths)
+        penalty = presence + torch.cat([e[2] for e in penalties]) * frequency
+        flat.index_put_((_flat_ids(penalties, V, out.device),), (-penalty).to(out.device), accumulate=True)
+
+
+def _flat_ids(entries: list[tuple], V: int, device) -> Tensor:
+    """The ids of entries (row, ids [m], ...) as indices into the flattened [B, V] logits."""
+    lengths = torch.tensor([len(e[1]) for e in entries])
+    rows = torch.tensor([e[0] for e in entries]).repeat_interleave(lengths)
+    return (torch.cat([e[1] for e in entries]) + rows * V).to(device)

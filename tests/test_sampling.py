@@ -331,10 +331,10 @@ def test_shared_generator_overrides_seed():
     assert a == b and len(set(a)) > 1
 
 
-# --- the batched path against the plain one ----------------------------------------------------
-# sample_rows finds the kept tokens of all rows at once (_kept_rows: one topk for the rows, then
-# _cut) and falls back to the plain per-row _kept where the cut lies beyond that topk. These
-# tests hold it to the plain path bit for bit: the same tensors, the same tokens for the same seeds.
+# --- the batched O(V) sampler against plain oracles --------------------------------------------
+# The top-p cut is found from a histogram of each row (sampling._nucleus_cutoff) and the draw is
+# one uniform number a row, the inverse of the running sum in token-id order. The oracles here
+# are the rule written plainly: a float64 sort of the row, its running sum, and a draw by hand.
 
 
 def _logits(gen, n, V, scale, step=None):
@@ -344,113 +344,118 @@ def _logits(gen, n, V, scale, step=None):
     return x
 
 
-def test_topk_of_rows_equals_topk_of_each_row():
-    # What _kept_rows relies on: topk over [n, V] selects each row as topk over that row alone,
-    # tied values in the same order.
-    gen = torch.Generator().manual_seed(20)
-    for V, k in [(65536, 256), (65536, 40), (50277, 300), (1000, 256)]:
-        logp = torch.log_softmax(_logits(gen, 6, V, 4.0, step=0.125), dim=-1)
-        values, ids = torch.topk(logp, k, dim=1)
-        for b in range(6):
-            want_values, want_ids = torch.topk(logp[b], k)
-            assert torch.equal(values[b], want_values) and torch.equal(ids[b], want_ids)
+def _kept_by_sorting(logits, top_p, top_k):
+    """The kept tokens of a row [V] by the module docstring's steps 4-5, with a sort (float64)."""
+    p = torch.softmax(logits.double(), dim=0)
+    values, ids = torch.sort(p, descending=True, stable=True)
+    keep = torch.ones_like(p, dtype=torch.bool)
+    if top_p < 1:
+        first = min(int((values.cumsum(0) < top_p).sum()), len(p) - 1)
+        keep = p >= values[first]
+    if 0 < top_k < len(p):  # ties at the k-th: the order of torch.topk(row, max(k, 256))
+        ranked = torch.zeros_like(keep)
+        ranked[torch.topk(logits, min(len(p), max(top_k, 256))).indices[:top_k]] = True
+        keep &= ranked
+    return keep
 
 
 @pytest.mark.parametrize("V", [65536, 50277, 300])
-def test_kept_rows_equals_kept(V, monkeypatch):
-    plain = sampling._kept
-    fallbacks = []
-    monkeypatch.setattr(sampling, "_kept", lambda *a: fallbacks.append(a[1:]) or plain(*a))
+def test_kept_tokens_equal_the_sorted_rule(V):
     gen = torch.Generator().manual_seed(21)
     top_p = [0.1, 0.3, 0.85, 0.9, 0.95, 0.999, 1.0, 1.0, 0.5, 0.7, 0.6, 1.0]
     top_k = [0, 0, 0, 40, 1, 0, 40, 0, 300, 7, 256, 1]
-    rows = 0
     for scale, step in [(0.3, None), (2.0, None), (6.0, None), (20.0, None), (4.0, 0.5), (4.0, 1e-3)]:
-        for _ in range(4):
-            logits = _logits(gen, len(top_p), V, scale, step)
-            logits[0, 5] = logits[0].max()  # a tie with the most probable token
-            logits[2, 10:310] = logits[2].max() + 3  # 300 tied top tokens: the cutoff's ties pass the 256th
-            logp = torch.log_softmax(logits, dim=-1)
-            for b, kept in enumerate(sampling._kept_rows(logp, top_p, top_k)):
-                want = plain(logp[b], top_p[b], top_k[b])
-                if want is None:
-                    assert kept is None
-                else:
-                    assert torch.equal(kept[0], want[0]) and torch.equal(kept[1], want[1]), (scale, step, b)
-                rows += 1
-    # _cut decided most rows; nuclei wider than 256 tokens (flat rows) without a top_k went to _kept.
-    assert len(fallbacks) < rows // 4
-    if V > 256:
-        assert fallbacks and all(k == 0 for _, k in fallbacks)
+        logits = _logits(gen, len(top_p), V, scale, step)
+        logits[0, 5] = logits[0].max()  # a tie with the most probable token
+        logits[2, 10:310] = logits[2].max() + 3  # 300 tied top tokens
+        logits[3, :100] = -math.inf  # banned tokens
+        kept = sampling._kept(logits - logits.amax(1, keepdim=True), top_p, top_k)
+        for b in range(len(top_p)):
+            want = _kept_by_sorting(logits[b], top_p[b], top_k[b])
+            assert torch.equal(kept[b], want), (scale, step, b, int(kept[b].sum()), int(want.sum()))
 
 
-def _kept_growing(logp, top_p, top_k):
-    """`_kept` as it was before its sizes were skipped: topk at 256 (or top_k), then x 8, until
-    the running sum reaches top_p or top_k stops it."""
-    V = logp.shape[0]
-    if top_p >= 1:
-        return None if top_k <= 0 or top_k >= V else torch.topk(logp, top_k)
-    k = min(V, max(256, top_k))
-    while True:
-        values, ids = torch.topk(logp, k)
-        cumulative = values.exp().cumsum(0)
-        if bool(cumulative[-1] >= top_p) or k == V:
-            m = int((logp >= values[min(int((cumulative < top_p).sum()), k - 1)]).sum())
-            break
-        if 0 < top_k <= k:
-            m = top_k
-            break
-        k = min(V, k * 8)
-    m = min(m, top_k) if top_k > 0 else m
-    if m > k:
-        values, ids = torch.topk(logp, m)
-    return values[:m], ids[:m]
+def test_a_flat_row_keeps_its_wide_nucleus():
+    """A random model's row: the nucleus of top_p 0.85 holds thousands of tokens (the case the
+    histogram is for: a sort of the row cost 10-90 ms)."""
+    logits = torch.randn(2, 65536, generator=torch.Generator().manual_seed(38)) * 0.5
+    kept = sampling._kept(logits - logits.amax(1, keepdim=True), [0.85, 0.99], [0, 3000])
+    for b, (p, k) in enumerate([(0.85, 0), (0.99, 3000)]):
+        want = _kept_by_sorting(logits[b], p, k)
+        assert want.sum() > 2000 and torch.equal(kept[b], want)
 
 
-def test_kept_skips_the_topk_sizes_that_fall_short(monkeypatch):
-    """Issue 38 item 3: a flat row (a random model's, whose nucleus holds thousands of tokens)
-    took a topk at 256, 2048, 16384 and 65536. `_kept` now skips the sizes its histogram shows
-    cannot hold the nucleus, and keeps exactly the tokens, in exactly the order (ties included),
-    of the growing sizes, so every seeded draw is unchanged."""
-    gen = torch.Generator().manual_seed(38)
-    calls = []
-    topk = torch.topk
-    monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: calls.append(k) or topk(x, k, *a, **kw))
-    for scale, step in [(0.3, None), (2.0, None), (3.0, 0.25)]:
-        for top_p, top_k in [(0.85, 0), (0.99, 0), (0.85, 3000)]:
-            logp = torch.log_softmax(_logits(gen, 1, 65536, scale, step)[0], dim=-1)
-            calls.clear()
-            want = _kept_growing(logp, top_p, top_k)
-            growing = len(calls)
-            calls.clear()
-            kept = sampling._kept(logp, top_p, top_k)
-            assert torch.equal(kept[0], want[0]) and torch.equal(kept[1], want[1]), (scale, top_p, top_k)
-            assert len(calls) <= growing
-            if len(want[0]) > 2048 and top_k == 0:  # a wide nucleus: sizes skipped
-                assert len(calls) < growing, (scale, top_p, calls)
-
-
-def _sample_rows_plainly(logits, temperature, top_p, top_k, generators):
-    """sample_rows as it was written first: _kept row by row, then the same draw."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    kept = [sampling._kept(logp[b], top_p[b], top_k[b]) for b in range(logp.shape[0])]
-    return sampling._draw_kept(logp, kept, temperature, generators)
-
-
-def test_sample_rows_equals_the_plain_path_at_extreme_temperatures():
+def test_draw_is_the_running_sum_inverted_at_one_uniform_number():
     V = 65536
+    gen = torch.Generator().manual_seed(22)
     temperature = [1e-3, 0.01, 0.3, 1.0, 1.0, 2.0, 5.0, 100.0, 1e-3, 100.0]
     top_p = [0.9, 0.85, 0.3, 1.0, 0.95, 0.9, 0.99, 0.9, 1.0, 1.0]
     top_k = [0, 40, 0, 40, 0, 1, 5, 0, 0, 256]
     mine = [torch.Generator().manual_seed(30 + b) for b in range(len(temperature))]
-    plain = [torch.Generator().manual_seed(30 + b) for b in range(len(temperature))]
-    gen = torch.Generator().manual_seed(22)
-    for t, (scale, step) in enumerate([(1.0, None), (5.0, None), (3.0, 0.25), (12.0, None)] * 3):
+    mirror = [torch.Generator().manual_seed(30 + b) for b in range(len(temperature))]
+    for t, (scale, step) in enumerate([(1.0, None), (5.0, None), (3.0, 0.25), (12.0, None)] * 2):
         logits = _logits(gen, len(temperature), V, scale, step)
         got = sample_rows(logits, temperature, top_p, top_k, mine)
-        assert got == _sample_rows_plainly(logits, temperature, top_p, top_k, plain), t
-    # Both drew as many random numbers: the generators are still in step.
-    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(mine, plain))
+        probs = rwkv_probs(logits, temperature, top_p, top_k).double()
+        for b in range(len(temperature)):
+            u = 1 - float(torch.rand(1, generator=mirror[b]))
+            cum = probs[b].cumsum(0)
+            want = int((cum < u * cum[-1]).sum())
+            assert probs[b, got[b]] > 0, (t, b)
+            # the same token, or (fp32 against float64 running sums) a neighbour across a rounding
+            assert got[b] == want or abs(float(cum[got[b]] - u * cum[-1])) < 1e-5, (t, b, got[b], want)
+    # One random number a row a step: the generators are still in step with the mirror.
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(mine, mirror))
+
+
+@pytest.mark.parametrize("V", [65536, 300])
+def test_the_compact_draw_is_the_full_draw(V):
+    """Rows whose kept tokens lie among their 256 most probable draw among those only; they must
+    draw the token the whole row's running sum gives for the same u, ties and bans included."""
+    gen = torch.Generator().manual_seed(24)
+    temperature = [1.0, 0.7, 1.3, 1.0, 0.5, 1.0, 2.0, 1e-3, 1.0, 1.0]
+    top_p = [0.85, 0.3, 1.0, 0.95, 0.5, 0.1, 0.9, 0.9, 0.99, 0.6]
+    top_k = [0, 0, 40, 5, 1, 0, 256, 0, 300, 7]
+    n, compact, wide = len(top_p), 0, 0
+    for scale, step in [(0.5, None), (3.0, None), (8.0, None), (4.0, 0.5), (20.0, None)]:
+        logits = _logits(gen, n, V, scale, step)
+        logits[0, :50] = logits[0].max()  # 50 tied top tokens
+        logits[3, 100:200] = -math.inf
+        top = logits.amax(1, keepdim=True)
+        u = 1 - torch.rand(n, 1, generator=gen)
+        got, done, handed = sampling._draw_compact(logits, top, u, temperature, top_p, top_k)
+        want = sampling._draw_full(logits, top, u, temperature, top_p, top_k)
+        assert done and all(got[j] == want[j] for j in done), (scale, step, done, got, want)
+        if handed is not None:  # the wide nuclei, drawn from what the compact path computed
+            local, tokens = handed
+            assert sorted(local + done) == list(range(n))
+            assert tokens.tolist() == [int(want[j]) for j in local], (scale, step, local)
+            wide += len(local)
+        compact += len(done)
+    assert compact > n * 5 // 2 and wide > 0  # most rows of the peaked steps drew compactly
+
+
+def test_a_row_draws_the_same_alone_and_in_any_batch():
+    V = 65536
+    gen = torch.Generator().manual_seed(23)
+    temperature, top_p, top_k = [1.0, 0.7, 1.3, 1.0], [0.85, 0.3, 1.0, 0.95], [0, 0, 40, 5]
+    batch = [torch.Generator().manual_seed(b) for b in range(4)]
+    alone = [torch.Generator().manual_seed(b) for b in range(4)]
+    for scale in (0.5, 3.0, 8.0):
+        logits = _logits(gen, 4, V, scale)
+        got = sample_rows(logits, temperature, top_p, top_k, batch)
+        want = [sample_rows(logits[b : b + 1], temperature[b], top_p[b], top_k[b], [alone[b]])[0] for b in range(4)]
+        assert got == want
+
+
+def test_a_row_with_no_token_left_is_an_error_not_token_zero():
+    V = 20
+    params = SamplingParams(banned_token_ids=range(1, V), stop_token_ids=(0,), min_tokens=1)
+    logits = torch.randn(2, V)
+    for p in (params.replace(temperature=0), params.replace(seed=1)):
+        samplers = [Sampler(p, V), Sampler(p.replace(min_tokens=0, banned_token_ids=()), V)]
+        with pytest.raises(InputError, match="every token is banned"):
+            Sampler.sample_batch(samplers, logits)
 
 
 def test_sampler_adjusts_in_place_as_the_dense_functions_do():

@@ -153,11 +153,11 @@ def test_one_rows_sampling_failure_fails_that_request_only(model_and_tokenizer, 
     class Flaky(Sampler):
         """Seed 666 raises from its third token on (in batched decode steps, not at the first token)."""
 
-        def _adjust_(self, out):
+        def _ready(self, device):  # called for every sampler of a batch, every step
             self.calls = getattr(self, "calls", 0) + 1
             if self.params.seed == 666 and self.calls >= 3:
                 raise RuntimeError("boom")
-            return super()._adjust_(out)
+            return super()._ready(device)
 
     monkeypatch.setattr(engine_module, "Sampler", Flaky)
     model, tok = model_and_tokenizer

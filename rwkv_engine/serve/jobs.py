@@ -184,6 +184,52 @@ def usage(events: list[Finished], n: int = 1) -> p.Usage:
     )
 
 
+@dataclass(frozen=True)
+class Burst:
+    """Deltas of one choice that were waiting together when the stream was read (a client that
+    reads slower than tokens come): sent as one event. What a Delta has, of all of them: their
+    text joined, their log-probabilities in order, the last count of generated tokens."""
+
+    deltas: tuple[Delta, ...]
+
+    @property
+    def index(self) -> int:
+        return self.deltas[0].index
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...]:
+        return tuple(lp for d in self.deltas for lp in d.logprobs)
+
+    @property
+    def generated(self) -> int:
+        return self.deltas[-1].generated
+
+
+def coalesce(events: list) -> list:
+    """The events in order, each choice's Deltas that no other event of that choice separates
+    joined into one `Burst` (where the first of them stood). Events of different choices may
+    pass each other; each choice's events keep their order."""
+    out: list = []
+    open_: dict[int, int] = {}  # choice -> the position in out of its Deltas still open for more
+    for event in events:
+        i = event.index
+        if not isinstance(event, Delta):
+            open_.pop(i, None)
+            out.append(event)
+        elif i in open_:
+            at = open_[i]
+            before = out[at].deltas if isinstance(out[at], Burst) else (out[at],)
+            out[at] = Burst((*before, event))
+        else:
+            open_[i] = len(out)
+            out.append(event)
+    return out
+
+
 def sse(obj: BaseModel | dict) -> str:
     data = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {data}\n\n"
@@ -203,32 +249,42 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     """The server-sent events of a streamed request, completion or chat.
 
-    `opening` first; then `on_event(event)` for each engine event (`Prompt`, `Delta`, and the
-    `Finished` of each choice that ends normally; nothing where it gives None); when every
-    choice has finished, `usage_chunk(finished events)` (if the client asked for usage), then
-    `data: [DONE]`. An error in any choice gives an error event and `[DONE]`; a cancelled
+    `opening` first; then `on_event(event)` for each engine event (`Prompt`, `Delta` or `Burst`,
+    and the `Finished` of each choice that ends normally; nothing where it gives None); when
+    every choice has finished, `usage_chunk(finished events)` (if the client asked for usage),
+    then `data: [DONE]`. An error in any choice gives an error event and `[DONE]`; a cancelled
     request's stream just ends. Whenever the stream ends (the client gone too) the request
     is cancelled in the engine.
+
+    A client that reads slower than the tokens come holds the stream at its `yield` (the server
+    waits for the socket); the events that arrive meanwhile are read together at the next turn
+    and each choice's Deltas among them go out as one event (`coalesce`): the client catches up
+    in a few events instead of working through one queued event per token.
     """
     try:
         for piece in opening:
             yield piece
         finished: list[Finished] = []
         while len(finished) < job.choices:
-            event = await job.queue.get()
-            if isinstance(event, Finished):
-                if event.reason == "cancelled":
-                    return
-                if event.reason == "error":
-                    yield sse(
-                        p.error_body(failure_status(event), event.message or "the request failed", code="engine_error")
-                    )
-                    yield "data: [DONE]\n\n"
-                    return
-                finished.append(event)
-            piece = on_event(event)
-            if piece is not None:
-                yield piece
+            events = [await job.queue.get()]
+            while not job.queue.empty():
+                events.append(job.queue.get_nowait())
+            for event in coalesce(events):
+                if isinstance(event, Finished):
+                    if event.reason == "cancelled":
+                        return
+                    if event.reason == "error":
+                        yield sse(
+                            p.error_body(
+                                failure_status(event), event.message or "the request failed", code="engine_error"
+                            )
+                        )
+                        yield "data: [DONE]\n\n"
+                        return
+                    finished.append(event)
+                piece = on_event(event)
+                if piece is not None:
+                    yield piece
         if usage_chunk is not None:
             yield usage_chunk(finished)
         yield "data: [DONE]\n\n"

@@ -27,7 +27,7 @@ from . import protocol as p
 from .context import ServingContext
 from .engine import Delta, Finished
 from .errors import APIError
-from .jobs import collect, sse, stream_events, stream_response, submit, usage
+from .jobs import Burst, collect, sse, stream_events, stream_response, submit, usage
 from .logprobs import chat_content
 from .parsing import prompt_ids, read_request, sampling_params
 
@@ -287,6 +287,8 @@ class ChatOutput:
             before = self.sent(i, s.close(event)) or ""
             reason = "tool_calls" if self.calls(s, event.reason)[1] else event.reason
             return before + self.chunk([p.ChatChunkChoice(index=i, delta=p.Delta(), finish_reason=reason)])
+        if isinstance(event, Burst):  # each Delta read as it came (the split, the token counts), sent as one
+            return self.sent(i, joined([piece for delta in event.deltas for piece in s.read(delta)]))
         if not isinstance(event, Delta):
             return None
         return self.sent(i, s.read(event))
@@ -309,3 +311,20 @@ class ChatOutput:
                 d = p.Delta(tool_calls=[p.ToolCallDelta(index=index, function=p.FunctionDelta(arguments=text))])
             out.append(self.chunk([p.ChatChunkChoice(index=i, delta=d, logprobs=lp)]))
         return "".join(out) or None
+
+
+def joined(pieces: list[tuple]) -> list[tuple]:
+    """`ChoiceStream.read` pieces with each run of one kind joined: reasoning and content texts
+    (content's log-probabilities in order), a call's argument texts; a call's start stays apart."""
+    out: list[tuple] = []
+    for piece in pieces:
+        last = out[-1] if out else (None,)
+        if piece[0] == last[0] == "reasoning":
+            out[-1] = ("reasoning", last[1] + piece[1])
+        elif piece[0] == last[0] == "content":
+            out[-1] = ("content", last[1] + piece[1], [*last[2], *piece[2]])
+        elif piece[0] == last[0] == "arguments" and piece[1] == last[1]:
+            out[-1] = ("arguments", piece[1], last[2] + piece[2])
+        else:
+            out.append(piece)
+    return out

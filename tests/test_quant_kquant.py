@@ -324,8 +324,10 @@ def test_q4k_from_a_gguf_keeps_blocks_of_its_own_type(tmp_path):
 
     sd = testing.random_state_dict("7", n_layer=1, n_embd=256, vocab_size=300, head_size=64, ffn_dim=256, seed=4)
     path = write_gguf(sd, tmp_path / "m.gguf", lambda name: "Q6_K" if name == "output.weight" else "Q4_K")
-    stored = _klinears(rwkv_engine.load(path, progress=False))  # the "gguf" scheme: as stored
-    ours = _klinears(rwkv_engine.load(path, quantization="q4k", progress=False))
+    # fp32: the values re-quantized are the file's, not rounded to bf16 first (the default dtype
+    # where the CPU has bf16 dot products)
+    stored = _klinears(rwkv_engine.load(path, dtype="fp32", progress=False))  # the "gguf" scheme: as stored
+    ours = _klinears(rwkv_engine.load(path, dtype="fp32", quantization="q4k", progress=False))
     assert stored["head"].qtype == "Q6_K" and ours["head"].qtype == "Q5_K"
     assert torch.equal(
         ours["head"].qweight, KQ.quantize_k(stored["head"].dequantize(), "Q5_K", col_scales=ours["head"].col_scales)

@@ -129,7 +129,8 @@ def test_tool_call_round_trip(ref, client):
         model=MODEL, messages=history, tools=TOOLS, tool_choice="none", seed=3, max_tokens=10
     )
     assert again.choices[0].message.content is not None and not again.choices[0].message.tool_calls
-    arguments = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
+    # written back as the template writes it: compact, non-ASCII characters as they are
+    arguments = json.dumps(json.loads(call.function.arguments), separators=(",", ":"), ensure_ascii=False)
     written = (
         f"User: What is the weather in Oslo?\n\nAssistant: <tool_call>"
         f'{{"name":"{call.function.name}","arguments":{arguments}}}\n\n'

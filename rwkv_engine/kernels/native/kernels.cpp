@@ -905,12 +905,10 @@ struct Q6KFormat {
   }
 };
 
-// The accumulator of one (weight row, row of x): one vector, into which all the lane vectors of
-// a block's group sums are added (the lanes are summed at the end anyway). One register per
-// (weight row, row of x): with the 8 pieces of a block, 8 rows of x fit AVX2's 16 registers
-// less often spilled than with kKqVecs vectors each.
+// The accumulator of one (weight row, row of x): a vector per lane vector of the group sums, so
+// that a block's multiply-adds form kKqVecs chains instead of one.
 struct KAcc {
-  kq::F v[1];
+  kq::F v[kq::kKqVecs];
 };
 
 template <typename Fmt>
@@ -921,7 +919,9 @@ struct KQuantKernel {
   template <int B> static constexpr int kXRows = B;
   using Acc = KAcc;
   static float hsum(const Acc& a) {
-    return kq::hsum(a.v[0]);
+    kq::F s = a.v[0];
+    for (int v = 1; v < kq::kKqVecs; ++v) s = kq::add(s, a.v[v]);
+    return kq::hsum(s);
   }
 
   const uint8_t* W;
@@ -963,7 +963,7 @@ struct KQuantKernel {
           kq::kq_block_sums(w, xq[i] + 256 * c, sums);
 #pragma GCC unroll 4
           for (int v = 0; v < V; ++v) {
-            kq::F& a = fa[r][i].v[0];
+            kq::F& a = fa[r][i].v[v];
             a = kq::fma(kq::to_float(sums[v]), kq::mul(ws[v], kq::load(st[i] + 16 * c + kq::kW * v)), a);
             a = kq::fma(wm[v], kq::load(sm[i] + 16 * c + kq::kW * v), a);
           }

@@ -687,4 +687,3 @@ class _DocumentCache:
 
     def put(self, ids: list[int], state: State) -> None:
         self.cache.put("", ids, state)
-

@@ -130,21 +130,21 @@ def test_calls_constrained_after_the_thought(tiny):
         prompt = builtin("g1").render([{"role": "user", "content": "Weather?"}], thinking=thinking)
         start = reply_start(prompt, True)
         matched = 7 if start == "answer>" else 0
-        for seed in range(6):
+        for seed in range(12):
             params = SamplingParams(
                 temperature=1.0,
                 top_p=1.0,
                 presence_penalty=0,
                 frequency_penalty=0,
                 seed=seed,
-                max_tokens=90,
+                max_tokens=300,  # (a random model writes "</think>" a third of a token at a time)
                 stop=("\n\n",),
                 logit_bias=ends if thinking else {},
             )
             make = lambda matched=matched: ThoughtGate(calls, tok, 65536, matched)  # noqa: E731
             requests.append(Request(tok.encode(prompt), params, constraint=make))
             starts.append(start)
-    results, _ = run_engine(model, tok, requests, EngineConfig(max_batch=12))
+    results, _ = run_engine(model, tok, requests, EngineConfig(max_batch=24))
     answered = 0
     for (text, finished), start in zip(results, starts):
         reasoning, answer = split(text, start)
@@ -161,7 +161,7 @@ def test_calls_constrained_after_the_thought(tiny):
             jsonschema.validate(value, WEATHER["parameters"])
             assert arguments == json.dumps(value)  # the spacing the template writes back
         answered += start == "thought>"
-    assert answered >= 2
+    assert answered >= 2, [(f.reason, len(t)) for (t, f), s in zip(results, starts) if s == "thought>"]
 
 
 LINE_MARKER = re.compile(rb"(?:\A|\n)[ \n]*```json\n\Z")

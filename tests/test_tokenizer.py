@@ -588,3 +588,15 @@ def test_load_from_paths(tmp_path):
     assert isinstance(load_tokenizer(unknown, "world"), WorldTokenizer)
     with pytest.raises(TokenizerError, match="does not exist"):
         load_tokenizer(tmp_path / "nothing.pth")
+
+
+def test_tokenizer_pickles_as_its_vocabulary(tok):
+    """A Ray replica hands its tokenizer to the ingress by pickle: the copy has the same
+    vocabulary file and backend and gives the same ids (the native matcher itself cannot be
+    pickled)."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.vocab_path == tok.vocab_path and copy.backend == tok.backend
+    text = "Hello, 世界! Ünïcode\n\n   spaces"
+    assert copy.encode(text) == tok.encode(text)

@@ -371,6 +371,16 @@ class WorldTokenizer:
     def __repr__(self) -> str:
         return f"WorldTokenizer({str(self.vocab_path)!r}, backend={self.backend!r})"
 
+    def __reduce__(self):
+        # Pickled as its vocabulary file (the native matcher cannot be): a Ray replica hands its
+        # tokenizer to the ingress this way. The receiver uses its own backend choice, unless
+        # this one was forced to Python.
+        return (WorldTokenizer._rebuilt, (str(self.vocab_path), self.backend))
+
+    @staticmethod
+    def _rebuilt(vocab_path: str, backend: str) -> WorldTokenizer:
+        return WorldTokenizer(vocab_path, native=False if backend == "python" else None)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (UTF-8 encoded). A lone surrogate raises TokenizerError."""
         if not isinstance(text, str):

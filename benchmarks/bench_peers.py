@@ -250,6 +250,77 @@ def llama_tree(cache: Path) -> Path:
     return tree
 
 
+# GCC 12's <amxtileintrin.h> tells the compiler that ldtilecfg reads 8 bytes of its 64-byte
+# configuration and that tileloadd reads no memory, so stores to a tile configuration or to a
+# packed tile can be dropped or moved past the instruction: llama.cpp's AMX matrix kernels (built
+# with GGML_NATIVE on an AMX CPU) then crash or compute garbage (seen: llama-bench segfaults in
+# ggml_backend_amx_mul_mat on a Xeon with AMX). GCC 13 fixed the header. This one, found first
+# through -I, declares what the instructions really read and write.
+AMX_TILE_HEADER = """\
+/* written by rwkv-engine's benchmarks/bench_peers.py for GCC 12: see AMX_TILE_HEADER there */
+#ifndef _IMMINTRIN_H_INCLUDED
+#error "include <immintrin.h>, not <amxtileintrin.h>"
+#endif
+#ifndef _AMXTILEINTRIN_H_INCLUDED
+#define _AMXTILEINTRIN_H_INCLUDED
+#if !defined(__AMX_TILE__)
+#pragma GCC push_options
+#pragma GCC target("amx-tile")
+#define __RWKV_BENCH_AMX_TILE_OFF__
+#endif
+#if defined(__x86_64__)
+typedef struct { unsigned char __bytes[64]; } __rwkv_bench_tilecfg;
+static __inline void __attribute__((__always_inline__)) _tile_loadconfig(const void *__config) {
+  __asm__ volatile("ldtilecfg\\t%X0" ::"m"(*(const __rwkv_bench_tilecfg *)__config));
+}
+static __inline void __attribute__((__always_inline__)) _tile_storeconfig(void *__config) {
+  __asm__ volatile("sttilecfg\\t%X0" : "=m"(*(__rwkv_bench_tilecfg *)__config));
+}
+static __inline void __attribute__((__always_inline__)) _tile_release(void) { __asm__ volatile("tilerelease" ::); }
+#define _tile_loadd(dst, base, stride) _tile_loadd_x(dst, base, stride)
+#define _tile_loadd_x(dst, base, stride) \\
+  __asm__ volatile("{tileloadd\\t(%0,%1,1), %%tmm" #dst "|tileloadd\\t%%tmm" #dst ", [%0+%1*1]}" \\
+                   ::"r"((const void *)(base)), "r"((long)(stride)) : "memory")
+#define _tile_stream_loadd(dst, base, stride) _tile_stream_loadd_x(dst, base, stride)
+#define _tile_stream_loadd_x(dst, base, stride) \\
+  __asm__ volatile("{tileloaddt1\\t(%0,%1,1), %%tmm" #dst "|tileloaddt1\\t%%tmm" #dst ", [%0+%1*1]}" \\
+                   ::"r"((const void *)(base)), "r"((long)(stride)) : "memory")
+#define _tile_stored(src, base, stride) _tile_stored_x(src, base, stride)
+#define _tile_stored_x(src, base, stride) \\
+  __asm__ volatile("{tilestored\\t%%tmm" #src ", (%0,%1,1)|tilestored\\t[%0+%1*1], %%tmm" #src "}" \\
+                   ::"r"((void *)(base)), "r"((long)(stride)) : "memory")
+#define _tile_zero(dst) _tile_zero_x(dst)
+#define _tile_zero_x(dst) __asm__ volatile("tilezero\\t%%tmm" #dst ::)
+#endif
+#ifdef __RWKV_BENCH_AMX_TILE_OFF__
+#undef __RWKV_BENCH_AMX_TILE_OFF__
+#pragma GCC pop_options
+#endif
+#endif
+"""
+
+
+def amx_header_fix(tree: Path, cpu_flags: list[str]) -> str:
+    """Compiler flags that put AMX_TILE_HEADER first on the include path, where the compiler is
+    GCC 12 and the CPU has AMX ('' elsewhere)."""
+    if "amx_tile" not in cpu_flags:
+        return ""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    try:
+        out = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True).stdout if cc else ""
+        if "clang" in subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.lower():
+            return ""
+    except OSError:
+        return ""
+    if not out.startswith("12."):
+        return ""
+    fix = tree / "rwkv-engine-amx-fix"
+    fix.mkdir(exist_ok=True)
+    (fix / "amxtileintrin.h").write_text(AMX_TILE_HEADER)
+    log_step(f"GCC {out.strip()} on an AMX CPU: building llama.cpp with a fixed <amxtileintrin.h> ({fix})")
+    return f"-I{fix}"
+
+
 def build_llama(tree: Path, jobs: int, targets: tuple[str, ...] = ("llama-bench", "llama-quantize")) -> Path:
     """`targets` (llama-bench, llama-quantize, llama-server for bench_server.py --peer) built in
     tree/build for this CPU (GGML_NATIVE); the directory of the binaries. A build made on a CPU
@@ -258,6 +329,9 @@ def build_llama(tree: Path, jobs: int, targets: tuple[str, ...] = ("llama-bench"
     build = tree / "build"
     stamp = build / "rwkv-engine-cpu-flags.txt"
     flags = " ".join(cpu_summary(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")[1])
+    extra = amx_header_fix(tree, flags.split())
+    if extra:
+        flags += " +amx-header-fix"
     if stamp.exists() and stamp.read_text() != flags:
         log_step("the llama.cpp build was made for another CPU: building it again ...")
         shutil.rmtree(build)
@@ -282,6 +356,7 @@ def build_llama(tree: Path, jobs: int, targets: tuple[str, ...] = ("llama-bench"
                 "-DGGML_CUDA=OFF",
                 "-DGGML_VULKAN=OFF",
                 "-DGGML_METAL=OFF",
+                *([f"-DCMAKE_C_FLAGS={extra}", f"-DCMAKE_CXX_FLAGS={extra}"] if extra else []),
             ],
             "cmake configure of llama.cpp",
             log=tree / "cmake-configure.log",

@@ -125,7 +125,13 @@ inline void dpbf16() {
 #elif defined(__x86_64__) && !defined(RWKV_NO_AMX)
 #define RWKV_AMX_HW 1
 #define RWKV_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-RWKV_AMX_TARGET inline void load_config(const TileConfig* c) { _tile_loadconfig(c); }
+// GCC 12's <amxtileintrin.h> declares that ldtilecfg reads 8 of the configuration's 64 bytes and
+// that tileloadd reads no memory (GCC 13 fixed it): the compiler barriers keep every store to the
+// configuration and to a tile's memory before the instruction that reads it.
+RWKV_AMX_TARGET inline void load_config(const TileConfig* c) {
+  __asm__ volatile("" ::: "memory");
+  _tile_loadconfig(c);
+}
 RWKV_AMX_TARGET inline void release() { _tile_release(); }
 // GCC's tile intrinsics are macros that paste the tile number into the instruction: one
 // specialization per tile in use.
@@ -135,7 +141,10 @@ template <int T> void store(void* p, int64_t stride);
 template <int C, int A, int B> void dpbf16();
 #define RWKV_AMX_TILE(T)                                                                                      \
   template <> RWKV_AMX_TARGET inline void zero<T>() { _tile_zero(T); }                                       \
-  template <> RWKV_AMX_TARGET inline void load<T>(const void* p, int64_t stride) { _tile_loadd(T, p, stride); } \
+  template <> RWKV_AMX_TARGET inline void load<T>(const void* p, int64_t stride) {                              \
+    __asm__ volatile("" ::: "memory");                                                                        \
+    _tile_loadd(T, p, stride);                                                                                \
+  }                                                                                                           \
   template <> RWKV_AMX_TARGET inline void store<T>(void* p, int64_t stride) { _tile_stored(T, p, stride); }
 RWKV_AMX_TILE(0)
 RWKV_AMX_TILE(1)

@@ -376,7 +376,10 @@ async def mixed_round(url: str, bodies: list[dict], c: int) -> list[dict]:
         for i in order:
             results[i] = await timed_stream(http, bodies[i])
 
-    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    # A fresh connection per request: a kept-alive one that a server closed meanwhile (llama-server
+    # does, between a round's requests) fails the next request with "Server disconnected without
+    # sending a response". A loopback connect costs every server the same fraction of a millisecond.
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         await asyncio.gather(*(client(http) for _ in range(c)))
     return results

@@ -23,6 +23,10 @@ def build(config: Config, progress: bool | None = None):
 
     model, tokenizer = config.model.load(progress)
     template = config.chat.resolve(model, config.model.model, log=_log(config.engine.name))
+    if template is not None:
+        from ..templates import check
+
+        check(template)  # compiled now (tens of ms), not in the first chat request's time
     reranker = None
     if config.engine.reranker is not None:
         from ..embedding import DEFAULT_INSTRUCTION, load_reranker

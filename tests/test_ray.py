@@ -261,6 +261,10 @@ def test_rerank_through_ray_equals_the_servers_and_hits_the_cache(emb_app, emb_f
     m = _metrics(emb_app)
     affinity = {k: v - before.get(k, 0) for k, v in m.items() if 'route="affinity"' in k}
     assert max(affinity.values()) == 3, affinity  # all three on one replica
+    deadline = time.monotonic() + 30  # replicas publish their metrics every PUSH_SECONDS
+    while m["rwkv_engine_replicas"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        m = _metrics(emb_app)
     assert m["rwkv_engine_replicas"] == 2  # this application's replicas only
 
     emb = openai.OpenAI(base_url=emb_app + "/v1", api_key="unused", max_retries=0, timeout=120)

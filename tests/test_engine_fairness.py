@@ -443,6 +443,11 @@ def test_prefill_pace_budget():
     off.prefilled(100, 0.5)
     off.decoded(1e-3)
     assert off.budget(decoding=True) == 256
+    # embedding / rerank jobs alone, nothing decoding: half a chunk a turn (a chat arriving waits
+    # for less), at least the floor; with the budget off, the chunk
+    assert pace.budget(decoding=False, jobs_only=True) == 128
+    assert small.budget(decoding=False, jobs_only=True) == 16
+    assert off.budget(decoding=False, jobs_only=True) == 256
 
 
 @pytest.mark.parametrize("share", [-1, float("nan"), float("inf"), "1", True])

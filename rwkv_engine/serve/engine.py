@@ -420,7 +420,8 @@ class Engine:
         piece and the decode step's passes run as one forward under one token budget.)"""
         if self._prefilling:
             t0 = self.clock()
-            self.budget = self.pace.budget(decoding=bool(self._batch.rows))
+            jobs_only = all(isinstance(w, InputsPrefill) for w in self._prefilling)
+            self.budget = self.pace.budget(decoding=bool(self._batch.rows), jobs_only=jobs_only)
             read = self._prefill(self.budget)
             seconds = self.clock() - t0
             self.pace.prefilled(read, seconds)

@@ -351,7 +351,9 @@ class TimedLog(PassLog):
 def mixed_turns(model, tok, config: EngineConfig, prompts, params):
     """Drive a SteppedEngine on a TimedLog of `model` through `prompts` (2 arriving per turn).
     Returns (per turn: (prompt tokens read, streams decoding at its start, the budget gauge after
-    it)), texts by request)."""
+    it, prompts waiting for their first token at its start)), texts by request)."""
+    from rwkv_engine.serve.work import InputsPrefill
+
     log = TimedLog(model)
     engine = SteppedEngine(log, tok, config)
     engine.clock = lambda: log.now
@@ -373,9 +375,10 @@ def mixed_turns(model, tok, config: EngineConfig, prompts, params):
             if i < len(prompts):
                 engine.submit(Request(list(prompts[i]), params), sink_for(i))
         before, decoding = len(log.log), len(engine._batch.rows)
+        waiting = sum(not isinstance(w, InputsPrefill) for w in engine._prefilling) + len(engine._waiting)
         engine.turn()
         read = sum(n for kind, n in log.log[before:] if kind == "prefill")
-        turns.append((read, decoding, engine.gauges()["prefill_budget_tokens"]))
+        turns.append((read, decoding, engine.gauges()["prefill_budget_tokens"], waiting))
         if len(finished) == len(prompts):
             break
     assert len(finished) == len(prompts)
@@ -386,9 +389,10 @@ def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_a
     """Issue 38 item 2, the time-aware budget, on a fake clock (so counted, not timed): prompts
     cost TOKEN a token, a decode step STEP. While streams decode, a turn reads at most
     prefill_share x STEP / TOKEN = 48 tokens (a stream waits about 1 + 4 decode steps between
-    two tokens, not a whole chunk); while none decodes, up to the whole chunk of 128. With the
-    share 0 (the budget off) turns with streams decoding read whole chunks again. Either way
-    every request gets the text `generate` gives it alone."""
+    two tokens, not a whole chunk), times prompts waiting / rows decoding where more prompts
+    wait than rows decode; while none decodes, up to the whole chunk of 128. With the share 0
+    (the budget off) turns with streams decoding read whole chunks again. Either way every
+    request gets the text `generate` gives it alone."""
     import random
 
     model, tok = model_and_tokenizer
@@ -399,15 +403,21 @@ def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_a
     assert budget == 48
     config = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=share)
     turns, texts = mixed_turns(model, tok, config, prompts, greedy)
-    assert max(read for read, decoding, _ in turns if decoding) <= budget, turns
-    assert sum(1 for read, decoding, _ in turns if read and decoding) >= 10  # the load was mixed
-    assert all(gauge == budget for read, decoding, gauge in turns if read and decoding)
-    assert max(read for read, decoding, _ in turns if not decoding) > budget  # the whole chunk when free
-    assert max(read for read, _, _ in turns) <= chunk
-    assert sum(read for read, _, _ in turns) == sum(map(len, prompts))
+
+    def turn_budget(decoding, waiting):
+        return min(chunk, int(budget * max(1.0, waiting / decoding)))
+
+    assert all(read <= turn_budget(d, w) for read, d, _, w in turns if d), turns
+    assert sum(1 for read, d, _, w in turns if read and d and w <= d) >= 5  # the load was mixed
+    assert sum(1 for read, d, _, w in turns if read and d and w > d) >= 5  # and prompts queued
+    assert all(gauge == turn_budget(d, w) for read, d, gauge, w in turns if read and d)
+    assert max(read for read, d, _, w in turns if d and w <= d) <= budget
+    assert max(read for read, d, _, _ in turns if not d) > budget  # the whole chunk when free
+    assert max(read for read, _, _, _ in turns) <= chunk
+    assert sum(read for read, _, _, _ in turns) == sum(map(len, prompts))
     off = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=0)
     off_turns, off_texts = mixed_turns(model, tok, off, prompts, greedy)
-    assert max(read for read, decoding, _ in off_turns if decoding) > budget
+    assert max(read for read, decoding, _, _ in off_turns if decoding) > budget
     assert off_texts == texts
     for i, ids in enumerate(prompts):
         alone = "".join(rwkv_engine.generate(model, tok, ids, greedy))
@@ -416,8 +426,9 @@ def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_a
 
 def test_prefill_pace_budget():
     """`PrefillPace.budget`: the whole chunk while no stream decodes, with the share 0, or before
-    both times are measured; else share x step / token seconds, at least 32 (one WKV chunk, or
-    the chunk if smaller), at most the chunk; the estimates follow what is measured."""
+    both times are measured; else share x step / token seconds (the share times prompts waiting /
+    rows decoding where more prompts wait), at least 32 (one WKV chunk, or the chunk if smaller),
+    at most the chunk; the estimates follow what is measured."""
     from rwkv_engine.serve.pace import PrefillPace
 
     pace = PrefillPace(chunk=256, share=1.0, smoothing=0.5)
@@ -428,6 +439,9 @@ def test_prefill_pace_budget():
     assert pace.budget(decoding=True) == 80 and pace.budget(decoding=False) == 256
     pace.decoded(0.2)  # the step estimate moves half way: 0.3 s
     assert pace.budget(decoding=True) == 60
+    # prompts waiting weigh as much as rows decoding: 8 prompts, 4 rows: twice the share
+    assert pace.budget(decoding=4, prompts=8) == 120 and pace.budget(decoding=4, prompts=3) == 60
+    assert pace.budget(decoding=1, prompts=64) == 256  # still at most the chunk
     pace.prefilled(0, 1.0)  # a turn that read nothing measures nothing
     assert pace.budget(decoding=True) == 60
     pace.decoded(0.01)

@@ -7,16 +7,18 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
    requests while fewer than `max_batch` prompts are being read or wait for their first row;
 2. prefills `Prefill` work (work.py) under the turn's token budget (`PrefillPace`, pace.py):
    `prefill_chunk` tokens while no row decodes; while rows decode, about `prefill_share` times
-   a decode step's time worth of tokens (measured as the engine runs; at least one 32-token
-   piece, at most `prefill_chunk`), so the streams' tokens come at an even pace while new
-   prompts are read. Round-robin (`_prefill`): the next piece of the first, cut to the budget
-   left, which then goes to the back of the line, then (if the budget is not spent) of the
-   next one; a piece that does not fit waits for the next turn. The work is a request's prompt,
-   or a speculating row's draft model reading what it has not read (its prompt, or what it
-   missed while drafting paused); embedding and rerank work (below) comes after them. So a
-   short prompt that arrives while a long one is being read waits for about one piece of it,
-   not for the whole of it. A prompt is read without holding batch rows: a long one, or an
-   echo that only scores its prompt, keeps no other request from starting;
+   a decode step's time worth of tokens, times prompts waiting / rows decoding where more
+   prompts wait (measured as the engine runs; at least one 32-token piece, at most
+   `prefill_chunk`), so the streams' tokens come at an even pace while new prompts are read.
+   Shortest first (`_prefill`, `_urgency`): the next piece of the prompt with the fewest tokens
+   left (less a credit for the time it waited), cut to the budget left, then (if the budget is
+   not spent) of the next one; a piece that does not fit waits for the next turn. The work is a
+   request's prompt, or a speculating row's draft model reading what it has not read (its
+   prompt, or what it missed while drafting paused: first); embedding and rerank work (below)
+   comes after them. So a short prompt that arrives while a long one is being read waits for
+   about one piece of it, not for the whole of it, and a burst of prompts gets its first tokens
+   one prompt after another, not all at the end. A prompt is read without holding batch rows: a
+   long one, or an echo that only scores its prompt, keeps no other request from starting;
 3. starts choices of requests whose prompt is read on the free batch rows (`_start_choices`):
    each samples its first token from the prompt's last logits and joins the decoding batch (one
    `State` [B, ...]). A request holds at most `rows_per_request` rows (half the batch) at once,
@@ -186,7 +188,7 @@ class Engine:
         self._stopping = False
         self._live = 0  # guarded by _cond: requests submitted and not finished
         # Engine thread only (read by `gauges`, which only copies and counts): prefill work
-        # round-robin; requests whose prompt is read, with choices to start; rows with their first
+        # in line (`_next_work` picks); requests whose prompt is read, with choices to start; rows with their first
         # token, to join the batch this turn (with the state they start from); the decoding rows.
         self._prefilling: deque[Prefill] = deque()
         self._starting: deque[Group] = deque()
@@ -196,6 +198,7 @@ class Engine:
         self.budget = self.config.prefill_chunk  # the last turn's prefill budget (a gauge)
         self.clock = device_clock(model.device)  # what a turn's work is timed by (a test may give a fake one)
         self._reading = 0  # requests admitted with no choice started (Group.reading)
+        self._prompt_tokens_read = 0  # by PromptPrefill work, ever (`_urgency`)
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._warm = False  # warmed up (see _warm_up)
@@ -421,7 +424,8 @@ class Engine:
         if self._prefilling:
             t0 = self.clock()
             jobs_only = all(isinstance(w, InputsPrefill) for w in self._prefilling)
-            self.budget = self.pace.budget(decoding=bool(self._batch.rows), jobs_only=jobs_only)
+            prompts = sum(not isinstance(w, InputsPrefill) for w in self._prefilling) + len(self._waiting)
+            self.budget = self.pace.budget(len(self._batch.rows), jobs_only=jobs_only, prompts=prompts)
             read = self._prefill(self.budget)
             seconds = self.clock() - t0
             self.pace.prefilled(read, seconds)
@@ -460,7 +464,9 @@ class Engine:
             if isinstance(group, InputsPrefill):
                 self._prefilling.append(group)
                 continue
-            self._prefilling.append(PromptPrefill(group, self.model, self.cache, self.metrics))
+            work = PromptPrefill(group, self.model, self.cache, self.metrics)
+            work.arrival = self._prompt_tokens_read
+            self._prefilling.append(work)
             self.metrics.inc("prompt_tokens_total", len(group.request.prompt_ids))
 
     def _drop_cancelled(self) -> None:
@@ -483,9 +489,9 @@ class Engine:
     def _prefill(self, budget: int) -> int:
         """Pieces of the prefill work while `budget` tokens are left; returns the tokens read.
 
-        Round-robin: the next work's next piece, cut to the budget left, after which the work
-        goes to the back of the line; a piece that does not fit in what is left waits, in its
-        place in line, for the next turn, and the next work's piece is tried. So a turn reads at
+        The next work's (`_next_work`) next piece, cut to the budget left, after which the work
+        goes to the back of the line (the order among equals); a piece that does not fit in what
+        is left waits for the next turn, and the next work's piece is tried. So a turn reads at
         most `budget` tokens (a turn's first piece always runs, whole if nothing shorter is
         allowed, `prefill_piece_end`: it may pass a budget of at least min(chunk, 32) by up to
         GEMV_MAX_ROWS tokens). Prompts (and drafts) go before inputs work (embeddings, rerank),
@@ -516,6 +522,8 @@ class Engine:
                     continue
                 read.append(work)
                 left -= max(1, n)
+                if isinstance(work, PromptPrefill):
+                    self._prompt_tokens_read += n
             self._prefilling.remove(work)
             if not work.done:
                 self._prefilling.append(work)  # to the back of the line
@@ -530,11 +538,28 @@ class Engine:
         return budget - left
 
     def _next_work(self, tried: list[Prefill]) -> Prefill | None:
-        """The prefill work whose piece comes next (not one of `tried`): the first prompt or
-        draft in line, or an inputs work that read nothing last turn; else the first inputs work."""
+        """The prefill work whose piece comes next (not one of `tried`): an inputs work that read
+        nothing last turn; else the prompt or draft that comes first by `_urgency`; else the first
+        inputs work."""
         line = [w for w in self._prefilling if w not in tried]
-        first = next((w for w in line if not isinstance(w, InputsPrefill) or w.starved), None)
-        return first if first is not None else (line[0] if line else None)
+        starved = next((w for w in line if isinstance(w, InputsPrefill) and w.starved), None)
+        if starved is not None:
+            return starved
+        prompts = [w for w in line if not isinstance(w, InputsPrefill)]
+        if prompts:
+            return min(prompts, key=self._urgency)  # the first in line of equals
+        return line[0] if line else None
+
+    def _urgency(self, work: Prefill) -> float:
+        """Which prompt is read first (the least): the one with the fewest tokens left to read,
+        less half of what the other prompts read while it waited. Shortest first gives the most
+        first tokens soonest (a short prompt waits for at most the piece in flight); the credit
+        for waiting bounds how long a long prompt can be passed over: after its own length read
+        twice over by others, nothing that arrives later goes before it. A draft catching up goes
+        first (its row decodes without drafts meanwhile)."""
+        if not isinstance(work, PromptPrefill):
+            return float("-inf")
+        return len(work.ids) - work.pos - (self._prompt_tokens_read - work.arrival) / 2
 
     def _prefilled(self, work: Prefill) -> None:
         """What follows a finished piece of prefill work: a request's prompt read starts its

@@ -10,6 +10,13 @@ model and machine, instead of one decode step plus a whole chunk (issue 38: on a
 two cores, inter-token latency p99 1402 ms against a p50 of 45 ms). This is the scheduler half of vLLM's and
 SGLang's chunked prefill, whose per-step token budget is fixed: here it is a time, measured.
 
+A prompt waiting for its first token weighs as much as a stream waiting for its next one: while
+more prompts are being read than rows decode, the share is multiplied by prompts / rows (still at
+most the chunk). Without that, a burst of prompts (64 clients at once) was read at one decode
+step's worth a turn while a few rows decoded: the queue drained slowly, in short, costly pieces
+(a 32-token piece of the 0.1B model costs about as much as 128 tokens read at once), and the last
+first token came after 116 s against llama-server's 18 s (issue 38, 0.1B, 64 streams).
+
 Both times are running estimates (exponential moving averages) of what the engine measured:
 every turn's prefill seconds per token read, every decode step's seconds. Until both have been
 measured the budget is the whole chunk, as it is with `share` 0 (the budget off).
@@ -49,8 +56,9 @@ class PrefillPace:
         self.token_seconds: float | None = None  # prefill seconds per token
         self.step_seconds: float | None = None  # seconds of a decode step
 
-    def budget(self, decoding: bool, jobs_only: bool = False) -> int:
-        """The prompt tokens this turn may prefill; `decoding`: rows wait for this turn's decode step;
+    def budget(self, decoding: int, jobs_only: bool = False, prompts: int = 0) -> int:
+        """The prompt tokens this turn may prefill; `decoding`: the rows that wait for this turn's
+        decode step; `prompts`: the prompts waiting for their first token (being read or queued);
         `jobs_only`: the only prefill work is embedding / rerank jobs. With nothing decoding, a
         turn of jobs alone gets half the chunk: a chat that arrives meanwhile waits for the turn
         in flight (issue 37: 8 chats' first token during a 1000-text job was 2.08x of alone on a
@@ -61,7 +69,8 @@ class PrefillPace:
             return max(self.floor, self.chunk // 2)
         if not decoding or self.token_seconds is None or self.step_seconds is None:
             return self.chunk
-        tokens = self.share * self.step_seconds / self.token_seconds
+        share = self.share * max(1.0, prompts / decoding)
+        tokens = share * self.step_seconds / self.token_seconds
         return max(self.floor, min(self.chunk, int(tokens)))
 
     def prefilled(self, tokens: int, seconds: float) -> None:

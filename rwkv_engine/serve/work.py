@@ -143,10 +143,10 @@ class Group:
 
 
 class Prefill:
-    """A prompt the scheduler reads in pieces, round-robin with the others: `step` reads the next
-    piece (at most `chunk` tokens, and at most `budget`, what is left of the turn's prefill
-    budget) and returns how many tokens it read, 0 when no piece fits in the budget; `done` once
-    all are read. The engine's prefill budget counts those tokens (Engine._prefill)."""
+    """A prompt the scheduler reads in pieces, in the order the engine picks (shortest first):
+    `step` reads the next piece (at most `chunk` tokens, and at most `budget`, what is left of the
+    turn's prefill budget) and returns how many tokens it read, 0 when no piece fits in the
+    budget; `done` once all are read. The engine's prefill budget counts those tokens (Engine._prefill)."""
 
     done = False
     rows: list[Row] = []  # what fails when a step fails
@@ -176,6 +176,7 @@ class PromptPrefill(Prefill):
         self.logits: torch.Tensor | None = None
         self.echo_logprobs = req.echo and req.logprobs is not None
         self.prompt_logprobs: list[TokenLogprob] = []
+        self.arrival = 0  # the engine's count of prompt tokens read when this one was admitted
 
     @property
     def done(self) -> bool:

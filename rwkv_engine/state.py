@@ -115,12 +115,14 @@ class State:
             and all(torch.allclose(v, other._tensors[k], rtol=rtol, atol=atol) for k, v in self._tensors.items())
         )
 
-    def check_usable(self, model, batch_size: int | None = 1) -> None:
+    def check_usable(self, model, batch_size: int | None = 1, probe: bool = True) -> None:
         """StateError unless this state can start sequences of `model`: its signature, its batch
         size (None: any), the layout of `model.new_state` (field names, shapes, dtypes), finite
-        values, and a model output from it that is finite (`_probe`). For a state from a file
-        (a server's --state-dir, a saved chat, --state FILE): a wrong shape, a NaN or a value too
-        large for the model's arithmetic would fail (or poison) the first forward instead."""
+        values, and (`probe`) a model output from it that is finite (`_probe`). For a state from a
+        file (a server's --state-dir, a saved chat, --state FILE): a wrong shape, a NaN or a value
+        too large for the model's arithmetic would fail (or poison) the first forward instead.
+        Without `probe`: a state this model computed, whose bytes are known to be unchanged (the
+        server's --state-store files carry a checksum and the model's key)."""
         if self.signature != model.config.state_signature():
             raise StateError(f"the state belongs to another model ({self.signature})")
         if batch_size is not None and self.batch_size != batch_size:
@@ -131,7 +133,8 @@ class State:
             raise StateError("the state does not have the fields, shapes and dtypes of this model's state")
         if not all(bool(t.isfinite().all()) for t in self._tensors.values()):
             raise StateError("the state holds NaN or infinite values")
-        self._probe(model)
+        if probe:
+            self._probe(model)
 
     def _probe(self, model) -> None:
         """StateError unless the model's forward from this state stays finite.

@@ -20,6 +20,7 @@ import torch
 import rwkv_engine
 from rwkv_engine.kernels.native import GEMV_MAX_ROWS
 from rwkv_engine.serve.state_store import StateStore, model_key
+from rwkv_engine.state import State
 from rwkv_engine.testing import random_state_dict, save_pth
 
 httpx = pytest.importorskip("httpx")
@@ -110,6 +111,32 @@ def test_bad_files_are_skipped_with_one_warning_never_served(paths, model, tmp_p
     for why in ("not a readable safetensors file", "do not match their checksum", "another prompt", "another model"):
         assert why in err, err
     assert store.counts["skipped"] == 6 and store.counts["hits"] == 1
+    store.close()
+
+
+def test_the_servers_store_reads_a_state_without_a_forward(model, tmp_path, monkeypatch):
+    """The engine's store checks a file's layout and values, not the model's output from it (a
+    17-token forward with all logits, most of a restored first token's extra time: issue 38's
+    1.2x); a NaN in a file with a valid checksum is still never served."""
+    from rwkv_engine.serve.engine import Engine
+    from rwkv_engine.settings import EngineConfig
+
+    engine = Engine(model, rwkv_engine.WorldTokenizer(), EngineConfig(state_store=str(tmp_path)))
+    store = engine.cache.store
+    ids = list(range(1, 40))
+    state = after(model, ids)
+    bad = State({k: t.clone() for k, t in state.items()}, state.signature)
+    next(t for _, t in bad.items() if t.is_floating_point()).view(-1)[0] = float("nan")
+    store.put("", ids, state)
+    store.put("", ids[:-1], bad)
+    store.flush()
+
+    def no_forward(*args, **kw):
+        raise AssertionError("the store ran the model")
+
+    monkeypatch.setattr(model, "forward", no_forward)
+    assert same(store.get("", ids), state)
+    assert store.get("", ids[:-1]) is None and store.counts["skipped"] == 1
     store.close()
 
 

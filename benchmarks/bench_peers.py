@@ -34,6 +34,11 @@ fresh memory read at 33-68 GB/s from one process to the next (and alike within a
 a file in the page cache keeps the memory it was read into. llama.cpp maps the GGUF by default, so
 its decode is steady from run to run and ours is not; `--llama-load-mode none` makes llama-bench
 read the model into fresh memory too, and the lines after the table show each of our runs' probe.
+
+`--isa avx2` runs both sides as on an AVX2-only CPU: ours with RWKV_ENGINE_ISA=avx2 (the native
+kernels' AVX2 build), llama.cpp from a second build (tree/build-avx2: GGML_NATIVE off, so AVX,
+AVX2, FMA, F16C, BMI2 and nothing of AVX-512 or AMX). On an AVX-512 machine that is the check of
+the AVX2 code paths at their own speed, without an AVX2 machine.
 """
 
 from __future__ import annotations
@@ -321,15 +326,18 @@ def amx_header_fix(tree: Path, cpu_flags: list[str]) -> str:
     return f"-I{fix}"
 
 
-def build_llama(tree: Path, jobs: int, targets: tuple[str, ...] = ("llama-bench", "llama-quantize")) -> Path:
+def build_llama(
+    tree: Path, jobs: int, targets: tuple[str, ...] = ("llama-bench", "llama-quantize"), isa: str = "native"
+) -> Path:
     """`targets` (llama-bench, llama-quantize, llama-server for bench_server.py --peer) built in
-    tree/build for this CPU (GGML_NATIVE); the directory of the binaries. A build made on a CPU
-    with other flags is thrown away and made anew; one configured without the server is
-    configured again (cmake keeps what it built)."""
-    build = tree / "build"
+    tree/build for this CPU (GGML_NATIVE), or with isa "avx2" in tree/build-avx2 for any AVX2 CPU
+    (GGML_NATIVE off: ggml's x86 defaults, AVX2 and no AVX-512); the directory of the binaries. A
+    build made on a CPU with other flags is thrown away and made anew; one configured without
+    the server is configured again (cmake keeps what it built)."""
+    build = tree / ("build" if isa == "native" else f"build-{isa}")
     stamp = build / "rwkv-engine-cpu-flags.txt"
     flags = " ".join(cpu_summary(Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "")[1])
-    extra = amx_header_fix(tree, flags.split())
+    extra = amx_header_fix(tree, flags.split()) if isa == "native" else ""
     if extra:
         flags += " +amx-header-fix"
     if stamp.exists() and stamp.read_text() != flags:
@@ -346,7 +354,7 @@ def build_llama(tree: Path, jobs: int, targets: tuple[str, ...] = ("llama-bench"
                 "-B",
                 build,
                 "-DCMAKE_BUILD_TYPE=Release",
-                "-DGGML_NATIVE=ON",
+                f"-DGGML_NATIVE={'ON' if isa == 'native' else 'OFF'}",
                 "-DLLAMA_OPENSSL=OFF",
                 "-DBUILD_SHARED_LIBS=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF",
@@ -429,7 +437,8 @@ def run_ours(model: Path, args) -> dict:
     if model.suffix == ".pth":
         cmd += ["--dtype", "bf16"]
     # `python -m` puts the working directory first on sys.path: the tree of this script is measured.
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    env = os.environ | ({"RWKV_ENGINE_ISA": args.isa} if args.isa != "native" else {})
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -515,6 +524,12 @@ def main() -> None:
         "or none (read into memory allocated per run, as ours are)",
     )
     ap.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 2), help="build jobs (default: %(default)s)")
+    ap.add_argument(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="native: each side's best for this CPU; avx2: both limited to AVX2 (see above)",
+    )
     args = ap.parse_args()
     if args.small:
         args.shape, args.prompt_len, args.decode = "0.1B", 128, 16
@@ -526,7 +541,7 @@ def main() -> None:
         return
 
     tree = llama_tree(args.cache)
-    bins = build_llama(tree, args.jobs)
+    bins = build_llama(tree, args.jobs, isa=args.isa)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / f"rwkv7-{args.shape}-bf16.pth"
@@ -558,7 +573,8 @@ def main() -> None:
     our_runs = [r for label, rs in runs.items() if label.startswith("rwkv-engine") for r in rs]
     commit = llama_runs[0]["build_commit"] if llama_runs else "?"  # "unknown": the sdist carries no git history
     L, C, V = SHAPES[args.shape]
-    print(f"\nCPU: {model_name}; ISA: {' '.join(isa) or '?'}; {args.threads} threads")
+    limit = "" if args.isa == "native" else f" (both sides limited to {args.isa}: --isa)"
+    print(f"\nCPU: {model_name}; ISA: {' '.join(isa) or '?'}{limit}; {args.threads} threads")
     print(
         f"rwkv-engine {our_version()}"
         + (f" (native level {our_runs[0]['isa']})" if our_runs and "isa" in our_runs[0] else "")

@@ -164,6 +164,11 @@ def test_dtype_auto_for_quantized_models_follows_the_device(tiny, monkeypatch):
     assert rwkv_engine.load(tiny["bf16"]).dtype == torch.bfloat16
     assert linear.compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16  # CUDA: the 16-bit type itself
     assert linear.compute_dtype(torch.float16, "cuda") == torch.float16
+    # RWKV_ENGINE_ISA=avx2 runs as on an AVX2-only CPU, whatever the flags say (bench_peers --isa avx2)
+    monkeypatch.setattr(linear, "_CPU_FLAGS", {"_is_avx512_bf16_supported": True, "_is_amx_tile_supported": True})
+    assert linear.compute_dtype(torch.bfloat16) == torch.bfloat16
+    monkeypatch.setenv("RWKV_ENGINE_ISA", "avx2")
+    assert linear.compute_dtype(torch.bfloat16) == torch.float32
 
 
 def _cli(*args, **kw):

@@ -75,7 +75,13 @@ _CPU_FLAGS: dict[str, bool] = {}
 
 
 def _cpu_has(*checks: str) -> bool:
-    """Whether any of torch.cpu's `_is_..._supported()` checks is true (cached)."""
+    """Whether any of torch.cpu's `_is_..._supported()` checks is true (cached); none is where
+    RWKV_ENGINE_ISA=avx2 runs the process as on an AVX2-only CPU (kernels/native: A/B runs of
+    the AVX2 paths on an AVX-512 machine, bench_peers.py --isa avx2)."""
+    import os
+
+    if os.environ.get("RWKV_ENGINE_ISA") == "avx2":
+        return False
     for name in checks:
         if name not in _CPU_FLAGS:
             _CPU_FLAGS[name] = bool(getattr(torch.cpu, name, lambda: False)())

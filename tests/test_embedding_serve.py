@@ -260,8 +260,8 @@ def test_rerank_needs_a_reranker(local):
 
 
 class LogModel:
-    """The model, logging each turn's work: ("prompt", tokens) for a prompt piece (`forward` of
-    a list of ids), ("embed", rows x positions) for an embedding piece (`prefill` of [B, T])."""
+    """The model, logging each turn's work: ("prompt", tokens) for a prompt piece (a list of ids),
+    ("embed", rows x positions) for an embedding piece (`prefill` of [B, T])."""
 
     def __init__(self, model):
         self._model, self.log = model, []
@@ -274,8 +274,8 @@ class LogModel:
             self.log.append(("prompt", len(tokens)))
         return self._model.forward(tokens, *args, **kw)
 
-    def prefill(self, ids, *args, **kw):
-        self.log.append(("embed", ids.numel()))
+    def prefill(self, ids, *args, **kw):  # a list of ids: a prompt piece whose logits nobody reads
+        self.log.append(("prompt", len(ids)) if isinstance(ids, list) else ("embed", ids.numel()))
         return self._model.prefill(ids, *args, **kw)
 
 

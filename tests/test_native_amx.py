@@ -75,10 +75,15 @@ def test_amx_tiles_on_this_cpu_match_the_vector_kernel():
 
 def test_amx_options_are_build_flags():
     assert native.tuning_flags("int256+amx_emulate") == ("-DRWKV_AMX_EMULATE",)
-    assert native.tuning_flags("int512+no_amx") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512", "-DRWKV_NO_AMX")
+    assert native.tuning_flags("int512+no_amx") == (
+        "-DRWKV_INT8_512",
+        "-DRWKV_INT4_512",
+        "-DRWKV_KQ_512",
+        "-DRWKV_NO_AMX",
+    )
     # AMX is opt-in: a default build has no tile path, '+amx' adds it
-    assert native.tuning_flags("int512") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512", "-DRWKV_NO_AMX")
-    assert native.tuning_flags("int512+amx") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512")
+    assert native.tuning_flags("int512") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512", "-DRWKV_KQ_512", "-DRWKV_NO_AMX")
+    assert native.tuning_flags("int512+amx") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512", "-DRWKV_KQ_512")
     assert native.parse_spec("avx512_bf16/+no_amx")[1] == native.tuning("avx512_bf16") + "+no_amx"
     with pytest.raises(ValueError):
         native.tuning_flags("int256+amx_magic")

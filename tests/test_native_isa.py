@@ -165,7 +165,12 @@ def test_tuning_follows_the_cpu_family():
     intel, zen4, zen5 = ("GenuineIntel", 6), ("AuthenticAMD", 25), ("AuthenticAMD", 26)
     assert [native.tuning("avx512_bf16", c) for c in (intel, zen4, zen5)] == ["int512", "int256", "int256"]
     assert native.tuning("avx2", intel) == "int256" and native.tuning("neon", intel) == ""
-    assert native.tuning_flags("int512") == ("-DRWKV_INT8_512", "-DRWKV_INT4_512", "-DRWKV_NO_AMX")  # AMX: opt-in
+    assert native.tuning_flags("int512") == (
+        "-DRWKV_INT8_512",
+        "-DRWKV_INT4_512",
+        "-DRWKV_KQ_512",
+        "-DRWKV_NO_AMX",
+    )  # AMX: opt-in
     lib = native.library_path("avx512_bf16/int8_512")
     assert lib.name.startswith("avx512_bf16_int8_512_") and lib != native.library_path("avx512_bf16/int256")
 

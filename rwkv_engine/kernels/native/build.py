@@ -23,7 +23,7 @@ ISA levels (`LEVELS`; each CPU runs the best one it supports):
              products; Apple M1, Graviton 2, Cortex-A55/A76 and later)
 
 Within a level, choices per CPU family are made at load from cpuid's vendor and family
-(`tuning`, `TUNINGS`): the AVX-512 levels build their int8 / int4 GEMVs on 512-bit vectors where
+(`tuning`, `TUNINGS`): the AVX-512 levels build their int8 / int4 / K-quant GEMVs on 512-bit vectors where
 the core runs 512-bit instructions at full width and it pays (Intel: "int512") and on 256-bit
 ones elsewhere ("int256": Zen 4 splits them, and on Zen 5 the 512-bit int8 GEMV lost at batch 1;
 docs/performance.md, kernel design choices). The same sources, compiled with the tuning's defines; `native.using("avx512_bf16/int256")` and
@@ -188,15 +188,15 @@ def cpu_family() -> tuple[str, int] | None:
 
 
 # Per-CPU-family choices within a level, made at load from cpuid (the same sources, compiled with
-# these defines; the library's name says which): the int8 / int4 GEMVs on 512-bit vectors (simd.h
-# v512) or 256-bit ones. Intel's AVX-512 cores run 512-bit instructions at full width: both at
-# 512 bits there. AMD Zen 5 (family 26) does too, but there the 512-bit int8 GEMV won at batch
+# these defines; the library's name says which): the int8 / int4 / K-quant GEMVs on 512-bit
+# vectors (simd.h v512) or 256-bit ones. Intel's AVX-512 cores run 512-bit instructions at full
+# width: all three at 512 bits there. AMD Zen 5 (family 26) does too, but there the 512-bit int8 GEMV won at batch
 # 4-8 and lost at batch 1, and the int4 one lost (docs/performance.md, kernel design choices); batch 1
 # decides: 256-bit, as on Zen 4 and older, which split 512-bit instructions (simd.h).
 TUNINGS = {
     "int256": (),
     "int8_512": ("-DRWKV_INT8_512",),
-    "int512": ("-DRWKV_INT8_512", "-DRWKV_INT4_512"),
+    "int512": ("-DRWKV_INT8_512", "-DRWKV_INT4_512", "-DRWKV_KQ_512"),
 }
 # Build options added to a tuning ('LEVEL/TUNING+OPTION'). The AMX tiles of amx.cpp are opt-in
 # ('+amx', e.g. native.using("avx512_bf16/+amx")) until they have run on AMX hardware: only

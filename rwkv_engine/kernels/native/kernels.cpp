@@ -794,7 +794,7 @@ inline float half_at(const uint8_t* p) {
   return half_to_float(h);
 }
 
-// A format: kBytes per block; pieces(blk, w): the 8 pieces of 32 codes in column order;
+// A format: kBytes per block; pieces(blk, w): the kq::kKqPieces pieces of codes in column order;
 // factors(blk, ws, wm): the groups' weight scales and code offsets in kq lanes; dequant(blk, out):
 // the 256 values as gguf.quants computes them in fp32 (the same operations, so the same bits).
 struct Q4KFormat {
@@ -803,15 +803,23 @@ struct Q4KFormat {
   static inline void pieces(const uint8_t* blk, kq::KP* w) {
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {  // 32 bytes: columns 64c + l (low nibbles), 64c + 32 + l (high)
+#if defined(RWKV_SIMD_KQ_512)
+      w[c] = kq::kq_bits<0>(kq::kq_shift_hi<4>(kq::kq_load_dup(blk + 16 + 32 * c)), 0x0F);
+#else
       const kq::KP v = kq::kq_load(blk + 16 + 32 * c);
       w[2 * c] = kq::kq_bits<0>(v, 0x0F), w[2 * c + 1] = kq::kq_bits<-4>(v, 0x0F);
+#endif
     }
   }
   static inline void factors(const uint8_t* blk, kq::F* ws, kq::F* wm) {
+#if defined(RWKV_SIMD_KQ_512)
+    kq::kq_head_k(blk, ws, wm);
+#else
     uint64_t sc, m;
     k_scales_mins(blk, sc, m);
     kq::kq_scale8(sc, half_at(blk), ws);
     kq::kq_scale8(m, -half_at(blk + 2), wm);  // -(dmin * m): the product's sign flipped, exactly
+#endif
   }
   static void dequant(const uint8_t* blk, float* out) {
     uint64_t sc, m;
@@ -834,6 +842,15 @@ struct Q5KFormat {
   static constexpr int64_t kBytes = 176;  // d, dmin, scales [12], qh [32], qs [128]
   static inline void pieces(const uint8_t* blk, kq::KP* w) {
     // the fifth bit of column 64c + l (+ 32) is bit 2c (2c + 1) of qh[l]
+#if defined(RWKV_SIMD_KQ_512)
+    // columns 64c + 32 + l in the high half, where qh is shifted down by one: bit 2c there too
+    const kq::KP qh = kq::kq_shift_hi<1>(kq::kq_load_dup(blk + 16));
+    const kq::KP h[4] = {kq::kq_bits<4>(qh, 0x10), kq::kq_bits<2>(qh, 0x10), kq::kq_bits<0>(qh, 0x10),
+                         kq::kq_bits<-2>(qh, 0x10)};
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      w[c] = kq::kq_or(kq::kq_bits<0>(kq::kq_shift_hi<4>(kq::kq_load_dup(blk + 48 + 32 * c)), 0x0F), h[c]);
+#else
     const kq::KP qh = kq::kq_load(blk + 16);
     const kq::KP h[8] = {kq::kq_bits<4>(qh, 0x10), kq::kq_bits<3>(qh, 0x10),  kq::kq_bits<2>(qh, 0x10),
                          kq::kq_bits<1>(qh, 0x10), kq::kq_bits<0>(qh, 0x10),  kq::kq_bits<-1>(qh, 0x10),
@@ -844,6 +861,7 @@ struct Q5KFormat {
       w[2 * c] = kq::kq_or(kq::kq_bits<0>(v, 0x0F), h[2 * c]);
       w[2 * c + 1] = kq::kq_or(kq::kq_bits<-4>(v, 0x0F), h[2 * c + 1]);
     }
+#endif
   }
   static inline void factors(const uint8_t* blk, kq::F* ws, kq::F* wm) { Q4KFormat::factors(blk, ws, wm); }
   static void dequant(const uint8_t* blk, float* out) {
@@ -873,12 +891,21 @@ struct Q6KFormat {
     // 2i + 1 of qh[l] for column 32i + l)
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
+#if defined(RWKV_SIMD_KQ_512)
+      // columns 128h + 0-63: the low nibbles of the 64 ql bytes, 64-127 their high nibbles; qh
+      // shifted down by two in the high half (columns + 32, + 96: bits 2-3, 6-7)
+      const kq::KP l = kq::kq_load(blk + 64 * h);
+      const kq::KP qh = kq::kq_shift_hi<2>(kq::kq_load_dup(blk + 128 + 32 * h));
+      w[2 * h] = kq::kq_or(kq::kq_bits<0>(l, 0x0F), kq::kq_bits<4>(qh, 0x30));
+      w[2 * h + 1] = kq::kq_or(kq::kq_bits<-4>(l, 0x0F), kq::kq_bits<0>(qh, 0x30));
+#else
       const kq::KP l0 = kq::kq_load(blk + 64 * h), l1 = kq::kq_load(blk + 64 * h + 32);
       const kq::KP qh = kq::kq_load(blk + 128 + 32 * h);
       w[4 * h] = kq::kq_or(kq::kq_bits<0>(l0, 0x0F), kq::kq_bits<4>(qh, 0x30));
       w[4 * h + 1] = kq::kq_or(kq::kq_bits<0>(l1, 0x0F), kq::kq_bits<2>(qh, 0x30));
       w[4 * h + 2] = kq::kq_or(kq::kq_bits<-4>(l0, 0x0F), kq::kq_bits<0>(qh, 0x30));
       w[4 * h + 3] = kq::kq_or(kq::kq_bits<-4>(l1, 0x0F), kq::kq_bits<-2>(qh, 0x30));
+#endif
     }
   }
   static inline void factors(const uint8_t* blk, kq::F* ws, kq::F* wm) {
@@ -931,7 +958,9 @@ struct KQuantKernel {
 
   int64_t steps() const { return K / 256; }
   int64_t row_bytes() const { return K / 256 * Fmt::kBytes; }
-  bool prefetch_alone() const { return row_bytes() <= kPrefetchMaxRow; }
+  // Rows of any length: K-quant rows over kPrefetchMaxRow (Q5_K / Q6_K at K = 7168, Q4_K at 8192)
+  // streamed about 1.75x slower without (bench_kernels.py, avx512_bf16 and avx2 builds on a Xeon).
+  bool prefetch_alone() const { return true; }
 
   template <int R, int Bt>
   inline void tile(int64_t n, int b, int64_t s0, int64_t s1, Acc* acc, int stride, bool pf) const {
@@ -953,7 +982,7 @@ struct KQuantKernel {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const uint8_t* blk = rows[r] + c * Fmt::kBytes;
-        kq::KP w[8];
+        kq::KP w[kq::kKqPieces];
         Fmt::pieces(blk, w);
         kq::F ws[V], wm[V];
         Fmt::factors(blk, ws, wm);

@@ -189,6 +189,7 @@ inline I32 q4_dot8(const I8* w, const int8_t* xb) {
 // Per-group float factors are put in the same lanes by kq_scale8 / kq_scale16.
 using KP = __m256i;
 inline constexpr int kKqVecs = 2;
+inline constexpr int kKqPieces = 8;
 constexpr int kq_lane(int g) { return 8 * (g / 8) + (g % 2) * 4 + (g % 8) / 2; }
 inline KP kq_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline KP kq_or(KP a, KP b) { return _mm256_or_si256(a, b); }
@@ -344,6 +345,84 @@ inline I32 q4_dot8(const I8* w, const int8_t* xb) {
 #endif
 }
 
+// K-quants on 512-bit vectors (kq where the build defines RWKV_KQ_512: Intel, see TUNINGS): a
+// block's codes as 4 pieces of 64 columns in column order, the 16 group sums in the 16 lanes of
+// one vector (group g in lane kq_lane(g)), half the instructions of v256's 8 pieces and 2 vectors.
+// A format's 32 stored bytes often hold two 32-column runs (low and high nibbles, or bit pairs):
+// kq_load_dup puts them in both halves and kq_shift_hi moves the high half's bits down, so that
+// one kq_bits then takes both runs. The sums are the same exact integers as v256's.
+using KP = __m512i;
+inline constexpr int kKqVecs = 1;
+inline constexpr int kKqPieces = 4;
+// Piece k's dot lanes 4j .. 4j + 3 (128-bit lane j) hold group 4k + j; kq_block_sums gathers
+// 128-bit lane j of the 4 pieces into lanes 4j .. 4j + 3.
+constexpr int kq_lane(int g) { return 4 * (g % 4) + g / 4; }
+inline KP kq_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline KP kq_load_dup(const uint8_t* p) {  // 32 bytes, in both 256-bit halves
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline KP kq_or(KP a, KP b) { return _mm512_or_si512(a, b); }
+// The high half's 16-bit lanes shifted right by S (the low half as it is).
+template <int S>
+inline KP kq_shift_hi(KP v) { return _mm512_mask_srli_epi16(v, 0xFFFF0000u, v, S); }
+// See v256::kq_bits.
+template <int S>
+inline KP kq_bits(KP v, uint8_t mask) {
+  static_assert(S > -8 && S < 8);
+  const __m512i m = _mm512_set1_epi8(static_cast<char>(mask));
+  if constexpr (S > 0) return _mm512_and_si512(_mm512_slli_epi16(v, S), m);
+  else if constexpr (S < 0) return _mm512_and_si512(_mm512_srli_epi16(v, -S), m);
+  else return _mm512_and_si512(v, m);
+}
+// See v256::kq_dot32: lane l sums columns 4l .. 4l + 3 of the piece.
+inline I32 kq_dot64(KP w, const int8_t* x) {
+  const __m512i xv = _mm512_loadu_si512(x);
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(w, xv), _mm512_set1_epi16(1));
+#endif
+}
+inline void kq_block_sums(const KP* w, const int8_t* x, I32* out) {
+  I32 p[4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) p[k] = kq_dot64(w[k], x + 64 * k);
+  // v256's pair / quad within each 128-bit lane j: lane k of it becomes the sum of p[k]'s.
+  auto pair = [](I32 a, I32 b) { return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b)); };
+  auto quad = [](I32 t, I32 u) { return _mm512_add_epi32(_mm512_unpacklo_epi64(t, u), _mm512_unpackhi_epi64(t, u)); };
+  out[0] = quad(pair(p[0], p[1]), pair(p[2], p[3]));
+}
+// Per-group float factors: see v256::kq_scale16 (the same products).
+inline void kq_scale16(const int8_t* s16, float f, F* out) {
+  // lane l holds group kq_lane(l) (kq_lane is its own inverse: a 4 x 4 transpose)
+  const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m128i s = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s16)), order);
+  out[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)), _mm512_set1_ps(f));
+}
+// Q4_K / Q5_K: the factors from a block's 16-byte head (fp16 d, dmin, then the 12 bytes of 6-bit
+// sub-block scales and mins, kernels.cpp k_scales_mins) in a few vector operations instead of
+// scalar byte shuffles: ws = d * scale, wm = -dmin * min of each group's sub-block (the products
+// of v256::kq_scale8, so the same bits).
+inline void kq_head_k(const uint8_t* blk, F* ws, F* wm) {
+  // bytes 0-11 of the scales: a (0-3), b (4-7), c (8-11); 16 loaded (4 of the codes after them)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+  // bytes 0-7: the scales of sub-blocks 0-7, 8-15: their mins. Low bits: a, c, b, c (mins 4-7
+  // from c's high nibbles); top 2 bits of sub-blocks 4-7: those of a (scales) or b (mins).
+  __m128i lo = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  lo = _mm_mask_blend_epi8(0xF000, lo, _mm_srli_epi16(lo, 4));
+  lo = _mm_and_si128(lo, _mm_setr_epi8(0x3F, 0x3F, 0x3F, 0x3F, 0x0F, 0x0F, 0x0F, 0x0F, 0x3F, 0x3F, 0x3F, 0x3F, 0x0F, 0x0F, 0x0F, 0x0F));
+  const __m128i top = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i sm = _mm_or_si128(lo, _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)));
+  // d in lanes 0-7 and -dmin in 8-15, times the 16 bytes; then each group's sub-block in its lane
+  __m128 h = _mm_cvtph_ps(_mm_loadu_si32(blk));
+  h = _mm_xor_ps(h, _mm_setr_ps(0.f, -0.f, 0.f, 0.f));
+  const __m512 dm = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(h));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm)), dm);
+  const __m512i sub = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);  // kq_lane(l) / 2
+  ws[0] = _mm512_permutexvar_ps(sub, f);
+  wm[0] = _mm512_permutexvar_ps(_mm512_add_epi32(sub, _mm512_set1_epi32(8)), f);
+}
+
 }  // namespace v512
 
 #if defined(RWKV_INT8_512)
@@ -356,7 +435,12 @@ namespace iv4 = v512;
 #else
 namespace iv4 = v256;
 #endif
-namespace kq = v256;  // K-quants: 256-bit vectors (with VNNI's vpdpbusd) at every x86 level
+#if defined(RWKV_KQ_512)
+#define RWKV_SIMD_KQ_512 1  // K-quants: kq_head_k, kq_load_dup, kq_shift_hi (kernels.cpp formats)
+namespace kq = v512;
+#else
+namespace kq = v256;  // K-quants: 256-bit vectors (with VNNI's vpdpbusd)
+#endif
 
 #elif defined(RWKV_SIMD_AVX2)
 
@@ -434,6 +518,7 @@ struct KP {
   uint8x16_t lo, hi;
 };
 inline constexpr int kKqVecs = 4;
+inline constexpr int kKqPieces = 8;
 constexpr int kq_lane(int g) { return g; }
 inline KP kq_load(const uint8_t* p) { return {vld1q_u8(p), vld1q_u8(p + 16)}; }
 inline KP kq_or(KP a, KP b) { return {vorrq_u8(a.lo, b.lo), vorrq_u8(a.hi, b.hi)}; }

@@ -36,9 +36,10 @@ its decode is steady from run to run and ours is not; `--llama-load-mode none` m
 read the model into fresh memory too, and the lines after the table show each of our runs' probe.
 
 `--isa avx2` runs both sides as on an AVX2-only CPU: ours with RWKV_ENGINE_ISA=avx2 (the native
-kernels' AVX2 build, fp32 GEMMs for 16-bit weights as on a CPU without AVX512-BF16) and torch's
-and oneDNN's kernels limited to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA), llama.cpp from a second build (tree/build-avx2: GGML_NATIVE off, so AVX,
-AVX2, FMA, F16C, BMI2 and nothing of AVX-512 or AMX). On an AVX-512 machine that is the check of
+kernels' AVX2 build, fp32 GEMMs for 16-bit weights as on a CPU without AVX512-BF16) and torch's,
+oneDNN's and MKL's kernels limited to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS), llama.cpp from a second build (tree/build-avx2: GGML_NATIVE off, so
+AVX, AVX2, FMA, F16C, BMI2 and nothing of AVX-512 or AMX). On an AVX-512 machine that is the check of
 the AVX2 code paths at their own speed, without an AVX2 machine.
 """
 
@@ -419,8 +420,14 @@ def gguf_files(work: Path, ckpt: Path, tree: Path, bins: Path, types: list[str],
 
 
 # Our process as on an AVX2-only CPU: our kernels' AVX2 build (and the fp32 GEMMs `compute_dtype`
-# picks without AVX512-BF16), torch's own kernels and oneDNN's limited to AVX2 too.
-AVX2_ENV = {"RWKV_ENGINE_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# picks without AVX512-BF16), torch's own kernels, oneDNN's and MKL's limited to AVX2 too (torch's
+# fp32 CPU matmul is MKL's: without the last one it ran AVX-512 code, 1.2-1.4x faster at 512 rows).
+AVX2_ENV = {
+    "RWKV_ENGINE_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 
 
 def run_ours(model: Path, args) -> dict:

@@ -938,6 +938,12 @@ struct KAcc {
   kq::F v[kq::kKqVecs];
 };
 
+// At batch 1 a K-quant row is prefetched while the row at least this many bytes before it is read:
+// one row ahead (1152-1680 bytes at K = 2048) was too close to hide the memory's latency, and rows
+// at K = 2048 streamed 1.10-1.15x faster two rows ahead (forced AVX2 build, 2 threads, Xeon family
+// 6 model 167; 4 KB ahead about the same, 8 KB slower on the long rows; docs/performance.md).
+constexpr int64_t kKqAheadBytes = 2048;
+
 template <typename Fmt>
 struct KQuantKernel {
   static constexpr int64_t kStepBytes = 256 + 2 * 16 * 4;  // prepared x per block and row of x
@@ -976,7 +982,9 @@ struct KQuantKernel {
     }
     Acc fa[R][Bt];
     load_block(fa, acc, stride);
-    const uint8_t* next = rows[0] + (Bt > 1 ? kAheadBlocks : 1) * R * rb;  // rows are contiguous
+    // rows are contiguous; at batch 1 the rows at least kKqAheadBytes on (see there)
+    const int64_t ahead = Bt > 1 ? kAheadBlocks : std::max<int64_t>(1, (kKqAheadBytes + R * rb - 1) / (R * rb));
+    const uint8_t* next = rows[0] + ahead * R * rb;
     for (int64_t c = s0; c < s1; ++c) {
       if (pf) prefetch_next<(Bt > 1)>(next, c * R * Fmt::kBytes, R * Fmt::kBytes);
 #pragma GCC unroll 8

@@ -253,6 +253,57 @@ def test_dense_linear_is_an_nn_linear(path):
     assert rel_rms(m(xs), F.linear(xs, m.weight.float())) < 1e-5
 
 
+def _gemm_rows(monkeypatch) -> list[int]:
+    """The row counts of the GEMMs quant.linear runs, recorded; 16-bit GEMMs allowed on any CPU."""
+    rows: list[int] = []
+    real = F.linear
+
+    def linear(x, w, *args):
+        rows.append(x.shape[0])
+        return real(x, w, *args)
+
+    monkeypatch.setattr(QL.F, "linear", linear)
+    monkeypatch.setattr(QL, "prefill_dtype", lambda dtype: dtype)
+    return rows
+
+
+@pytest.mark.parametrize("M", [17, 31, 32, 33, 191, 250])
+def test_a_16_bit_prefill_gemm_runs_on_rows_padded_to_the_step(monkeypatch, M):
+    """oneDNN builds a kernel per new row count (4-8 ms each): a bf16 prefill GEMM's rows are
+    padded to a multiple of GEMM_ROW_STEP, and the real rows come out as without the padding."""
+    rows = _gemm_rows(monkeypatch)
+    m = DenseLinear.from_linear(nn.Linear(96, 40, bias=False), torch.bfloat16)
+    x = torch.randn(1, M, 96).bfloat16()
+    y = m(x)
+    step = QL.GEMM_ROW_STEP
+    assert rows == [-(-M // step) * step]
+    assert y.shape == (1, M, 40) and y.dtype == torch.bfloat16
+    want = F.linear(x.float(), m.weight.float())
+    assert rel_rms(y.float(), want) < 5e-3
+    assert torch.equal(y[0, :17], m(x[:, :17])[0])  # a row does not depend on the rows beside it
+    rows.clear()
+    m(x.float())  # fp32 x: the fp32 GEMM (tiled), rows as they are
+    assert rows and set(rows) == {M}
+
+
+def test_warm_gemms_builds_every_padded_row_count_of_every_weight_shape(monkeypatch):
+    """The server's warm-up: each 16-bit weight shape once per padded row count up to max_rows,
+    the output head aside (it runs with many rows only for every-position logits)."""
+    from rwkv_engine.kernels.native import GEMV_MAX_ROWS
+
+    rows = _gemm_rows(monkeypatch)
+    model = nn.Module()
+    model.a = DenseLinear.from_linear(nn.Linear(64, 32, bias=False), torch.bfloat16)
+    model.b = DenseLinear.from_linear(nn.Linear(64, 32, bias=False), torch.bfloat16)  # same shape as a
+    model.c = DenseLinear.from_linear(nn.Linear(32, 64, bias=False), torch.bfloat16)
+    model.head = DenseLinear.from_linear(nn.Linear(64, 1000, bias=False), torch.bfloat16)
+    model.f = DenseLinear.from_linear(nn.Linear(64, 48, bias=False), torch.float32)  # fp32: no kernel per row count
+    step = QL.GEMM_ROW_STEP
+    counts = list(range(-(-(GEMV_MAX_ROWS + 1) // step) * step, 80 + 1, step))
+    assert QL.warm_gemms(model, 80) == 2 * len(counts)
+    assert rows == counts + counts
+
+
 def test_quant_linear_rejects_bad_input():
     m = Int4Linear.from_weight(torch.randn(8, 64), 32)
     with pytest.raises(InputError, match=r"\[\.\.\., 64\]"):

@@ -45,6 +45,13 @@ Tensor = torch.Tensor
 # Weight rows dequantized per GEMM call in prefill.
 PREFILL_TILE = 1024
 
+# torch's 16-bit CPU GEMM (oneDNN) builds a kernel for every new row count: 4-8 ms per weight shape
+# the first time against under 1 ms after (768 x 3072, bf16, AMX). Prompt pieces come in every
+# length, so a 16-bit prefill GEMM's rows are padded with zeros up to a multiple of GEMM_ROW_STEP:
+# 16 row counts up to a 256-token piece, built once (the server builds them in its warm-up, see
+# `warm_gemms`). The padding costs at most 15 rows of work; the real rows' results do not change.
+GEMM_ROW_STEP = 16
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -103,6 +110,38 @@ def _native_quantizer(weight: Tensor):
     return native.load()
 
 
+def cpu_gemm(x2: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x2, w) for x2 [M, K] and w [N, K] of one dtype on the CPU, with a 16-bit GEMM's
+    rows padded up to a multiple of GEMM_ROW_STEP (see there)."""
+    M, K = x2.shape
+    if x2.dtype == torch.float32 or M % GEMM_ROW_STEP == 0:
+        return F.linear(x2, w)
+    xp = x2.new_zeros(-(-M // GEMM_ROW_STEP) * GEMM_ROW_STEP, K)
+    xp[:M] = x2
+    return F.linear(xp, w)[:M]
+
+
+def warm_gemms(model: nn.Module, max_rows: int) -> int:
+    """Build the 16-bit GEMM kernels of every weight shape of `model`'s CPU DenseLinears (the output
+    head aside: it runs with many rows only for every-position logits) for every padded row count
+    from GEMV_MAX_ROWS + 1 to max_rows, so the first prompts of each length do not pay for them.
+    Returns the number of (shape, rows) pairs run."""
+    shapes = {}
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, DenseLinear) and w is not None and w.device.type == "cpu" and "head" not in name:
+            if w.dtype in (torch.bfloat16, torch.float16) and prefill_dtype(w.dtype) == w.dtype:
+                shapes.setdefault((tuple(w.shape), w.dtype), w)
+    first = -(-(GEMV_MAX_ROWS + 1) // GEMM_ROW_STEP) * GEMM_ROW_STEP
+    n = 0
+    with torch.no_grad():
+        for w in shapes.values():
+            for rows in range(first, max_rows + 1, GEMM_ROW_STEP):
+                cpu_gemm(torch.zeros(rows, w.shape[1], dtype=w.dtype), w)
+                n += 1
+    return n
+
+
 def _tiled_linear(x2: Tensor, n_rows: int, ct: torch.dtype, tile_fn) -> Tensor:
     """x2 [M, K] @ W^T for a weight produced PREFILL_TILE rows at a time by
     tile_fn(r0, r1, out) into a reused [rows, K] buffer of dtype ct; result in x2.dtype."""
@@ -111,7 +150,7 @@ def _tiled_linear(x2: Tensor, n_rows: int, ct: torch.dtype, tile_fn) -> Tensor:
     parts = []
     for r0 in range(0, n_rows, PREFILL_TILE):
         r1 = min(n_rows, r0 + PREFILL_TILE)
-        parts.append(F.linear(xc, tile_fn(r0, r1, buf[: r1 - r0])))
+        parts.append(cpu_gemm(xc, tile_fn(r0, r1, buf[: r1 - r0])))
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y.to(x2.dtype)
 
@@ -348,8 +387,10 @@ class DenseLinear(nn.Linear):
                 return ops.gemv_dense(x2.contiguous(), w).reshape(*lead, self.out_features)
             return F.linear(x, w.to(x.dtype))
         ct = prefill_dtype(w.dtype) if x.dtype == w.dtype else x.dtype
-        if ct == w.dtype or M == 0:
+        if M == 0:
             return F.linear(x, w.to(x.dtype))
+        if ct == w.dtype:  # (then x.dtype == w.dtype too)
+            return cpu_gemm(x2.contiguous(), w).reshape(*lead, self.out_features)
         # 16-bit weights on a CPU without 16-bit matrix units: fp32 GEMM on converted tiles.
         y = _tiled_linear(x2, self.out_features, ct, lambda r0, r1, out: out.copy_(w[r0:r1]))
         return y.reshape(*lead, self.out_features)

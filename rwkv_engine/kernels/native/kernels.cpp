@@ -726,7 +726,11 @@ struct Q4Format {
 // with wscale_g the group's weight scale (d * sub-block scale), xstep_g the x step of its 32
 // columns, xsum_g the sum of its rounded x, and wbias_g the offset of its codes: -dmin * min
 // (Q4_K, Q5_K; w = d sc q - dmin m) or -32 * wscale_g (Q6_K; w = d sc (q - 32)). The 16 groups'
-// factors sit in the lanes of kq::kq_lane (kq_scale8 / kq_scale16).
+// factors sit in the lanes of kq::kq_lane (kq_scale8 / kq_scale16). On the AVX2 level
+// (RWKV_KQ_AVX2, no VNNI) Q4_K / Q5_K sum per 32-column sub-block instead (kq::kq_sub_sums: the
+// width of both their scales and x's steps, so half the float work), and Q6_K as
+//     acc += (float(sum_g) * xstep_g + (-32 xsum_g)) * wscale_g
+// (prepare_xk stores -32 xsum_g): exact integer sums alike, rounded in another order.
 
 // x [B, K] rounded for the K-quant kernels: int8 in column order, and per block the lanes of its
 // groups' x steps and sums.
@@ -737,7 +741,10 @@ struct XK {
 };
 
 // rows_parallel: the rows on all threads (a call that is the job's only one: prefill).
-XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs, bool rows_parallel) {
+// On the AVX2 level (kq::kq_sub_sums, RWKV_KQ_AVX2) a block's st / sm of Q4_K / Q5_K are per
+// 32-column sub-block instead, in lanes 0-7 (sm: the sum of its 32 rounded x), and sm of Q6_K is
+// -32 times the group's sum (exact), so that its code offset folds into one fma.
+XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs, bool rows_parallel, KType kt) {
   std::vector<float> c;
   if (cs != nullptr) {
     c.resize(static_cast<size_t>(K));
@@ -760,10 +767,22 @@ XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs,
       for (int h = 0; h < 8; ++h) {  // 32-column x blocks
         const int64_t k = blk * 256 + 32 * h;
         const float dx = round_block(xf.data() + k, 32, 127.f, r.q.data() + b * K + k, xh);
+#if defined(RWKV_KQ_AVX2)
+        if (kt != KType::kQ6K) {
+          float sum = 0.f;
+          for (int i = 0; i < 32; ++i) sum += xh[i];
+          st[h] = dx, sm[h] = sum;
+          continue;
+        }
+        const float off = -32.f;
+#else
+        (void)kt;
+        const float off = 1.f;
+#endif
         for (int j = 0; j < 2; ++j) {  // its two groups
           float sum = 0.f;
           for (int i = 0; i < 16; ++i) sum += xh[16 * j + i];
-          st[kq::kq_lane(2 * h + j)] = dx, sm[kq::kq_lane(2 * h + j)] = sum;
+          st[kq::kq_lane(2 * h + j)] = dx, sm[kq::kq_lane(2 * h + j)] = off * sum;
         }
       }
     }
@@ -800,6 +819,7 @@ inline float half_at(const uint8_t* p) {
 struct Q4KFormat {
   static constexpr KType kType = KType::kQ4K;
   static constexpr int64_t kBytes = 144;  // d, dmin, scales [12], qs [128]
+  static constexpr int kMaxCode = 15;
   static inline void pieces(const uint8_t* blk, kq::KP* w) {
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {  // 32 bytes: columns 64c + l (low nibbles), 64c + 32 + l (high)
@@ -840,6 +860,7 @@ struct Q4KFormat {
 struct Q5KFormat {
   static constexpr KType kType = KType::kQ5K;
   static constexpr int64_t kBytes = 176;  // d, dmin, scales [12], qh [32], qs [128]
+  static constexpr int kMaxCode = 31;
   static inline void pieces(const uint8_t* blk, kq::KP* w) {
     // the fifth bit of column 64c + l (+ 32) is bit 2c (2c + 1) of qh[l]
 #if defined(RWKV_SIMD_KQ_512)
@@ -933,9 +954,11 @@ struct Q6KFormat {
 };
 
 // The accumulator of one (weight row, row of x): a vector per lane vector of the group sums, so
-// that a block's multiply-adds form kKqVecs chains instead of one.
+// that a block's multiply-adds form kKqVecs chains instead of one (on the AVX2 level one vector:
+// 8 rows of x already make 8 chains, and 16 accumulators would not leave registers for the codes).
+template <int V>
 struct KAcc {
-  kq::F v[kq::kKqVecs];
+  kq::F v[V];
 };
 
 // At batch 1 a K-quant row is prefetched while the row at least this many bytes before it is read:
@@ -950,10 +973,18 @@ struct KQuantKernel {
   // One weight row at a time (decoding a block's codes and factors is shared by the rows of x).
   template <int B> static constexpr int kRows = 1;
   template <int B> static constexpr int kXRows = B;
-  using Acc = KAcc;
+#if defined(RWKV_KQ_AVX2)
+  // Q4_K / Q5_K: one vector of 8 sub-blocks (kq::kq_sub_sums); Q6_K: its two vectors of groups
+  // added into one (half the accumulators: they fit the registers better)
+  static constexpr bool kSub = Fmt::kType != KType::kQ6K;
+  static constexpr int kAccVecs = 1;
+#else
+  static constexpr int kAccVecs = kq::kKqVecs;
+#endif
+  using Acc = KAcc<kAccVecs>;
   static float hsum(const Acc& a) {
     kq::F s = a.v[0];
-    for (int v = 1; v < kq::kKqVecs; ++v) s = kq::add(s, a.v[v]);
+    for (int v = 1; v < kAccVecs; ++v) s = kq::add(s, a.v[v]);
     return kq::hsum(s);
   }
 
@@ -992,6 +1023,37 @@ struct KQuantKernel {
         const uint8_t* blk = rows[r] + c * Fmt::kBytes;
         kq::KP w[kq::kKqPieces];
         Fmt::pieces(blk, w);
+#if defined(RWKV_KQ_AVX2)
+        if constexpr (kSub) {
+          // a += float(sum_j) * (ws_j * xstep_j) + wm_j * xsum_j over the 8 sub-blocks j
+          uint64_t sc, m;
+          k_scales_mins(blk, sc, m);
+          const kq::F ws = kq::kq_sub_scale8(sc, half_at(blk)), wm = kq::kq_sub_scale8(m, -half_at(blk + 2));
+#pragma GCC unroll 8
+          for (int i = 0; i < Bt; ++i) {
+            const kq::I32 sums = kq::kq_sub_sums<Fmt::kMaxCode>(w, xq[i] + 256 * c);
+            kq::F& a = fa[r][i].v[0];
+            a = kq::fma(kq::to_float(sums), kq::mul(ws, kq::load(st[i] + 16 * c)), a);
+            a = kq::fma(wm, kq::load(sm[i] + 16 * c), a);
+          }
+        } else {
+          // Q6_K: a += (float(sum_g) * xstep_g + (-32 xsum_g)) * ws_g, sm holding -32 xsum_g
+          kq::F ws[V], wm[V];
+          Fmt::factors(blk, ws, wm);
+#pragma GCC unroll 8
+          for (int i = 0; i < Bt; ++i) {
+            kq::I32 sums[V];
+            kq::kq_block_sums16(w, xq[i] + 256 * c, sums);
+#pragma GCC unroll 4
+            for (int v = 0; v < V; ++v) {
+              kq::F& a = fa[r][i].v[0];
+              const kq::F t = kq::fma(kq::to_float(sums[v]), kq::load(st[i] + 16 * c + kq::kW * v),
+                                      kq::load(sm[i] + 16 * c + kq::kW * v));
+              a = kq::fma(t, ws[v], a);
+            }
+          }
+        }
+#else
         kq::F ws[V], wm[V];
         Fmt::factors(blk, ws, wm);
 #pragma GCC unroll 8
@@ -1005,6 +1067,7 @@ struct KQuantKernel {
             a = kq::fma(wm[v], kq::load(sm[i] + 16 * c + kq::kW * v), a);
           }
         }
+#endif
       }
     }
     store_block(fa, acc, stride);
@@ -1074,7 +1137,7 @@ Prepared prepare(const GemvCall& c, int64_t B, bool rows_parallel) {
       else p.xp = prepare_x(c.x, c.xt, B, l.K, l.wt == DType::kBF16);
       break;
     case Linear::Kind::kQ8: p.xq = prepare_xq(c.x, c.xt, B, l.K, false, l.cs); break;
-    case Linear::Kind::kKQuant: p.xk = prepare_xk(c.x, c.xt, B, l.K, l.cs, rows_parallel); break;
+    case Linear::Kind::kKQuant: p.xk = prepare_xk(c.x, c.xt, B, l.K, l.cs, rows_parallel, l.kt); break;
     default: {
       p.xq = prepare_xq(c.x, c.xt, B, l.K, true, l.cs);
       // xsum[b, g] = sum of the rounded x[b] over the columns of group g, so that the result

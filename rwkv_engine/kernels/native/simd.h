@@ -241,6 +241,64 @@ inline void kq_scale16(const int8_t* s16, float f, F* out) {
   out[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s)), fv);
   out[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(s, s))), fv);
 }
+
+#if defined(RWKV_SIMD_AVX2)
+// The AVX2 level (no VNNI): vpmaddubsw's int16 pair sums are added in int16 as far as they cannot
+// overflow before vpmaddwd widens them, so that the transposing adds of kq_block_sums run on half
+// as many vectors (or on int16 lanes to the end), and Q4_K / Q5_K keep one sum per 32-column
+// sub-block (their scales' and x's steps' width) in lane j of one vector: half the float work of
+// 16 groups. The sums are the same exact integers (batch 512, 2 threads, forced AVX2 build on a
+// Xeon family 6 model 167: Q4_K 1.21-1.24x, Q5_K 1.15-1.20x, Q6_K 1.15-1.19x; docs/performance.md).
+#define RWKV_KQ_AVX2 1
+// Within each 128-bit half, int16 lanes of a and b summed in pairs so that dword k of the result
+// holds the int16 sums of a's (k = 0, 2) or b's (k = 1, 3) two dwords k / 2, k / 2 + 2 (kq_block_sums'
+// pair, in int16).
+inline I16 kq_pair16(I16 a, I16 b) { return _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b)); }
+inline I16 kq_quad16(I16 t, I16 u) { return _mm256_add_epi16(_mm256_unpacklo_epi64(t, u), _mm256_unpackhi_epi64(t, u)); }
+inline I16 kq_m16(KP w, const int8_t* x) {
+  return _mm256_maddubs_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+// Q4_K / Q5_K: lane j the sum of piece j (columns 32j .. 32j + 31). A pair of vpmaddubsw is at most
+// 2 * kMaxCode * 127 in magnitude: 3810 (Q4_K, 15), eight of them added still fit int16; 7874
+// (Q5_K, 31), four.
+template <int kMaxCode>
+inline I32 kq_sub_sums(const KP* w, const int8_t* x) {
+  I16 m[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) m[k] = kq_m16(w[k], x + 32 * k);
+  // half h, dword k: pieces k (a) and 4 + k (b), columns 16h .. 16h + 15 of the piece
+  const I16 a = kq_quad16(kq_pair16(m[0], m[1]), kq_pair16(m[2], m[3]));
+  const I16 b = kq_quad16(kq_pair16(m[4], m[5]), kq_pair16(m[6], m[7]));
+  const I16 ones = _mm256_set1_epi16(1);
+  if constexpr (8 * 2 * kMaxCode * 127 <= 32767) {
+    const I16 s = _mm256_add_epi16(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+    return _mm256_madd_epi16(s, ones);
+  } else {
+    static_assert(4 * 2 * kMaxCode * 127 <= 32767);
+    const I32 a32 = _mm256_madd_epi16(a, ones), b32 = _mm256_madd_epi16(b, ones);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a32, b32, 0x20), _mm256_permute2x128_si256(a32, b32, 0x31));
+  }
+}
+// Q6_K (codes at most 63: a pair at most 16002, two of them added fit int16): kq_block_sums'
+// sums in its lanes.
+inline void kq_block_sums16(const KP* w, const int8_t* x, I32* out) {
+  I16 m[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) m[k] = kq_m16(w[k], x + 32 * k);
+  const I16 ones = _mm256_set1_epi16(1);
+  I32 t[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) t[j] = _mm256_madd_epi16(kq_pair16(m[2 * j], m[2 * j + 1]), ones);
+  auto quad = [](I32 p, I32 q) { return _mm256_add_epi32(_mm256_unpacklo_epi64(p, q), _mm256_unpackhi_epi64(p, q)); };
+  out[0] = quad(t[0], t[1]);
+  out[1] = quad(t[2], t[3]);
+}
+// f times the 8 unsigned bytes b8 (lane j: byte j, sub-block j).
+inline F kq_sub_scale8(uint64_t b8, float f) {
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(b8)))),
+                       _mm256_set1_ps(f));
+}
+#endif
 }  // namespace v256
 
 #endif

@@ -110,13 +110,18 @@ def _native_quantizer(weight: Tensor):
     return native.load()
 
 
+def _padded_rows(M: int) -> int:
+    """M rounded up to a multiple of GEMM_ROW_STEP."""
+    return -(-M // GEMM_ROW_STEP) * GEMM_ROW_STEP
+
+
 def cpu_gemm(x2: Tensor, w: Tensor) -> Tensor:
     """F.linear(x2, w) for x2 [M, K] and w [N, K] of one dtype on the CPU, with a 16-bit GEMM's
     rows padded up to a multiple of GEMM_ROW_STEP (see there)."""
     M, K = x2.shape
     if x2.dtype == torch.float32 or M % GEMM_ROW_STEP == 0:
         return F.linear(x2, w)
-    xp = x2.new_zeros(-(-M // GEMM_ROW_STEP) * GEMM_ROW_STEP, K)
+    xp = x2.new_zeros(_padded_rows(M), K)
     xp[:M] = x2
     return F.linear(xp, w)[:M]
 
@@ -132,7 +137,7 @@ def warm_gemms(model: nn.Module, max_rows: int) -> int:
         if isinstance(m, DenseLinear) and w is not None and w.device.type == "cpu" and "head" not in name:
             if w.dtype in (torch.bfloat16, torch.float16) and prefill_dtype(w.dtype) == w.dtype:
                 shapes.setdefault((tuple(w.shape), w.dtype), w)
-    first = -(-(GEMV_MAX_ROWS + 1) // GEMM_ROW_STEP) * GEMM_ROW_STEP
+    first = _padded_rows(GEMV_MAX_ROWS + 1)
     n = 0
     with torch.no_grad():
         for w in shapes.values():

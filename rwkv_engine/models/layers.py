@@ -86,9 +86,10 @@ class ChannelMix(nn.Module):
     def forward(self, xx: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor]:
         """xx [B, T, C] fp32 (post-LN), x_prev [B, C] fp32 -> (out [B, T, C] fp32, new x_prev)."""
         sx = token_shift(xx, x_prev)
-        kx = mix(xx, sx, self.mix_k).to(self.dtype)
-        k = torch.relu(self.key(kx)).square()
+        # relu and square in place on the key's fresh output: one [B, T, ffn] temporary, not three
+        k = torch.relu_(self.key(mix(xx, sx, self.mix_k).to(self.dtype))).square_()
         out = self.value(k).float()
+        del k
         if self.gated:
             rx = mix(xx, sx, self.mix_r).to(self.dtype)
             out = torch.sigmoid(self.receptance(rx).float()) * out

@@ -73,22 +73,32 @@ class TimeMix7(nn.Module):
         B, T, C = xx.shape
         H, N, dt = self.n_head, self.head_size, self.dtype
         sx = token_shift(xx, x_prev)
-        xr, xw, xk, xv, xa, xg = (mix(xx, sx, getattr(self, "mix_" + n)) for n in _MIXED)
-        r = self.receptance(xr.to(dt)).float()
-        k = self.key(xk.to(dt)).float()
+        d = xx - sx
+
+        def lerp(name: str) -> Tensor:  # mix(xx, sx, m), with xx - sx computed once
+            return sx + d * getattr(self, "mix_" + name)
+
+        # Each mix is made where it is used and dropped after: a prefill piece's [B, T, C]
+        # temporaries are what its peak memory is made of (six mixes alive at once were 24 MB
+        # more at 512 tokens of the 1.5B shape).
+        r = self.receptance(lerp("r").to(dt)).float()
+        k = self.key(lerp("k").to(dt)).float()
+        xv = lerp("v")
         v = self.value(xv.to(dt)).float()
-        log_w = -_DECAY_SCALE * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1.float()) @ self.w2.float())
-        iclr = torch.sigmoid(self.a0 + (xa @ self.a1.float()) @ self.a2.float())
-        g = torch.sigmoid(xg @ self.g1.float()) @ self.g2.float()
+        log_w = -_DECAY_SCALE * torch.sigmoid(self.w0 + torch.tanh(lerp("w") @ self.w1.float()) @ self.w2.float())
+        iclr = torch.sigmoid(self.a0 + (lerp("a") @ self.a1.float()) @ self.a2.float())
+        g = torch.sigmoid(lerp("g") @ self.g1.float()) @ self.g2.float()
         kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1)
         k = k * (1 + (iclr - 1) * self.k_a)
         if self.first:
             ctx["v_first"] = v
         else:
             v = v + (ctx["v_first"] - v) * torch.sigmoid(self.v0 + (xv @ self.v1.float()) @ self.v2.float())
+        del sx, d, xv
         heads = (B, T, H, N)
         r, k, v = r.view(heads), k.view(heads), v.view(heads)
         y, kv = wkv7(r, k, v, log_w.view(heads), -kk, kk * iclr.view(heads), st["att_kv"])
+        del log_w, iclr, kk
         y = head_group_norm(y.reshape(B, T, C), H, self.ln_x.weight, self.ln_x.bias)
         bonus = (r * k * self.r_k).sum(-1, keepdim=True) * v  # the current token's own r.k, per head
         out = self.output(((y + bonus.reshape(B, T, C)) * g).to(dt)).float()
@@ -125,7 +135,7 @@ class ChannelMix7a(ChannelMix):
         B, T, _ = xx.shape
         R = DEEP_EMBED_RANK
         sx = token_shift(xx, x_prev)
-        k = torch.relu(self.key(mix(xx, sx, self.mix_k).to(self.dtype))).square()
+        k = torch.relu_(self.key(mix(xx, sx, self.mix_k).to(self.dtype))).square_()
         table = self.s_emb(ctx["ids"]).float().view(B, T, R, R)
         ss = ((xx @ self.s1).unsqueeze(-2) @ table).squeeze(-2)  # [B, T, 32]
         k = (k.float() * (ss @ self.s2 + self.s0)).to(self.dtype)

@@ -1037,17 +1037,18 @@ struct KQuantKernel {
             a = kq::fma(wm, kq::load(sm[i] + 16 * c), a);
           }
         } else {
-          // Q6_K: a += (float(sum_g) * xstep_g + (-32 xsum_g)) * ws_g, sm holding -32 xsum_g
+          // Q6_K: a += (float(sum_g) * xstep_g + (-32 xsum_g)) * ws_g, sm holding -32 xsum_g; a
+          // half block (vector v of groups) at a time for every row of x, so that four codes
+          // vectors are live instead of eight (the 16 registers of AVX2 held 8 codes and 8 sums)
           kq::F ws[V], wm[V];
           Fmt::factors(blk, ws, wm);
+#pragma GCC unroll 2
+          for (int v = 0; v < V; ++v) {
 #pragma GCC unroll 8
-          for (int i = 0; i < Bt; ++i) {
-            kq::I32 sums[V];
-            kq::kq_block_sums16(w, xq[i] + 256 * c, sums);
-#pragma GCC unroll 4
-            for (int v = 0; v < V; ++v) {
+            for (int i = 0; i < Bt; ++i) {
+              const kq::I32 sums = kq::kq_half_sums16(w + 4 * v, xq[i] + 256 * c + 128 * v);
               kq::F& a = fa[r][i].v[0];
-              const kq::F t = kq::fma(kq::to_float(sums[v]), kq::load(st[i] + 16 * c + kq::kW * v),
+              const kq::F t = kq::fma(kq::to_float(sums), kq::load(st[i] + 16 * c + kq::kW * v),
                                       kq::load(sm[i] + 16 * c + kq::kW * v));
               a = kq::fma(t, ws[v], a);
             }

@@ -293,6 +293,14 @@ inline void kq_block_sums16(const KP* w, const int8_t* x, I32* out) {
   out[0] = quad(t[0], t[1]);
   out[1] = quad(t[2], t[3]);
 }
+// Half h of kq_block_sums16 from that half's four pieces w4 (columns 128h ..) and x at 128h:
+// out[h] alone, so that a row of x needs four codes vectors live, not eight.
+inline I32 kq_half_sums16(const KP* w4, const int8_t* x) {
+  const I16 ones = _mm256_set1_epi16(1);
+  const I32 t0 = _mm256_madd_epi16(kq_pair16(kq_m16(w4[0], x), kq_m16(w4[1], x + 32)), ones);
+  const I32 t1 = _mm256_madd_epi16(kq_pair16(kq_m16(w4[2], x + 64), kq_m16(w4[3], x + 96)), ones);
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+}
 // f times the 8 unsigned bytes b8 (lane j: byte j, sub-block j).
 inline F kq_sub_scale8(uint64_t b8, float f) {
   return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(b8)))),

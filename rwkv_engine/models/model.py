@@ -54,6 +54,14 @@ def prefill_end(start: int, total: int, chunk: int, rows: int = 1) -> int:
     multiple of 32 tokens (the WKV chunk; the server's --prefill-chunk) gives bit for bit the
     logits and state of one `forward` over it (pieces of PREFILL_CHUNK): a sequence served gets
     the tokens it gets alone.
+
+    That rests on the GEMMs, and two of them break it (measured on a Xeon family 6 model 167, 2
+    threads): oneDNN's bf16 GEMM (16-bit models on CPUs with AVX512-BF16 / AMX) rounds a row
+    differently with the row count even with the rows padded to GEMM_ROW_STEP (a 0.1B bf16 prompt
+    of 200 tokens: logits up to 0.09 apart between one piece and pieces of 128, 64 or 32), and
+    MKL's fp32 GEMM limited to AVX2 (as on an AVX2-only CPU) does too (the LoRA factors: up to
+    8e-5). There a prompt's bits depend on where it is cut; fp32 GEMMs with AVX-512 MKL and the
+    integer K-quant / int8 / int4 kernels keep them. docs/server.md, "Batched = alone".
     """
     end = min(start + chunk, total)
     return total if total - end <= GEMV_MAX_ROWS // max(rows, 1) else end

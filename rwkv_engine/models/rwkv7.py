@@ -73,21 +73,19 @@ class TimeMix7(nn.Module):
         B, T, C = xx.shape
         H, N, dt = self.n_head, self.head_size, self.dtype
         sx = token_shift(xx, x_prev)
-        d = xx - sx
-
-        def lerp(name: str) -> Tensor:  # mix(xx, sx, m), with xx - sx computed once
-            return sx + d * getattr(self, "mix_" + name)
-
+        d = xx - sx  # each mix below is mix(xx, sx, m) = sx + (xx - sx) * m, the difference made once
         # Each mix is made where it is used and dropped after: a prefill piece's [B, T, C]
-        # temporaries are what its peak memory is made of (six mixes alive at once were 24 MB
-        # more at 512 tokens of the 1.5B shape).
-        r = self.receptance(lerp("r").to(dt)).float()
-        k = self.key(lerp("k").to(dt)).float()
-        xv = lerp("v")
+        # temporaries are what its peak memory is made of (the six mixes of a 512-token piece of
+        # the 1.5B shape are 24 MB of fp32).
+        r = self.receptance((sx + d * self.mix_r).to(dt)).float()
+        k = self.key((sx + d * self.mix_k).to(dt)).float()
+        xv = sx + d * self.mix_v
         v = self.value(xv.to(dt)).float()
-        log_w = -_DECAY_SCALE * torch.sigmoid(self.w0 + torch.tanh(lerp("w") @ self.w1.float()) @ self.w2.float())
-        iclr = torch.sigmoid(self.a0 + (lerp("a") @ self.a1.float()) @ self.a2.float())
-        g = torch.sigmoid(lerp("g") @ self.g1.float()) @ self.g2.float()
+        log_w = -_DECAY_SCALE * torch.sigmoid(
+            self.w0 + torch.tanh((sx + d * self.mix_w) @ self.w1.float()) @ self.w2.float()
+        )
+        iclr = torch.sigmoid(self.a0 + ((sx + d * self.mix_a) @ self.a1.float()) @ self.a2.float())
+        g = torch.sigmoid((sx + d * self.mix_g) @ self.g1.float()) @ self.g2.float()
         kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1)
         k = k * (1 + (iclr - 1) * self.k_a)
         if self.first:

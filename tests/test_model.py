@@ -205,3 +205,23 @@ def test_long_prompt_bounded_memory_and_exact(tmp_path):
         lg, st = model.forward(t[None], st)
     assert rel_rms(lg, logits) < 1e-4
     assert state.allclose(st, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("version", ["4", "5.2", "6.0", "7"])
+def test_fresh_state_written_over_gives_the_same_bits(version, tmp_path):
+    # forward / hidden / prefill without a state write the new state over the fresh one they make
+    # (no second copy); with a state given, it is never modified. Both give the same bits.
+    sd = testing.random_state_dict(version, n_layer=2, n_embd=64, vocab_size=300, head_size=16, seed=3)
+    m = rwkv_engine.load(testing.save_pth(sd, tmp_path / "m.pth"))
+    ids = tokens(70, seed=4)
+    given = m.new_state()
+    kept = given.clone()
+    logits, state = m.forward(ids)
+    logits2, state2 = m.forward(ids, given)
+    assert torch.equal(logits, logits2) and state.allclose(state2, rtol=0, atol=0)
+    assert given.allclose(kept, rtol=0, atol=0)
+    h, hs = m.hidden(ids)
+    h2, hs2 = m.hidden(ids, given)
+    assert torch.equal(h, h2) and hs.allclose(hs2, rtol=0, atol=0)
+    assert m.prefill(ids).allclose(m.prefill(ids, given), rtol=0, atol=0)
+    assert given.allclose(kept, rtol=0, atol=0) and not state.allclose(given, rtol=0, atol=0)

@@ -86,8 +86,12 @@ class ChannelMix(nn.Module):
     def forward(self, xx: Tensor, x_prev: Tensor) -> tuple[Tensor, Tensor]:
         """xx [B, T, C] fp32 (post-LN), x_prev [B, C] fp32 -> (out [B, T, C] fp32, new x_prev)."""
         sx = token_shift(xx, x_prev)
+        xk = mix(xx, sx, self.mix_k).to(self.dtype)
+        if not self.gated:
+            del sx  # the key's [B, T, ffn] output below is a piece's peak: hold nothing needless
         # relu and square in place on the key's fresh output: one [B, T, ffn] temporary, not three
-        k = torch.relu_(self.key(mix(xx, sx, self.mix_k).to(self.dtype))).square_()
+        k = torch.relu_(self.key(xk)).square_()
+        del xk
         out = self.value(k).float()
         del k
         if self.gated:

@@ -81,24 +81,31 @@ class TimeMix7(nn.Module):
         k = self.key((sx + d * self.mix_k).to(dt)).float()
         xv = sx + d * self.mix_v
         v = self.value(xv.to(dt)).float()
-        log_w = -_DECAY_SCALE * torch.sigmoid(
-            self.w0 + torch.tanh((sx + d * self.mix_w) @ self.w1.float()) @ self.w2.float()
-        )
-        iclr = torch.sigmoid(self.a0 + ((sx + d * self.mix_a) @ self.a1.float()) @ self.a2.float())
-        g = torch.sigmoid((sx + d * self.mix_g) @ self.g1.float()) @ self.g2.float()
-        kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1)
-        k = k * (1 + (iclr - 1) * self.k_a)
         if self.first:
             ctx["v_first"] = v
         else:
             v = v + (ctx["v_first"] - v) * torch.sigmoid(self.v0 + (xv @ self.v1.float()) @ self.v2.float())
-        del sx, d, xv
+        del xv
+        log_w = -_DECAY_SCALE * torch.sigmoid(
+            self.w0 + torch.tanh((sx + d * self.mix_w) @ self.w1.float()) @ self.w2.float()
+        )
+        iclr = torch.sigmoid(self.a0 + ((sx + d * self.mix_a) @ self.a1.float()) @ self.a2.float())
+        # The gate's low-rank half now, its [B, T, C] product after the WKV, when r, k and v are gone.
+        g_low = torch.sigmoid((sx + d * self.mix_g) @ self.g1.float())
+        del sx, d
+        kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1)
+        k = k * (1 + (iclr - 1) * self.k_a)
+        b = kk * iclr.view(B, T, H, N)
+        del iclr
         heads = (B, T, H, N)
         r, k, v = r.view(heads), k.view(heads), v.view(heads)
-        y, kv = wkv7(r, k, v, log_w.view(heads), -kk, kk * iclr.view(heads), st["att_kv"])
-        del log_w, iclr, kk
+        y, kv = wkv7(r, k, v, log_w.view(heads), kk.neg_(), b, st["att_kv"])
+        del log_w, kk, b
         y = head_group_norm(y.reshape(B, T, C), H, self.ln_x.weight, self.ln_x.bias)
         bonus = (r * k * self.r_k).sum(-1, keepdim=True) * v  # the current token's own r.k, per head
+        del r, k, v
+        g = g_low @ self.g2.float()
+        del g_low
         out = self.output(((y + bonus.reshape(B, T, C)) * g).to(dt)).float()
         return out, xx[:, -1], {"att_kv": kv}
 
@@ -132,8 +139,9 @@ class ChannelMix7a(ChannelMix):
     def forward(self, xx: Tensor, x_prev: Tensor, ctx: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         B, T, _ = xx.shape
         R = DEEP_EMBED_RANK
-        sx = token_shift(xx, x_prev)
-        k = torch.relu_(self.key(mix(xx, sx, self.mix_k).to(self.dtype))).square_()
+        xk = mix(xx, token_shift(xx, x_prev), self.mix_k).to(self.dtype)
+        k = torch.relu_(self.key(xk)).square_()
+        del xk
         table = self.s_emb(ctx["ids"]).float().view(B, T, R, R)
         ss = ((xx @ self.s1).unsqueeze(-2) @ table).squeeze(-2)  # [B, T, 32]
         k = (k.float() * (ss @ self.s2 + self.s0)).to(self.dtype)

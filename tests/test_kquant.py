@@ -76,7 +76,18 @@ def test_gemv_kq_matches_reference(qtype, N, K):
     c = (torch.rand(K, generator=g) * 3 + 0.2).half()
     # every batch size of a pass (1-8 rows of x) and two passes; each dtype of x, with and
     # without column scales
-    cases = [(1, 0, None), (2, 1, c), (3, 2, None), (5, 0, c), (8, 1, None), (11, 2, c), (4, 0, c)]
+    # and more than GEMV_MAX_ROWS rows (a prefill piece)
+    cases = [
+        (1, 0, None),
+        (2, 1, c),
+        (3, 2, None),
+        (5, 0, c),
+        (8, 1, None),
+        (11, 2, c),
+        (4, 0, c),
+        (17, 0, c),
+        (40, 1, None),
+    ]
     for B, d, cs in cases:
         xdt = DTYPES[d]
         x = torch.randn(B, K, generator=g).to(xdt)
@@ -102,16 +113,31 @@ def test_gemv_kq_rows_of_a_batch_equal_each_row_alone():
 
 
 @needs_native
+def test_gemv_kq_prefill_rows_do_not_depend_on_the_batch():
+    # Calls of more than GEMV_MAX_ROWS rows are prefill pieces: a row's bits must not depend on
+    # which rows share its call, or a prompt's tokens would depend on where it is cut into pieces.
+    N, K = 23, 2304
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(57, K, generator=g)
+    for qtype in KQUANT_TYPES:
+        blocks = random_blocks(qtype, N, K, seed=9)
+        f = lambda x, b=blocks, t=ktype_id(qtype): ops.gemv_kq(x, b, t, K)  # noqa: E731
+        y = f(x)
+        for a, b in ((0, 17), (3, 40), (20, 57), (17, 34)):
+            assert torch.equal(f(x[a:b]), y[a:b]), (qtype, a, b)
+
+
+@needs_native
 def test_gemv_kq_threads_give_identical_results():
     N, K = 1030, 2048
     blocks = {t: random_blocks(t, N, K, seed=6) for t in KQUANT_TYPES}
-    x = torch.randn(3, K)
+    xs = [torch.randn(3, K), torch.randn(40, K)]  # a decode batch and a prefill piece
     old = torch.get_num_threads()
     try:
         out = {}
         for nt in (1, 2):
             torch.set_num_threads(nt)
-            out[nt] = [ops.gemv_kq(x, b, ktype_id(t), K) for t, b in blocks.items()]
+            out[nt] = [ops.gemv_kq(x, b, ktype_id(t), K) for t, b in blocks.items() for x in xs]
     finally:
         torch.set_num_threads(old)
     for a, b in zip(out[1], out[2]):
@@ -122,14 +148,17 @@ def test_gemv_kq_threads_give_identical_results():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_kq_nan_or_inf_in_x_gives_non_finite_rows(dtype):
     K, N = 512, 24
-    x = torch.randn(3, K).to(dtype)
-    x[0, 70] = float("nan")
-    x[1, 300] = float("inf")
-    for qtype in KQUANT_TYPES:
-        blocks = random_blocks(qtype, N, K, seed=7)
-        y = ops.gemv_kq(x, blocks, ktype_id(qtype), K)
-        assert not torch.isfinite(y[:2]).any(), qtype
-        assert torch.equal(y[2:], ops.gemv_kq(x[2:], blocks, ktype_id(qtype), K)), qtype
+    for B in (3, 20):  # a decode batch, a prefill piece
+        x = torch.randn(B, K).to(dtype)
+        x[0, 70] = float("nan")
+        x[1, 300] = float("inf")
+        for qtype in KQUANT_TYPES:
+            blocks = random_blocks(qtype, N, K, seed=7)
+            y = ops.gemv_kq(x, blocks, ktype_id(qtype), K)
+            assert not torch.isfinite(y[:2]).any(), qtype
+            assert torch.isfinite(y[2:]).all(), qtype
+            if B == 3:
+                assert torch.equal(y[2:], ops.gemv_kq(x[2:], blocks, ktype_id(qtype), K)), qtype
 
 
 @needs_native

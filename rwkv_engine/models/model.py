@@ -304,8 +304,7 @@ class RWKV(nn.Module):
         self.require_lm_head()
         ids, one_d = self._check_tokens(tokens)
         B, T = ids.shape
-        owned = state is None
-        state = self._start_state(state, B)
+        state, owned = self._start_state(state, B)
         native = self.native_decode and self.layer_observer is None  # the fused step shows no layers
         if T == 1 and self.layer_observer is None and self._graph_decode():
             logits, new_state = self._decode_graphs()(ids[:, 0], state)
@@ -337,8 +336,7 @@ class RWKV(nn.Module):
         as it comes instead of keeping all of them). The given state is never modified.
         """
         ids, one_d = self._check_tokens(tokens)
-        owned = state is None
-        state = self._start_state(state, ids.shape[0])
+        state, owned = self._start_state(state, ids.shape[0])
         pieces = []
         new_state = self._prefill(ids, state, lambda start, x: pieces.append(self.final_norm(x)), owned)
         out = torch.cat(pieces, dim=1)
@@ -351,30 +349,34 @@ class RWKV(nn.Module):
         will read. each(start, x), when given, receives every piece's last-block output x [B, t, C]
         (fp32, before ln_out; positions start .. start + t) as it comes: embedding.py pools them."""
         ids, _ = self._check_tokens(tokens)
-        owned = state is None
-        return self._prefill(ids, self._start_state(state, ids.shape[0]), each or (lambda start, x: None), owned)
+        state, owned = self._start_state(state, ids.shape[0])
+        return self._prefill(ids, state, each or (lambda start, x: None), owned)
 
     def final_norm(self, x: Tensor) -> Tensor:
         """The last block's output x [..., C] -> the final hidden state (ln_out), fp32."""
         return self.ln_out(x).float()
 
-    def _start_state(self, state: State | None, batch_size: int) -> State:
+    def _start_state(self, state: State | None, batch_size: int) -> tuple[State, bool]:
+        """(the state a call starts from, whether it is the call's own): a fresh one for None, a
+        copy on this device, or the caller's, which is never modified."""
         if state is None:
-            return self.new_state(batch_size)
+            return self.new_state(batch_size), True
         self._check_state(state, batch_size)
-        return state.to(self.device) if state.device != self.device else state
+        if state.device != self.device:
+            return state.to(self.device), True
+        return state, False
 
     def _prefill(self, ids: Tensor, state: State, take: Callable[[int, Tensor], None], owned: bool = False) -> State:
         """ids [B, T] through the block stack in pieces (`prefill_end`), the state carried;
         take(start, x) gets each piece's last-block output x [B, t, C] (fp32, before ln_out) as it
         comes, so memory stays bounded by the piece for any T. Returns the new state. owned: the
-        state is this call's own (a fresh one), so the new state is written over it."""
+        state is this call's own (`_start_state`), so the new state is written over it."""
         B, T = ids.shape
         L = self.config.n_layer
         # The new state is written layer by layer into tensors allocated once: per-layer state
         # tensors living between the big temporaries fragment the heap and raise the peak RSS.
         # A block reads its layer's fields before they are overwritten (`keep` runs after it), so
-        # a fresh state needs no second copy (12.6 MB on the 1.5B RWKV-7 shape).
+        # a state of the call's own needs no second copy (12.6 MB on the 1.5B RWKV-7 shape).
         new = dict(state.items()) if owned else {k: torch.empty_like(v) for k, v in state.items()}
         layers = [{k: v[:, i] for k, v in state.items()} for i in range(L)]
         chunk = max(16, PREFILL_CHUNK // B)

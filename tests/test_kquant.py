@@ -266,7 +266,10 @@ def test_native_step_with_kquant_weights_matches_pytorch_modules(kquant_models, 
         out[native_decode] = (torch.stack(steps, 1), st, model.forward(tokens, state, all_logits=True))
     model.native_decode = True
     assert model._native_step[1] is not None, "the native step was not used"
-    tol = 1e-4 if dtype == "fp32" else 2e-2
+    # Both paths round x to int8 per 32 columns; where x differs in its last bit between them (the
+    # fp32 LoRA GEMMs of RWKV-6 run in MKL on one side), a value can land on the next step: one
+    # row of three was 3e-3 off on a Zen 4 (family 25 model 17), the others 2e-7.
+    tol = 1e-2 if dtype == "fp32" else 2e-2
     (ln, sn, (pn, psn)), (lt, stt, (pt, pst)) = out[True], out[False]
     for a, b in ((ln, lt), (pn, pt), (sn.att_kv, stt.att_kv), (psn.att_kv, pst.att_kv)):
         assert rel_rms(a, b) < tol

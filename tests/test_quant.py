@@ -286,6 +286,35 @@ def test_a_16_bit_prefill_gemm_runs_on_rows_padded_to_the_step(monkeypatch, M):
     assert rows and set(rows) == {M}
 
 
+def test_prefill_tiles_are_bounded_in_bytes_and_do_not_change_the_result(monkeypatch):
+    """A prefill GEMM's weight tile holds at most PREFILL_TILE_BYTES (it lives beside the piece's
+    activations); where the weight is cut into tiles does not change a bit of the output, with
+    column scales or without them (a GGUF's K-quants: x goes to the GEMM as it is)."""
+    assert QL.tile_rows(2048, torch.bfloat16) == QL.PREFILL_TILE
+    assert QL.tile_rows(8192, torch.bfloat16) * 8192 * 2 <= QL.PREFILL_TILE_BYTES
+    assert QL.tile_rows(1 << 20, torch.float32) == 64  # never fewer rows than that
+    cuts: list[int] = []
+    real = QL._tiled_linear
+
+    def tiled(x2, n_rows, ct, fn):
+        cuts.append(QL.tile_rows(x2.shape[1], ct))
+        return real(x2, n_rows, ct, fn)
+
+    monkeypatch.setattr(QL, "_tiled_linear", tiled)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 256, generator=g)
+    x = torch.randn(40, 256, generator=g).bfloat16()
+    for col_scale in (True, False):
+        m = Int8Linear.from_weight(w, 64, col_scale=col_scale)
+        assert bool((m.col_scales == 1).all()) != col_scale
+        whole = m(x)
+        monkeypatch.setattr(QL, "PREFILL_TILE_BYTES", 64 * 256 * 4)  # tiles of 64 (fp32) or 128 rows
+        cuts.clear()
+        assert torch.equal(m(x), whole) and len(cuts) == 1 and cuts[0] in (64, 128)
+        monkeypatch.setattr(QL, "PREFILL_TILE_BYTES", 4 << 20)
+        assert rel_rms(whole.float(), F.linear(x.float(), m.dequantize(torch.float32))) < 1e-2
+
+
 def test_warm_gemms_builds_every_padded_row_count_of_every_weight_shape(monkeypatch):
     """The server's warm-up: each 16-bit weight shape once per padded row count up to max_rows,
     the output head aside (it runs with many rows only for every-position logits)."""

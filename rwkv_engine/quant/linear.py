@@ -14,7 +14,7 @@ right shapes, ready for `load_state_dict` (also on the meta device with `assign=
 
 * decode, x on the CPU with at most `GEMV_MAX_ROWS` rows and the native kernels available
   (`rwkv_engine.kernels.native`): one pass over the packed weight (memory-bound GEMV);
-* prefill, x on the CPU with more rows: the weight is dequantized `PREFILL_TILE` rows at a time
+* prefill, x on the CPU with more rows: the weight is dequantized `tile_rows` rows at a time
   into one reused dense buffer and multiplied with the GEMM (compute-bound), in bf16 where x is
   bf16 and the CPU has bf16 matrix instructions (AVX512-BF16 / AMX), else in fp32
   (`prefill_dtype`);
@@ -42,8 +42,17 @@ from rwkv_engine.quant import primitives as P
 
 Tensor = torch.Tensor
 
-# Weight rows dequantized per GEMM call in prefill.
+# Weight rows dequantized per GEMM call in prefill: PREFILL_TILE, or fewer where that many rows would
+# take more than PREFILL_TILE_BYTES (the FFN's value matrix, 8192 columns: 256 rows of bf16). The
+# tile buffer lives through the whole GEMM of a prefill piece, beside its activations; at 1024 rows
+# of 8192 bf16 it was 16 MB of the piece's peak (Q6_K 1.5B shape, Zen 4).
 PREFILL_TILE = 1024
+PREFILL_TILE_BYTES = 4 << 20
+
+
+def tile_rows(K: int, dtype: torch.dtype) -> int:
+    """Weight rows per tile of a prefill GEMM over K columns of `dtype` (a multiple of 64)."""
+    return max(64, min(PREFILL_TILE, PREFILL_TILE_BYTES // (K * dtype.itemsize) // 64 * 64))
 
 # torch's 16-bit CPU GEMM (oneDNN) builds a kernel for every new row count: 4-8 ms per weight shape
 # the first time against under 1 ms after (768 x 3072, bf16, AMX). Prompt pieces come in every
@@ -148,13 +157,14 @@ def warm_gemms(model: nn.Module, max_rows: int) -> int:
 
 
 def _tiled_linear(x2: Tensor, n_rows: int, ct: torch.dtype, tile_fn) -> Tensor:
-    """x2 [M, K] @ W^T for a weight produced PREFILL_TILE rows at a time by
+    """x2 [M, K] @ W^T for a weight produced `tile_rows` rows at a time by
     tile_fn(r0, r1, out) into a reused [rows, K] buffer of dtype ct; result in x2.dtype."""
     xc = x2.to(ct)
-    buf = torch.empty(min(n_rows, PREFILL_TILE), x2.shape[1], dtype=ct)
+    step = tile_rows(x2.shape[1], ct)
+    buf = torch.empty(min(n_rows, step), x2.shape[1], dtype=ct)
     parts = []
-    for r0 in range(0, n_rows, PREFILL_TILE):
-        r1 = min(n_rows, r0 + PREFILL_TILE)
+    for r0 in range(0, n_rows, step):
+        r1 = min(n_rows, r0 + step)
         parts.append(cpu_gemm(xc, tile_fn(r0, r1, buf[: r1 - r0])))
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y.to(x2.dtype)
@@ -226,10 +236,14 @@ class _QuantLinearBase(QuantLinear):
         return F.linear(x2, self.dequantize(x2.dtype))
 
     def _prefill(self, ops, x2: Tensor) -> Tensor:
-        """x2 [M, K] -> [M, N]: dequantize PREFILL_TILE weight rows at a time into one reused
+        """x2 [M, K] -> [M, N]: dequantize `tile_rows` weight rows at a time into one reused
         buffer and multiply each tile with the GEMM (fp32 x stays fp32)."""
         ct = torch.float32 if x2.dtype == torch.float32 else prefill_dtype(x2.dtype)
-        xs = x2.float() * self.col_scales.float()  # the tiles hold weight / col_scales
+        c = self.col_scales
+        if bool((c == 1).all()):  # (a GGUF's K-quants: no column scales) x as it is, no fp32 copies
+            xs = x2
+        else:  # the tiles hold weight / col_scales; one fp32 copy of x, scaled in place
+            xs = x2.float() * c.float() if x2.dtype == torch.float32 else x2.float().mul_(c.float())
         y = _tiled_linear(
             xs.to(ct), self.out_features, ct, lambda r0, r1, out: self._dequant_rows(ops, r0, r1, ct, out)
         )
@@ -354,7 +368,7 @@ class Int4Linear(_QuantLinearBase):
 class DenseLinear(nn.Linear):
     """`nn.Linear(bias=False)` with faster CPU paths: the native GEMV for decode (few rows of x),
     and for prefill of 16-bit weights on CPUs without 16-bit matrix units, fp32 GEMMs on
-    weight tiles converted PREFILL_TILE rows at a time (see `prefill_dtype`).
+    weight tiles converted `tile_rows` rows at a time (see `prefill_dtype`).
 
     Same parameter and state-dict key (`weight`) as nn.Linear; other devices and autograd use
     `F.linear` unchanged. The weight dtype is the module's (fp32 / bf16 / fp16); the output has x's
@@ -435,4 +449,4 @@ def weight_bytes(module: nn.Module) -> int:
     return total
 
 
-__all__ = ["Int8Linear", "Int4Linear", "DenseLinear", "PREFILL_TILE", "weight_bytes"]
+__all__ = ["Int8Linear", "Int4Linear", "DenseLinear", "PREFILL_TILE", "tile_rows", "weight_bytes"]

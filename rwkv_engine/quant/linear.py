@@ -54,6 +54,7 @@ def tile_rows(K: int, dtype: torch.dtype) -> int:
     """Weight rows per tile of a prefill GEMM over K columns of `dtype` (a multiple of 64)."""
     return max(64, min(PREFILL_TILE, PREFILL_TILE_BYTES // (K * dtype.itemsize) // 64 * 64))
 
+
 # torch's 16-bit CPU GEMM (oneDNN) builds a kernel for every new row count: 4-8 ms per weight shape
 # the first time against under 1 ms after (768 x 3072, bf16, AMX). Prompt pieces come in every
 # length, so a 16-bit prefill GEMM's rows are padded with zeros up to a multiple of GEMM_ROW_STEP:

@@ -495,9 +495,10 @@ def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_a
 
 def test_prefill_pace_budget():
     """`PrefillPace.budget`: the whole chunk while no stream decodes, with the share 0, or before
-    both times are measured; else share x step / token seconds (the share times prompts waiting /
-    rows decoding where more prompts wait), at least 32 (one WKV chunk, or the chunk if smaller),
-    at most the chunk; the estimates follow what is measured."""
+    both times are measured; else the tokens of share x step seconds (the share times prompts
+    waiting / rows decoding where more prompts wait; with one piece length measured, at its
+    seconds per token), at least 32 (one WKV chunk, or the chunk if smaller), at most the chunk;
+    the estimates follow what is measured."""
     from rwkv_engine.serve.pace import PrefillPace
 
     pace = PrefillPace(chunk=256, share=1.0, smoothing=0.5)
@@ -531,6 +532,123 @@ def test_prefill_pace_budget():
     assert pace.budget(decoding=False, jobs_only=True) == 128
     assert small.budget(decoding=False, jobs_only=True) == 16
     assert off.budget(decoding=False, jobs_only=True) == 256
+
+
+def test_piece_costs_are_read_between_the_lengths_measured():
+    """`PieceCosts`: a point per length class (WKV chunks) at the averages of its pieces, straight
+    lines between the points, the first one going on down to its fixed part, proportional past
+    the last (and from (0, 0) while one class is measured); `tokens` inverts it: the longest
+    piece that fits, at most `most`."""
+    from rwkv_engine.serve.pace import PieceCosts
+
+    costs = PieceCosts(smoothing=0.5)
+    assert len(costs) == 0 and costs.tokens(1.0, 256) == 0
+    costs.add(32, 0.080)
+    assert costs.seconds(16) == pytest.approx(0.040) and costs.tokens(0.1, 256) == 40  # one point: proportional
+    costs.add(128, 0.128)  # a fixed part: 0.5 ms a token on 64 ms
+    assert len(costs) == 2
+    assert costs.seconds(32) == pytest.approx(0.080) and costs.seconds(16) == pytest.approx(0.072)
+    assert costs.seconds(0) == pytest.approx(0.064) and costs.seconds(80) == pytest.approx(0.104)
+    assert costs.seconds(256) == pytest.approx(0.256)  # past the last: its seconds per token
+    assert costs.tokens(0.104, 256) == 80 and costs.tokens(0.2, 256) == 200 and costs.tokens(1.0, 256) == 256
+    assert costs.tokens(0.0, 256) == 0 and costs.tokens(0.06, 256) == 0  # less than the fixed part
+    costs.add(120, 0.160)  # the same class as 128: its point moves half way, to (124, 0.144)
+    assert costs.seconds(124) == pytest.approx(0.144) and len(costs) == 2
+    costs.add(0, 1.0)  # nothing read: nothing measured
+    assert costs.seconds(124) == pytest.approx(0.144)
+    # a class measured cheaper than a shorter one (each point is its own average): the longest
+    # length that fits is taken; shorter pieces than the first cost as much as it
+    odd = PieceCosts(smoothing=0.5)
+    odd.add(64, 0.2)
+    odd.add(128, 0.1)
+    assert odd.tokens(0.1, 256) == 128 and odd.tokens(0.15, 256) == 192 and odd.seconds(10) == pytest.approx(0.2)
+
+
+def test_a_turns_time_buys_longer_pieces_when_a_piece_has_a_fixed_cost():
+    """Issue 38: with a fixed cost per piece, 32 tokens a turn is the model's least efficient
+    prefill. Pieces measured at 32 tokens (80 ms) and 128 (128 ms), decode steps of 120 ms: the
+    turn buys 112 tokens (one seconds-per-token figure from the 32-token pieces bought 48); and a
+    turn's later pieces get only the time left (`left`), each paying its fixed part again."""
+    from rwkv_engine.serve.pace import PrefillPace
+
+    pace = PrefillPace(chunk=256, share=1.0, smoothing=0.5)
+    pace.prefilled(128, 0.128)  # a whole chunk of a prompt read while nothing decoded
+    pace.prefilled(32, 0.080)
+    pace.decoded(0.120)
+    assert pace.budget(decoding=4) == 112
+    assert pace.left(112 - 32, spent=0.080) == 0  # 40 ms left: less than a piece's fixed 64 ms
+    assert pace.left(112 - 32, spent=0.010) == 80 and pace.left(112 - 32, spent=0.050) == 12
+    assert pace.budget(decoding=0) == 256 and pace.left(200, spent=10.0) == 200  # no time limit
+
+
+class FixedCostLog(TimedLog):
+    """TimedLog whose prefill pieces each cost FIXED seconds more (as a forward's many small
+    operations do whatever its length)."""
+
+    FIXED = 32 * TimedLog.TOKEN
+
+    def forward(self, tokens, *args, **kw):
+        if isinstance(tokens, list):
+            self.now += self.FIXED
+        return super().forward(tokens, *args, **kw)
+
+    def prefill(self, tokens, *args, **kw):
+        self.now += self.FIXED
+        return super().prefill(tokens, *args, **kw)
+
+
+def test_a_turn_with_fixed_piece_costs_keeps_to_its_time(model_and_tokenizer, one_thread, monkeypatch):
+    """On a fake clock where a piece costs FIXED + TOKEN a token and a decode step STEP: while
+    streams decode (and no more prompts wait than rows decode), a turn's prefill takes at most
+    share x STEP, or its one first piece where that alone is longer; some turn reads a piece
+    longer than one seconds-per-token figure from 32-token pieces would allow; every request gets
+    the text `generate` gives it alone."""
+    import random
+
+    monkeypatch.setattr(TimedLog, "STEP", 128 * TimedLog.TOKEN)
+    model, tok = model_and_tokenizer
+    chunk, share, rng = 128, 1.0, random.Random(41)
+    prompts = [[rng.randrange(1, 2000) for _ in range(rng.randint(40, 400))] for _ in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=())
+    config = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=share)
+    log = FixedCostLog(model)
+    engine = SteppedEngine(log, tok, config)
+    engine.clock = lambda: log.now
+    texts: dict[int, list[str]] = {}
+    finished: set[int] = set()
+
+    def sink_for(i):
+        def sink(event):
+            if isinstance(event, Delta):
+                texts.setdefault(i, []).append(event.text)
+            elif isinstance(event, Finished):
+                finished.add(i)
+
+        return sink
+
+    T, F, step = TimedLog.TOKEN, FixedCostLog.FIXED, TimedLog.STEP
+    longest = 0
+    for t in range(400):
+        measured = len(engine.pace.costs) >= 2  # (with one length measured the curve is proportional)
+        for i in (2 * t, 2 * t + 1):
+            if i < len(prompts):
+                engine.submit(Request(list(prompts[i]), greedy), sink_for(i))
+        before, decoding = len(log.log), len(engine._batch.rows)
+        waiting = sum(1 for _ in engine._prefilling) + len(engine._waiting)
+        engine.turn()
+        pieces = [n for kind, n in log.log[before:] if kind == "prefill"]
+        if decoding and pieces and waiting <= decoding and measured:
+            seconds = sum(F + T * n for n in pieces)
+            assert seconds <= max(share * step, F + T * pieces[0]) + 1e-12, (pieces, decoding)
+            longest = max(longest, max(pieces))
+        if len(finished) == len(prompts):
+            break
+    assert len(finished) == len(prompts)
+    # 32-token pieces cost 2 TOKEN a token: share x STEP bought 64 tokens; the curve buys 96
+    assert longest > share * step / ((F + 32 * T) / 32), longest
+    for i, ids in enumerate(prompts):
+        alone = "".join(rwkv_engine.generate(model, tok, ids, greedy))
+        assert "".join(texts.get(i, [])) == alone, f"request {i} ({len(ids)} prompt tokens)"
 
 
 @pytest.mark.parametrize("share", [-1, float("nan"), float("inf"), "1", True])

@@ -8,8 +8,10 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
 2. prefills `Prefill` work (work.py) under the turn's token budget (`PrefillPace`, pace.py):
    `prefill_chunk` tokens while no row decodes; while rows decode, about `prefill_share` times
    a decode step's time worth of tokens, times prompts waiting / rows decoding where more
-   prompts wait (measured as the engine runs; at least one 32-token piece, at most
-   `prefill_chunk`), so the streams' tokens come at an even pace while new prompts are read.
+   prompts wait (measured as the engine runs, pieces by their length: a piece has a fixed cost,
+   so the time buys one long piece rather than several short ones; at least one 32-token
+   piece, at most `prefill_chunk`), so the streams' tokens come at an even pace while new
+   prompts are read.
    Shortest first (`_prefill`, `_urgency`): the next piece of the prompt with the fewest tokens
    left (less a credit for the time it waited), cut to the budget left, then (if the budget is
    not spent) of the next one; a piece that does not fit waits for the next turn. The work is a
@@ -439,10 +441,8 @@ class Engine:
             jobs_only = all(isinstance(w, InputsPrefill) for w in self._prefilling)
             prompts = sum(not isinstance(w, InputsPrefill) for w in self._prefilling) + len(self._waiting)
             self.budget = self.pace.budget(len(self._batch.rows), jobs_only=jobs_only, prompts=prompts)
-            read = self._prefill(self.budget)
-            seconds = self.clock() - t0
-            self.pace.prefilled(read, seconds)
-            self.metrics.inc("engine_seconds_total", seconds, phase="prefill")
+            self._prefill(self.budget, t0)
+            self.metrics.inc("engine_seconds_total", self.clock() - t0, phase="prefill")
         if self._starting:
             self._start_choices()
         if self._joining:
@@ -499,8 +499,10 @@ class Engine:
                     r.finish("cancelled")
             self._batch.keep([i for i, r in enumerate(rows) if not r.cancelled])
 
-    def _prefill(self, budget: int) -> int:
-        """Pieces of the prefill work while `budget` tokens are left; returns the tokens read.
+    def _prefill(self, budget: int, t0: float) -> int:
+        """Pieces of the prefill work while `budget` tokens are left, and while streams decode
+        time in the turn begun at `t0` (`PrefillPace.left`); returns the tokens read. Each piece's
+        time goes to the pace's cost curve.
 
         The next work's (`_next_work`) next piece, cut to the budget left, after which the work
         goes to the back of the line (the order among equals); a piece that does not fit in what
@@ -512,7 +514,7 @@ class Engine:
         job, and the choices of the prompts read start (their first tokens go out) before the
         job's piece runs; an inputs work that read nothing in its last turn goes first, so a
         stream of chats does not stall the job either."""
-        chunk, left = self.config.prefill_chunk, budget
+        chunk, left, total = self.config.prefill_chunk, budget, 0
         tried: list[Prefill] = []  # work whose piece did not fit this turn
         read: list[Prefill] = []
         while left > 0:
@@ -523,9 +525,12 @@ class Engine:
                 self._start_choices()  # first tokens from the prompts read, before the job's piece
             if not work.done:
                 try:
+                    t = self.clock()
                     n = work.step(chunk, left)
                     if n == 0 and left == budget:  # no shorter piece is allowed: the natural one
                         n = work.step(chunk, chunk + GEMV_MAX_ROWS)
+                    if n:
+                        self.pace.prefilled(n, self.clock() - t)
                 except Exception as e:  # one request's failure must not stop the others
                     self._prefilling.remove(work)
                     self._fail(work.rows, e)
@@ -534,7 +539,8 @@ class Engine:
                     tried.append(work)
                     continue
                 read.append(work)
-                left -= max(1, n)
+                total += n
+                left = self.pace.left(left - max(1, n), self.clock() - t0)
                 if isinstance(work, PromptPrefill):
                     self._prompt_tokens_read += n
             self._prefilling.remove(work)
@@ -548,7 +554,7 @@ class Engine:
         for work in self._prefilling:
             if isinstance(work, InputsPrefill):
                 work.starved = work not in read
-        return budget - left
+        return total
 
     def _next_work(self, tried: list[Prefill]) -> Prefill | None:
         """The prefill work whose piece comes next (not one of `tried`): an inputs work that read

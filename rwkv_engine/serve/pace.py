@@ -3,23 +3,33 @@ work takes: the decoding streams wait for a turn's prefill between two of their 
 
 While no row decodes, a turn prefills the whole `--prefill-chunk`: nobody waits for it but the
 prompts themselves. While rows decode, a turn's prefill gets about `share` times the time of a
-decode step: `share x decode step seconds / prefill seconds per token` tokens, at least one
-WKV_CHUNK (the shortest piece a prompt can be cut to, `prefill_piece_end`) and at most the
-chunk. So the gap between two tokens of a stream is about (1 + share) decode steps, on any
-model and machine, instead of one decode step plus a whole chunk (issue 38: on a 0.1B model on
-two cores, inter-token latency p99 1402 ms against a p50 of 45 ms). This is the scheduler half of vLLM's and
-SGLang's chunked prefill, whose per-step token budget is fixed: here it is a time, measured.
+decode step, at least one WKV_CHUNK (the shortest piece a prompt can be cut to,
+`prefill_piece_end`) and at most the chunk. So the gap between two tokens of a stream is about
+(1 + share) decode steps, on any model and machine, instead of one decode step plus a whole
+chunk (issue 38: on a 0.1B model on two cores, inter-token latency p99 1402 ms against a p50 of
+45 ms). This is the scheduler half of vLLM's and SGLang's chunked prefill, whose per-step token
+budget is fixed: here it is a time, measured.
 
 A prompt waiting for its first token weighs as much as a stream waiting for its next one: while
 more prompts are being read than rows decode, the share is multiplied by prompts / rows (still at
 most the chunk). Without that, a burst of prompts (64 clients at once) was read at one decode
-step's worth a turn while a few rows decoded: the queue drained slowly, in short, costly pieces
-(a 32-token piece of the 0.1B model costs about as much as 128 tokens read at once), and the last
-first token came after 116 s against llama-server's 18 s (issue 38, 0.1B, 64 streams).
+step's worth a turn while a few rows decoded: the queue drained slowly, and the last first token
+came after 116 s against llama-server's 18 s (issue 38, 0.1B, 64 streams).
+
+The time becomes tokens through the cost of a piece by its length (`PieceCosts`): running
+averages of the seconds the engine measured for the pieces it read, by length in WKV chunks,
+read between them as straight lines. A piece costs a fixed part (hundreds of small operators
+whatever its length) plus a part per token: a 0.1B RWKV-7 in bf16 on two cores of an AMD Zen 5
+read 32 tokens in 36 ms, 64 in 49, 128 in 74 and 256 in 119. One seconds-per-token figure (as
+here before) charged 128 tokens four times 32; and under load, with the budget at its floor,
+every piece was 32 tokens long, so that figure never met a longer one. The curve keeps what
+longer pieces cost (whole chunks, read while nothing decodes), so a turn's time buys the tokens
+it can; and a turn's later pieces get only the time its earlier ones left (`left`), since each
+pays the fixed part again.
 
 Both times are running estimates (exponential moving averages) of what the engine measured:
-every turn's prefill seconds per token read, every decode step's seconds. Until both have been
-measured the budget is the whole chunk, as it is with `share` 0 (the budget off).
+every piece's seconds, every decode step's seconds. Until both have been measured the budget is
+the whole chunk, as it is with `share` 0 (the budget off).
 """
 
 from __future__ import annotations
@@ -46,15 +56,80 @@ def device_clock(device: torch.device) -> Callable[[], float]:
     return clock
 
 
+def _average(estimate: float | None, value: float, smoothing: float) -> float:
+    return value if estimate is None else estimate + smoothing * (value - estimate)
+
+
+class PieceCosts:
+    """The seconds a prefill piece takes by its length: for each length class (pieces of 1-32
+    tokens, 33-64, ...: WKV chunks, rounded up) the running averages of the tokens and seconds of
+    the pieces measured in it, a point (tokens, seconds) each, joined by straight lines. Shorter
+    than the first point, the first line goes on down to its fixed part (or, with one point
+    measured, down to (0, 0): proportional); past the last point, the cost is proportional to it
+    (no cheaper a token than the longest piece measured: a guess that errs on the short side)."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing = smoothing
+        self._points: dict[int, tuple[float, float]] = {}  # length class -> (tokens, seconds)
+
+    def __len__(self) -> int:
+        """The length classes measured."""
+        return len(self._points)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """A piece of `tokens` tokens took `seconds`."""
+        if tokens <= 0:
+            return
+        c = -(-tokens // WKV_CHUNK)
+        n, s = self._points.get(c, (None, None))
+        self._points[c] = (_average(n, tokens, self.smoothing), _average(s, seconds, self.smoothing))
+
+    def _knots(self, most: float) -> list[tuple[float, float]]:
+        """The curve from 0 to at least `most` tokens as points joined by straight lines."""
+        points = sorted(self._points.values())
+        (n0, s0), (n, s) = points[0], points[-1]
+        head = (0.0, 0.0)
+        if len(points) > 1:
+            slope = (points[1][1] - s0) / (points[1][0] - n0)
+            head = (0.0, max(0.0, s0 - slope * n0) if slope > 0 else s0)
+        end = max(float(most), n + 1.0)
+        return [head, *points, (end, s * end / n)]
+
+    def seconds(self, tokens: float) -> float:
+        """The estimated seconds of a piece of `tokens` tokens (some piece must have been measured)."""
+        knots = self._knots(tokens)
+        for (n0, s0), (n1, s1) in zip(knots, knots[1:]):
+            if tokens <= n1:
+                return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
+        return knots[-1][1]
+
+    def tokens(self, seconds: float, most: int) -> int:
+        """The longest piece, of at most `most` tokens, whose estimated cost is within `seconds`
+        (0 if none is, or nothing was measured). The curve need not rise everywhere (each point is
+        its own average): the longest length that fits is taken wherever it lies."""
+        if not self._points or seconds <= 0:
+            return 0
+        knots = self._knots(most)
+        best = 0.0
+        for (n0, s0), (n1, s1) in zip(knots, knots[1:]):
+            if s1 <= seconds:
+                best = max(best, n1)
+            elif s0 <= seconds:
+                best = max(best, n0 + (n1 - n0) * (seconds - s0) / (s1 - s0))
+        return min(most, int(best + 1e-6))  # (a millionth of a token: the inversion's rounding, not time)
+
+
 class PrefillPace:
-    """A turn's prefill budget in tokens (`budget`), from the measured prefill and decode times
-    (`prefilled`, `decoded`). smoothing: the weight of a new measurement in its estimate."""
+    """A turn's prefill budget in tokens (`budget`) and what is left of it after each piece
+    (`left`), from the measured piece and decode times (`prefilled`, `decoded`). smoothing: the
+    weight of a new measurement in its estimate."""
 
     def __init__(self, chunk: int, share: float, smoothing: float = 0.25):
         self.chunk, self.share, self.smoothing = chunk, share, smoothing
         self.floor = min(chunk, WKV_CHUNK)
-        self.token_seconds: float | None = None  # prefill seconds per token
+        self.costs = PieceCosts(smoothing)
         self.step_seconds: float | None = None  # seconds of a decode step
+        self.turn_seconds: float | None = None  # the time of the turn being planned (None: no time limit)
 
     def budget(self, decoding: int, jobs_only: bool = False, prompts: int = 0) -> int:
         """The prompt tokens this turn may prefill; `decoding`: the rows that wait for this turn's
@@ -62,25 +137,31 @@ class PrefillPace:
         `jobs_only`: the only prefill work is embedding / rerank jobs. With nothing decoding, a
         turn of jobs alone gets half the chunk: a chat that arrives meanwhile waits for the turn
         in flight (issue 37: 8 chats' first token during a 1000-text job was 2.08x of alone on a
-        1.5B model, the job's 256-token turns taking about 3 s on two cores)."""
+        1.5B model, the job's 256-token turns taking about 3 s on two cores). While rows decode,
+        the turn also has a time (`turn_seconds`), by which `left` cuts its later pieces."""
+        self.turn_seconds = None
         if not self.share:
             return self.chunk
         if not decoding and jobs_only:
             return max(self.floor, self.chunk // 2)
-        if not decoding or self.token_seconds is None or self.step_seconds is None:
+        if not decoding or not self.costs or self.step_seconds is None:
             return self.chunk
-        share = self.share * max(1.0, prompts / decoding)
-        tokens = share * self.step_seconds / self.token_seconds
-        return max(self.floor, min(self.chunk, int(tokens)))
+        self.turn_seconds = self.share * max(1.0, prompts / decoding) * self.step_seconds
+        return max(self.floor, self.costs.tokens(self.turn_seconds, self.chunk))
+
+    def left(self, budget_left: int, spent: float) -> int:
+        """The tokens the turn's next piece may read, `budget_left` of its tokens being left and
+        `spent` seconds of it gone: no more than fit in the turn's time left. A piece has a fixed
+        cost, so three pieces of 32 tokens take longer than one of 96: the budget in tokens alone
+        would let a turn of many short pieces run well past its time."""
+        if self.turn_seconds is None:
+            return budget_left
+        return min(budget_left, self.costs.tokens(self.turn_seconds - spent, self.chunk))
 
     def prefilled(self, tokens: int, seconds: float) -> None:
-        """A turn read `tokens` prompt tokens in `seconds`."""
-        if tokens > 0:
-            self.token_seconds = self._average(self.token_seconds, seconds / tokens)
+        """A piece of `tokens` prompt tokens took `seconds`."""
+        self.costs.add(tokens, seconds)
 
     def decoded(self, seconds: float) -> None:
         """A decode step took `seconds`."""
-        self.step_seconds = self._average(self.step_seconds, seconds)
-
-    def _average(self, estimate: float | None, value: float) -> float:
-        return value if estimate is None else estimate + self.smoothing * (value - estimate)
+        self.step_seconds = _average(self.step_seconds, seconds, self.smoothing)

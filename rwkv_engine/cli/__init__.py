@@ -67,6 +67,9 @@ def _file_error(e: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..threads import configure_openmp
+
+    configure_openmp()  # before torch loads (rwkv_engine/threads.py)
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:
         return _fail(PROG, f"no command given; one of: {', '.join(COMMANDS)} (see {PROG} --help)", 2)

@@ -11,6 +11,7 @@ from ..errors import StateError
 from ..settings import Config
 from ..state import State, load_state
 from ..templates import ChatTemplate
+from ..threads import releasing
 from . import protocol as p
 from .engine import Engine
 from .errors import APIError
@@ -77,7 +78,7 @@ class SavedStates:
     async def _load(self, name: str, path: Path) -> State:
         model = self.model
         try:  # a State.save file or a state-tuning (time_state) file, checked against the model
-            state = await asyncio.to_thread(load_state, model, path)
+            state = await asyncio.to_thread(releasing(load_state), model, path)
         except StateError as e:  # (its message names the server's path: not for clients)
             why = str(e).split(": ", 1)[-1]
             raise APIError(400, f"state {name!r}: {why}", param="state") from None

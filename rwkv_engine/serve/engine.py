@@ -125,6 +125,7 @@ from ..settings import MAX_CHOICES, MAX_PASS_TOKENS, SPECULATIVE_KINDS, EngineCo
 from ..speculative import SpeculativeRow, SpeculativeStats, drafter_for, make_drafter
 from ..state import State
 from ..structured import grammar_for
+from ..threads import release_openmp_threads
 from .decode import DecodeBatch, token_entries
 from .logprobs import MAX_TOP_LOGPROBS
 from .messages import Delta, EngineStopped, Finished, InputsRequest, Prompt, QueueFull, Read, Request, Sink
@@ -229,8 +230,14 @@ class Engine:
     # --- control (any thread) -------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread. The calling thread's OpenMP workers (it loaded the model) are
+        freed first: with a second team alive, every parallel region of the engine waited for
+        its worker to wake (rwkv_engine/threads.py: prefill about half as fast on two cores).
+        Tensor work the caller does later starts them again; the engine's model work is meant
+        to be the process's only parallel tensor work while it runs."""
         if self._thread is not None:
             raise RuntimeError("the engine is already started")
+        release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="rwkv-engine", daemon=True)
         self._thread.start()
 

@@ -22,6 +22,7 @@ from ..errors import InputError
 from ..reasoning import ReasoningSplitter, reply_start
 from ..sampling import SamplingParams
 from ..structured import ThoughtGate, grammar_for
+from ..threads import releasing
 from ..tool_calls import FORMATS, ToolFormat
 from . import protocol as p
 from .context import ServingContext
@@ -117,12 +118,14 @@ async def chat_constraint(ctx: ServingContext, req: p.ChatCompletionRequest, par
     else:
         return params, None
     try:
-        inner = await asyncio.to_thread(make)
+        inner = await asyncio.to_thread(releasing(make))  # (rwkv_engine/threads.py)
     except InputError as e:
         raise APIError(400, str(e), param=param) from None
     if start in ("thought", "thought>", "answer>"):
         matched = len("</think") if start == "answer>" else 0
-        await asyncio.to_thread(ThoughtGate, inner, tokenizer, vocab, matched)  # (its token tables, built once)
+        await asyncio.to_thread(
+            releasing(ThoughtGate), inner, tokenizer, vocab, matched
+        )  # (its token tables, built once)
         return params, lambda: ThoughtGate(inner, tokenizer, vocab, matched)
     return params, inner
 

@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from ..state import State
+from ..threads import release_openmp_threads
 
 FORMAT = "rwkv-engine-prompt-state/1"
 SUFFIX = ".state.safetensors"
@@ -201,6 +202,7 @@ class StateStore:
             except Exception as e:  # a full disk, a removed directory: the cache goes on in memory
                 self._warn(f"could not write a state to {self.root} ({e})")
             finally:
+                release_openmp_threads()  # (no OpenMP team beside the engine's: rwkv_engine/threads.py)
                 self._queue.task_done()
 
     def _write(self, start_key: str, prefix: list[int], state: State) -> None:

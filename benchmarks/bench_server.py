@@ -451,6 +451,7 @@ def engine_counters(url: str) -> dict:
     """Our server's engine seconds by phase and decode step counts, from /metrics."""
     names = {ph: f'rwkv_engine_engine_seconds_total{{phase="{ph}"}}' for ph in ENGINE_PHASES}
     names |= {"steps": "rwkv_engine_decode_steps_total", "rows": "rwkv_engine_decode_rows_total"}
+    names |= {"pieces": "rwkv_engine_prefill_pieces_total", "prefilled": "rwkv_engine_prefill_tokens_total"}
     return {k: metric(url, n) for k, n in names.items()}
 
 
@@ -571,7 +572,12 @@ def run_mixed(args, work: Path) -> None:
         for c, d, wall in counters:
             phases = ", ".join(f"{ph} {d[ph]:.1f}" for ph in ENGINE_PHASES)
             batch = d["rows"] / d["steps"] if d["steps"] else 0.0
-            print(f"  {c} streams: {phases} of {wall:.1f} s; mean batch {batch:.1f} over {d['steps']:.0f} steps")
+            piece = d["prefilled"] / d["pieces"] if d.get("pieces") else math.nan  # (an older engine has no count)
+            rate = d["prefilled"] / d["prefill"] if d["prefill"] else math.nan
+            print(
+                f"  {c} streams: {phases} of {wall:.1f} s; mean batch {batch:.1f} over {d['steps']:.0f} steps; "
+                f"prefill {d['prefilled']:.0f} tokens in pieces of {piece:.0f} on average, {rate:.0f} tok/s"
+            )
 
 
 # --- a conversation resumed after a restart (--workload resume) -------------------------------------

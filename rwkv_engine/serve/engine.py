@@ -538,6 +538,7 @@ class Engine:
                         n = work.step(chunk, chunk + GEMV_MAX_ROWS)
                     if n:
                         self.pace.prefilled(n, self.clock() - t)
+                        self.metrics.inc("prefill_pieces_total")
                 except Exception as e:  # one request's failure must not stop the others
                     self._prefilling.remove(work)
                     self._fail(work.rows, e)

@@ -26,6 +26,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "http_errors_total": ("counter", "Requests answered with an error status, by status code."),
     "prompt_tokens_total": ("counter", "Prompt tokens of admitted requests."),
     "prefill_tokens_total": ("counter", "Prompt tokens run through the model (prompt tokens minus cache hits)."),
+    "prefill_pieces_total": (
+        "counter",
+        "Prefill pieces run (a model forward each); prefill_tokens_total / this is the mean piece length.",
+    ),
     "generation_tokens_total": ("counter", "Tokens generated."),
     "generation_tokens_per_second": ("gauge", "Tokens generated per second over the last window."),
     "decode_steps_total": ("counter", "Batched decode steps (one model forward each)."),

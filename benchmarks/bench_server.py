@@ -516,14 +516,15 @@ def run_mixed(args, work: Path) -> None:
             log = work / f"bench_server-mixed{i or ''}.log"
             proc, url = start_server(model, args, log, tree)
             servers.append(Served(name, proc, url, log, ours_body))
+        threads = args.threads or os.cpu_count()  # (the peers are told a number: ours defaults to it too)
         for peer in args.peer:
             if peer == "rwkvserve":
-                servers.append(start_rwkvserve(work, ckpt, Path(args.cache), args.dtype, top, args.threads))
+                servers.append(start_rwkvserve(work, ckpt, Path(args.cache), args.dtype, top, threads))
             else:
                 llama_type = "Q8_0" if args.quantization == "q8" else "F16"
                 ctx = 1024 * (1 + (600 + args.tokens) // 1024)
                 servers.append(
-                    start_llama_server(work, ckpt, Path(args.cache), llama_type, top, args.threads, args.jobs, ctx)
+                    start_llama_server(work, ckpt, Path(args.cache), llama_type, top, threads, args.jobs, ctx)
                 )
         print(f"servers up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         tok = WorldTokenizer()

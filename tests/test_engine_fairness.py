@@ -259,6 +259,10 @@ class PassLog:
         self.log.append(("prefill", len(tokens)))
         return self._model.prefill(tokens, *args, **kw)
 
+    def forward_into(self, tokens, *args, **kw):  # a decode pass of every row (serve/decode.py)
+        self.log.append(("decode", tokens.shape[0]))
+        return self._model.forward_into(tokens, *args, **kw)
+
 
 @pytest.fixture
 def one_thread():
@@ -415,6 +419,10 @@ class TimedLog(PassLog):
     def prefill(self, tokens, *args, **kw):
         self.now += self.TOKEN * len(tokens)
         return super().prefill(tokens, *args, **kw)
+
+    def forward_into(self, tokens, *args, **kw):
+        self.now += self.STEP
+        return super().forward_into(tokens, *args, **kw)
 
 
 def mixed_turns(model, tok, config: EngineConfig, prompts, params):

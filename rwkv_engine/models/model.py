@@ -102,14 +102,24 @@ def prefill_cuts(total: int, chunk: int) -> list[int]:
     return cuts
 
 
-def decode_rows(model, tokens: Tensor, batch: State, all_logits: bool = False) -> tuple[Tensor, State]:
+def decode_rows(
+    model, tokens: Tensor, batch: State, all_logits: bool = False, out: State | None = None
+) -> tuple[Tensor, State]:
     """`model.forward(tokens [B, T], batch, all_logits)`, on the CPU in groups of at most
     GEMV_MAX_ROWS rows x tokens: each group runs the native step, so every row's logits and state
     are those of its sequence alone (one forward of more rows would take the batched GEMM, whose
     rounding depends on the batch). T > 1: a speculative verify pass of the rows' pending tokens
-    and drafts. The prefill half of the same rule is `prefill_end`."""
+    and drafts. The prefill half of the same rule is `prefill_end`. out: a state of B rows the
+    new state is written into (`RWKV.forward_into`; returned), else it is new tensors."""
     B, T = tokens.shape
     G = max(1, GEMV_MAX_ROWS // T)
+    if out is not None:
+        if B <= G or model.device.type != "cpu":
+            return model.forward_into(tokens, batch, out, all_logits), out
+        parts = [
+            model.forward_into(tokens[i : i + G], batch[i : i + G], out[i : i + G], all_logits) for i in range(0, B, G)
+        ]
+        return torch.cat(parts), out
     if B <= G or model.device.type != "cpu":
         return model.forward(tokens, state=batch, all_logits=all_logits)
     parts = [model.forward(tokens[i : i + G], state=batch[i : i + G], all_logits=all_logits) for i in range(0, B, G)]
@@ -448,11 +458,43 @@ class RWKV(nn.Module):
         self.reset_decode_step()
         return super()._apply(*args, **kwargs)
 
-    def _forward_native(self, step: DecodeStep, ids: Tensor, state: State, all_logits: bool, one_d: bool):
-        """forward() of a few tokens per row through `step`; the same results as the block loop."""
+    def _forward_native(
+        self, step: DecodeStep, ids: Tensor, state: State, all_logits: bool, one_d: bool, out: State | None = None
+    ):
+        """forward() of a few tokens per row through `step`; the same results as the block loop.
+        out: where the new state goes (`forward_into`), else new tensors."""
         x = self.emb(ids).float().contiguous()  # [B, T, C]
         fields = state.fields
         ins = [t.contiguous() for _, t in state.items()]
-        outs = [torch.empty_like(t) for t in ins]
+        outs = [torch.empty_like(t) for t in ins] if out is None else [getattr(out, k) for k in fields]
         logits = step(x, ins, outs, all_logits)  # [B, T, V] or [B, V]
-        return (logits[0] if one_d else logits), State(dict(zip(fields, outs)), state.signature)
+        return (logits[0] if one_d else logits), (out or State(dict(zip(fields, outs)), state.signature))
+
+    @torch.no_grad()
+    def forward_into(self, tokens: Tensor, state: State, out: State, all_logits: bool = False) -> Tensor:
+        """`forward(tokens [B, T], state, all_logits)` that writes the new state into `out` (the
+        fields of `state`, B rows each, contiguous, sharing no memory with `state`) and returns
+        the logits. A server's decode batch steps between two buffers of its own this way: a new
+        state of tens of MB allocated every step comes from fresh pages, which cost more to fault
+        in than the step's own work on them (`serve/decode.py`)."""
+        if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+            raise InputError("forward_into takes tokens as a LongTensor [B, T]")
+        if set(out.fields) != set(state.fields) or out.signature != state.signature:
+            raise StateError("forward_into: out must have the fields of the state")
+        for k, t in state.items():
+            o = getattr(out, k)
+            if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device or not o.is_contiguous():
+                raise StateError(f"forward_into: out.{k} must be contiguous, {tuple(t.shape)} {t.dtype} on {t.device}")
+        B, T = tokens.shape
+        native = self.native_decode and self.layer_observer is None
+        if B * T <= GEMV_MAX_ROWS and native and self.device.type == "cpu" and not self._graph_decode():
+            self.require_lm_head()
+            ids, _ = self._check_tokens(tokens)
+            self._check_state(state, B)
+            step = self._decode_step()
+            if step is not None:
+                return self._forward_native(step, ids, state, all_logits, False, out)[0]
+        logits, new = self.forward(tokens, state, all_logits)
+        for k, t in new.items():
+            getattr(out, k).copy_(t)
+        return logits

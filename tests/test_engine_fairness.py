@@ -572,6 +572,42 @@ def test_piece_costs_are_read_between_the_lengths_measured():
     assert odd.tokens(0.1, 256) == 128 and odd.tokens(0.15, 256) == 192 and odd.seconds(10) == pytest.approx(0.2)
 
 
+def test_a_queue_of_prompts_is_read_in_pieces_that_are_not_mostly_fixed_cost():
+    """While more prompts wait than rows decode, a turn reads at least `PieceCosts.efficient`
+    tokens (the shortest length within 1.5x the best seconds a token), and has the time for it,
+    however short the decode steps are; with no queue, the step's time decides."""
+    from rwkv_engine.serve.pace import PrefillPace
+
+    pace = PrefillPace(chunk=256, share=1.0, smoothing=0.5)
+    for n, ms in ((32, 36), (64, 49), (128, 74), (256, 119)):  # the 0.1B shape on a Zen 5
+        pace.prefilled(n, ms / 1000)
+    assert pace.costs.efficient(256) == 96  # 0.64 ms a token; the best, 0.46 at 256
+    pace.decoded(0.010)
+    assert pace.budget(decoding=20, prompts=10) == 32  # no queue: a 10 ms step buys the floor
+    assert pace.budget(decoding=20, prompts=44) == 96 and pace.turn_seconds == pytest.approx(0.0615)
+    assert pace.left(96 - 96, spent=0.06) == 0
+
+
+def test_the_engine_measures_piece_lengths_up_to_the_chunk_before_serving(model_and_tokenizer):
+    """The warm-up times pieces of 32, 64, ... tokens up to --prefill-chunk for the pace's curve,
+    so that a server started under a queue of short prompts knows what longer pieces cost."""
+    model, tok = model_and_tokenizer
+    engine = Engine(model, tok, EngineConfig(max_batch=2, prefill_chunk=128))
+    engine.start()
+    try:
+        wait_ready(engine)
+        assert sorted(round(n) for n, _ in engine.pace.costs._points.values()) == [32, 64, 128]
+    finally:
+        engine.stop()
+    off = Engine(model, tok, EngineConfig(max_batch=2, prefill_chunk=128, prefill_share=0))
+    off.start()
+    try:
+        wait_ready(off)
+        assert len(off.pace.costs) == 0  # the budget is off: nothing to measure
+    finally:
+        off.stop()
+
+
 def test_a_turns_time_buys_longer_pieces_when_a_piece_has_a_fixed_cost():
     """Issue 38: with a fixed cost per piece, 32 tokens a turn is the model's least efficient
     prefill. Pieces measured at 32 tokens (80 ms) and 128 (128 ms), decode steps of 120 ms: the

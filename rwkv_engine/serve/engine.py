@@ -118,7 +118,7 @@ from ..embedding import Embedding, Reranking
 from ..errors import InputError
 from ..generation import TextStream, encode_prompt
 from ..kernels.native import GEMV_MAX_ROWS
-from ..models.model import decode_rows
+from ..models.model import WKV_CHUNK, decode_rows
 from ..quant.linear import warm_gemms
 from ..sampling import Sampler, SamplingParams
 from ..settings import MAX_CHOICES, MAX_PASS_TOKENS, SPECULATIVE_KINDS, EngineConfig
@@ -406,7 +406,24 @@ class Engine:
         # The 16-bit GEMM's kernels for every padded row count a prompt piece can have: built on
         # first use, 20-30 ms a new length on the 0.1B shape (quant.linear.GEMM_ROW_STEP).
         warm_gemms(self.model, cfg.prefill_chunk + GEMV_MAX_ROWS)
+        self._measure_pieces()
         print(f"{self.config.name}: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def _measure_pieces(self) -> None:
+        """Time prompt pieces of 32, 64, 128, ... tokens up to the chunk, for the pace's cost
+        curve (pace.py): under load the pace reads what the curve says a turn's time buys, and
+        it learns what longer pieces cost only from pieces it has read; from a start with a queue
+        of prompts the turns' time bought only short pieces, which then was all it knew (issue
+        38: 64 streams read their prompts in pieces of 45-50 tokens). About the time of two
+        chunks' prefill (0.3 s on the 0.1B shape on two cores)."""
+        if not self.config.prefill_share or not self.model.config.lm_head:
+            return
+        n, chunk = WKV_CHUNK, self.config.prefill_chunk
+        while n <= chunk:
+            t = self.clock()
+            self.model.prefill([0] * n)
+            self.pace.prefilled(n, self.clock() - t)
+            n *= 2
 
     def _loop(self) -> None:
         try:

@@ -14,7 +14,11 @@ A prompt waiting for its first token weighs as much as a stream waiting for its 
 more prompts are being read than rows decode, the share is multiplied by prompts / rows (still at
 most the chunk). Without that, a burst of prompts (64 clients at once) was read at one decode
 step's worth a turn while a few rows decoded: the queue drained slowly, and the last first token
-came after 116 s against llama-server's 18 s (issue 38, 0.1B, 64 streams).
+came after 116 s against llama-server's 18 s (issue 38, 0.1B, 64 streams). Such a queue is also
+read in pieces no shorter than `PieceCosts.efficient` (within 1.5x the best seconds a token the
+curve knows): a budget tied to the decode step's time shrinks as the steps get cheaper, and 64
+streams settled with 20 rows decoding, 44 prompts waiting and pieces of 45 tokens (TTFT p50
+11-13 s), where pieces of 100 tokens kept 44 rows decoding (TTFT p50 0.6-1.2 s).
 
 The time becomes tokens through the cost of a piece by its length (`PieceCosts`): running
 averages of the seconds the engine measured for the pieces it read, by length in WKV chunks,
@@ -103,6 +107,17 @@ class PieceCosts:
                 return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
         return knots[-1][1]
 
+    def efficient(self, most: int, within: float = 1.5) -> int:
+        """The shortest piece (whole WKV chunks, at most `most` tokens) whose estimated seconds a
+        token are within `within` times the least of any such length: past it, a longer piece
+        gains little. WKV_CHUNK while nothing is measured."""
+        if not self._points:
+            return min(most, WKV_CHUNK)
+        lengths = range(WKV_CHUNK, max(most, WKV_CHUNK) + 1, WKV_CHUNK)
+        per_token = {n: self.seconds(n) / n for n in lengths}
+        best = min(per_token.values())
+        return min(n for n, t in per_token.items() if t <= within * best)
+
     def tokens(self, seconds: float, most: int) -> int:
         """The longest piece, of at most `most` tokens, whose estimated cost is within `seconds`
         (0 if none is, or nothing was measured). The curve need not rise everywhere (each point is
@@ -147,7 +162,11 @@ class PrefillPace:
         if not decoding or not self.costs or self.step_seconds is None:
             return self.chunk
         self.turn_seconds = self.share * max(1.0, prompts / decoding) * self.step_seconds
-        return max(self.floor, self.costs.tokens(self.turn_seconds, self.chunk))
+        floor = self.floor
+        if prompts > decoding:  # a queue: read it in pieces that are not mostly fixed cost
+            floor = max(floor, self.costs.efficient(self.chunk))
+            self.turn_seconds = max(self.turn_seconds, self.costs.seconds(floor))
+        return max(floor, self.costs.tokens(self.turn_seconds, self.chunk))
 
     def left(self, budget_left: int, spent: float) -> int:
         """The tokens the turn's next piece may read, `budget_left` of its tokens being left and

@@ -16,9 +16,9 @@ rows of one, and a pass of every row writes the new states into the other
 its place (one row copied; the rows keep no order); rows that join are written after the last
 (the buffers grow, with room for a quarter more, when they are full, and shrink when they are
 less than a quarter used). Before, each step's new state, each join (a concatenation) and each
-leave (an index) was a new batch-sized tensor: on the 0.1B RWKV-7 shape (2.4 MB a row), at 45
-rows, a concatenation took 29 ms and keeping 44 rows 33 ms, faulting in fresh pages (a decode
-step of those rows, 76 ms; AMD Zen 5, 2 threads).
+leave (an index) was a new batch-sized tensor with every row's state copied into it: on the 0.1B
+RWKV-7 shape (2.4 MB a row), at 45 rows, on the engine's thread, a concatenation took 29 ms and
+keeping 44 rows 33 ms, beside a decode step of those rows of 76 ms (AMD Zen 5, 2 threads).
 """
 
 from __future__ import annotations

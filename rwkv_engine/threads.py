@@ -24,7 +24,8 @@ The native kernels run on a pool of their own (kernels/native/pool.h), whose hel
 so after each of PyTorch's regions (a decode step's sampling, say) the OpenMP worker kept a core
 busy well into the native step that followed, where the pool's helper needed it. `OPENMP_SPIN`
 (10,000 pauses, about 0.1-0.4 ms: longer than the gaps between two operators of a forward) is
-what the `rwkv-engine` command sets, unless the environment chooses (`configure_openmp`): on
+what the `rwkv-engine` command sets, unless the environment chooses (`configure_openmp`; Ray's
+replicas get it in their actor's environment, `openmp_env`): on
 the Zen 5 above, a 16-row decode step then took 15.6-15.9 ms instead of 20.6-20.9, and prompt
 pieces took as long as before (32 tokens: 25.0-25.2 ms against 25.1-25.3).
 """
@@ -43,6 +44,15 @@ _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the threads, keep what is chea
 
 # libgomp's spin before a waiting worker sleeps, in pauses (its default: 300,000)
 OPENMP_SPIN = 10_000
+
+
+def openmp_env() -> dict[str, str]:
+    """The environment a process that will run the engine should start with (`configure_openmp`'s
+    setting), for processes not started through the `rwkv-engine` command (Ray's replicas); none
+    where this process's environment chooses a spin or wait policy (its processes inherit it)."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"GOMP_SPINCOUNT": str(OPENMP_SPIN)}
 
 
 def configure_openmp() -> bool:

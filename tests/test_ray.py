@@ -314,6 +314,29 @@ def test_prefix_affinity_keeps_the_cache_hitting(cluster, client):
     assert m["rwkv_engine_prompt_cache_hits_total"] >= 5  # the summed series
 
 
+def test_replicas_start_with_the_commands_openmp_spin(cluster):
+    """A replica does not start through `rwkv-engine`, which sets libgomp's spin before torch
+    loads (rwkv_engine/threads.py); its actor's environment carries it instead."""
+    import os
+    from pathlib import Path
+
+    import httpx
+
+    assert httpx.get(cluster + "/health", timeout=60).status_code == 200
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"EngineReplica" in (proc / "cmdline").read_bytes():
+                found.append((proc / "environ").read_bytes().split(b"\0"))
+        except (OSError, ValueError):
+            continue
+    assert found, "no replica process found"
+    want = b"GOMP_SPINCOUNT=" + (os.environ.get("GOMP_SPINCOUNT", "10000")).encode()
+    if "OMP_WAIT_POLICY" in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        pytest.skip("this environment sets OMP_WAIT_POLICY: the replicas inherit it")
+    assert all(want in env for env in found), found[0][:5]
+
+
 def test_killed_replica_is_replaced(cluster, client, ref):
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "rwkv-engine#EngineReplica" in a["name"]]
     assert len(names) == 2

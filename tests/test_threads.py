@@ -162,3 +162,18 @@ def test_configure_openmp_sets_the_spin_only_before_torch_loads_and_if_unset(env
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == expect
+
+
+def test_openmp_env_is_the_spin_unless_the_environment_chooses(monkeypatch):
+    """What Ray's replicas get in their environment (serve/ray.py): the command's spin, or
+    nothing where this process's environment sets a spin or wait policy (they inherit it)."""
+    from rwkv_engine.threads import OPENMP_SPIN, openmp_env
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert openmp_env() == {"GOMP_SPINCOUNT": str(OPENMP_SPIN)}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert openmp_env() == {}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    assert openmp_env() == {}

@@ -487,6 +487,16 @@ async def _rest(stream, sse: bool):
 # --- building and running ------------------------------------------------------------------------
 
 
+def replica_options(cpus: float) -> dict:
+    """An engine replica's Ray actor options: its CPUs, and libgomp's spin in its environment
+    (rwkv_engine/threads.py: a replica does not start through the `rwkv-engine` command, which
+    sets it, and libgomp reads it only when torch loads)."""
+    from ..threads import openmp_env
+
+    env = openmp_env()
+    return {"num_cpus": cpus, "runtime_env": {"env_vars": env}} if env else {"num_cpus": cpus}
+
+
 def build_app(config: Config, replicas: int = 2, replica_cpus: float = 1.0, board=None):
     """The Ray Serve application: `replicas` engine replicas, each reserving `replica_cpus` CPUs,
     behind one ingress; each replica builds the server of `config` (its API key included)."""
@@ -497,7 +507,7 @@ def build_app(config: Config, replicas: int = 2, replica_cpus: float = 1.0, boar
         EngineReplica,
         name="EngineReplica",
         num_replicas=replicas,
-        ray_actor_options={"num_cpus": replica_cpus},
+        ray_actor_options=replica_options(replica_cpus),
         max_ongoing_requests=max_batch + config.engine.max_queue,
         graceful_shutdown_timeout_s=config.server.shutdown_timeout,
         graceful_shutdown_wait_loop_s=0.5,

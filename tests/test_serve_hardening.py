@@ -262,21 +262,26 @@ def test_health_says_starting_until_the_warm_up_is_done(model_and_tokenizer):
 def test_twenty_at_once_with_eight_slots_and_two_queue_places(open_server):
     """D3 as reported: --max-batch 8 --max-queue 2 and 20 requests at once: 10 are answered, 10 get 429."""
 
-    async def one(ac, i, statuses):
+    async def one(ac, i, statuses, answered):
         body = {"model": MODEL, "prompt": f"Go {i}", "stream": True, "temperature": 0, **LONG}
         async with ac.stream("POST", COMPLETIONS, json=body) as r:
             statuses.append(r.status_code)
+            if len(statuses) == 20:
+                answered.set()
             if r.status_code == 200:
+                # No stream closes (which cancels it and frees its slot) before every request
+                # has its answer: else a fast engine let an eleventh request in.
+                await asyncio.wait_for(answered.wait(), 60)
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         break  # it runs (or waits for a slot, then runs): enough; closing cancels it
 
     async def run():
-        statuses = []
+        statuses, answered = [], asyncio.Event()
         async with httpx.AsyncClient(
             base_url=open_server.url, timeout=60, limits=httpx.Limits(max_connections=40)
         ) as ac:
-            await asyncio.gather(*(one(ac, i, statuses) for i in range(20)))
+            await asyncio.gather(*(one(ac, i, statuses, answered) for i in range(20)))
         return statuses
 
     statuses = asyncio.run(run())

@@ -425,13 +425,15 @@ class TimedLog(PassLog):
         return super().forward_into(tokens, *args, **kw)
 
 
-def mixed_turns(model, tok, config: EngineConfig, prompts, params):
-    """Drive a SteppedEngine on a TimedLog of `model` through `prompts` (2 arriving per turn).
-    Returns (per turn: (prompt tokens read, streams decoding at its start, the budget gauge after
-    it, prompts waiting for their first token at its start)), texts by request)."""
+def mixed_turns(model, tok, config: EngineConfig, prompts, params, log_class=None):
+    """Drive a SteppedEngine on a `log_class` (default TimedLog) of `model` through `prompts` (2
+    arriving per turn). Returns (per turn: (prompt tokens read, streams decoding at its start, the
+    budget gauge after it, prompts waiting for their first token at its start)), texts by
+    request, per turn: (its prefill pieces' lengths, the length classes of the pace's cost curve
+    measured at its start))."""
     from rwkv_engine.serve.work import InputsPrefill
 
-    log = TimedLog(model)
+    log = (log_class or TimedLog)(model)
     engine = SteppedEngine(log, tok, config)
     engine.clock = lambda: log.now
     texts: dict[int, list[str]] = {}
@@ -446,20 +448,22 @@ def mixed_turns(model, tok, config: EngineConfig, prompts, params):
 
         return sink
 
-    turns = []
+    turns, details = [], []
     for t in range(400):
+        measured = len(engine.pace.costs)
         for i in (2 * t, 2 * t + 1):
             if i < len(prompts):
                 engine.submit(Request(list(prompts[i]), params), sink_for(i))
         before, decoding = len(log.log), len(engine._batch.rows)
         waiting = sum(not isinstance(w, InputsPrefill) for w in engine._prefilling) + len(engine._waiting)
         engine.turn()
-        read = sum(n for kind, n in log.log[before:] if kind == "prefill")
-        turns.append((read, decoding, engine.gauges()["prefill_budget_tokens"], waiting))
+        pieces = [n for kind, n in log.log[before:] if kind == "prefill"]
+        turns.append((sum(pieces), decoding, engine.gauges()["prefill_budget_tokens"], waiting))
+        details.append((pieces, measured))
         if len(finished) == len(prompts):
             break
     assert len(finished) == len(prompts)
-    return turns, {i: "".join(t) for i, t in texts.items()}
+    return turns, {i: "".join(t) for i, t in texts.items()}, details
 
 
 def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_and_tokenizer, one_thread):
@@ -479,7 +483,7 @@ def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_a
     budget = int(share * TimedLog.STEP / TimedLog.TOKEN)
     assert budget == 48
     config = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=share)
-    turns, texts = mixed_turns(model, tok, config, prompts, greedy)
+    turns, texts, _ = mixed_turns(model, tok, config, prompts, greedy)
 
     def turn_budget(decoding, waiting):
         return min(chunk, int(budget * max(1.0, waiting / decoding)))
@@ -493,7 +497,7 @@ def test_while_streams_decode_a_turn_prefills_its_share_of_a_decode_step(model_a
     assert max(read for read, _, _, _ in turns) <= chunk
     assert sum(read for read, _, _, _ in turns) == sum(map(len, prompts))
     off = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=0)
-    off_turns, off_texts = mixed_turns(model, tok, off, prompts, greedy)
+    off_turns, off_texts, _ = mixed_turns(model, tok, off, prompts, greedy)
     assert max(read for read, decoding, _, _ in off_turns if decoding) > budget
     assert off_texts == texts
     for i, ids in enumerate(prompts):
@@ -655,44 +659,20 @@ def test_a_turn_with_fixed_piece_costs_keeps_to_its_time(model_and_tokenizer, on
     prompts = [[rng.randrange(1, 2000) for _ in range(rng.randint(40, 400))] for _ in range(10)]
     greedy = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=())
     config = EngineConfig(max_batch=4, prefill_chunk=chunk, state_cache_bytes=0, prefill_share=share)
-    log = FixedCostLog(model)
-    engine = SteppedEngine(log, tok, config)
-    engine.clock = lambda: log.now
-    texts: dict[int, list[str]] = {}
-    finished: set[int] = set()
-
-    def sink_for(i):
-        def sink(event):
-            if isinstance(event, Delta):
-                texts.setdefault(i, []).append(event.text)
-            elif isinstance(event, Finished):
-                finished.add(i)
-
-        return sink
-
+    turns, texts, details = mixed_turns(model, tok, config, prompts, greedy, log_class=FixedCostLog)
     T, F, step = TimedLog.TOKEN, FixedCostLog.FIXED, TimedLog.STEP
     longest = 0
-    for t in range(400):
-        measured = len(engine.pace.costs) >= 2  # (with one length measured the curve is proportional)
-        for i in (2 * t, 2 * t + 1):
-            if i < len(prompts):
-                engine.submit(Request(list(prompts[i]), greedy), sink_for(i))
-        before, decoding = len(log.log), len(engine._batch.rows)
-        waiting = sum(1 for _ in engine._prefilling) + len(engine._waiting)
-        engine.turn()
-        pieces = [n for kind, n in log.log[before:] if kind == "prefill"]
-        if decoding and pieces and waiting <= decoding and measured:
+    for (_, decoding, _, waiting), (pieces, measured) in zip(turns, details):
+        # (with one length measured the curve is proportional)
+        if decoding and pieces and waiting <= decoding and measured >= 2:
             seconds = sum(F + T * n for n in pieces)
             assert seconds <= max(share * step, F + T * pieces[0]) + 1e-12, (pieces, decoding)
             longest = max(longest, max(pieces))
-        if len(finished) == len(prompts):
-            break
-    assert len(finished) == len(prompts)
     # 32-token pieces cost 2 TOKEN a token: share x STEP bought 64 tokens; the curve buys 96
     assert longest > share * step / ((F + 32 * T) / 32), longest
     for i, ids in enumerate(prompts):
         alone = "".join(rwkv_engine.generate(model, tok, ids, greedy))
-        assert "".join(texts.get(i, [])) == alone, f"request {i} ({len(ids)} prompt tokens)"
+        assert texts.get(i, "") == alone, f"request {i} ({len(ids)} prompt tokens)"
 
 
 @pytest.mark.parametrize("share", [-1, float("nan"), float("inf"), "1", True])

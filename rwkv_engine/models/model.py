@@ -311,6 +311,11 @@ class RWKV(nn.Module):
         never modified. Any length runs in bounded memory: the sequence is processed in chunks
         of PREFILL_CHUNK tokens (see `prefill_end`) with the state carried between them.
         """
+        return self._forward(tokens, state, all_logits)
+
+    def _forward(self, tokens, state: State | None, all_logits: bool, out: State | None = None) -> tuple[Tensor, State]:
+        """`forward`; out: where the native step writes the new state (`forward_into`; the
+        other paths return new tensors)."""
         self.require_lm_head()
         ids, one_d = self._check_tokens(tokens)
         B, T = ids.shape
@@ -323,7 +328,7 @@ class RWKV(nn.Module):
         if B * T <= GEMV_MAX_ROWS and native and self.device.type == "cpu":
             step = self._decode_step()
             if step is not None:
-                return self._forward_native(step, ids, state, all_logits, one_d)
+                return self._forward_native(step, ids, state, all_logits, one_d, out)
         outs = []
         last = None
 
@@ -468,15 +473,17 @@ class RWKV(nn.Module):
         ins = [t.contiguous() for _, t in state.items()]
         outs = [torch.empty_like(t) for t in ins] if out is None else [getattr(out, k) for k in fields]
         logits = step(x, ins, outs, all_logits)  # [B, T, V] or [B, V]
-        return (logits[0] if one_d else logits), (out or State(dict(zip(fields, outs)), state.signature))
+        return (logits[0] if one_d else logits), (
+            State(dict(zip(fields, outs)), state.signature) if out is None else out
+        )
 
     @torch.no_grad()
     def forward_into(self, tokens: Tensor, state: State, out: State, all_logits: bool = False) -> Tensor:
         """`forward(tokens [B, T], state, all_logits)` that writes the new state into `out` (the
         fields of `state`, B rows each, contiguous, sharing no memory with `state`) and returns
-        the logits. A server's decode batch steps between two buffers of its own this way: a new
-        state of tens of MB allocated every step comes from fresh pages, which cost more to fault
-        in than the step's own work on them (`serve/decode.py`)."""
+        the logits. A server's decode batch steps between two buffers of its own this way,
+        instead of a new batch-sized state every step (`serve/decode.py`). The native step writes
+        into `out` itself; the other paths' new state is copied into it."""
         if not isinstance(tokens, Tensor) or tokens.dim() != 2:
             raise InputError("forward_into takes tokens as a LongTensor [B, T]")
         if set(out.fields) != set(state.fields) or out.signature != state.signature:
@@ -485,16 +492,8 @@ class RWKV(nn.Module):
             o = getattr(out, k)
             if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device or not o.is_contiguous():
                 raise StateError(f"forward_into: out.{k} must be contiguous, {tuple(t.shape)} {t.dtype} on {t.device}")
-        B, T = tokens.shape
-        native = self.native_decode and self.layer_observer is None
-        if B * T <= GEMV_MAX_ROWS and native and self.device.type == "cpu" and not self._graph_decode():
-            self.require_lm_head()
-            ids, _ = self._check_tokens(tokens)
-            self._check_state(state, B)
-            step = self._decode_step()
-            if step is not None:
-                return self._forward_native(step, ids, state, all_logits, False, out)[0]
-        logits, new = self.forward(tokens, state, all_logits)
-        for k, t in new.items():
-            getattr(out, k).copy_(t)
+        logits, new = self._forward(tokens, state, all_logits, out)
+        if new is not out:
+            for k, t in new.items():
+                getattr(out, k).copy_(t)
         return logits

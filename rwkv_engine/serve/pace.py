@@ -64,6 +64,14 @@ def _average(estimate: float | None, value: float, smoothing: float) -> float:
     return value if estimate is None else estimate + smoothing * (value - estimate)
 
 
+def _on(knots: list[tuple[float, float]], tokens: float) -> float:
+    """The seconds at `tokens` on the straight lines joining `knots` (which reach past it)."""
+    for (n0, s0), (n1, s1) in zip(knots, knots[1:]):
+        if tokens <= n1:
+            return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
+    return knots[-1][1]
+
+
 class PieceCosts:
     """The seconds a prefill piece takes by its length: for each length class (pieces of 1-32
     tokens, 33-64, ...: WKV chunks, rounded up) the running averages of the tokens and seconds of
@@ -101,11 +109,7 @@ class PieceCosts:
 
     def seconds(self, tokens: float) -> float:
         """The estimated seconds of a piece of `tokens` tokens (some piece must have been measured)."""
-        knots = self._knots(tokens)
-        for (n0, s0), (n1, s1) in zip(knots, knots[1:]):
-            if tokens <= n1:
-                return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
-        return knots[-1][1]
+        return _on(self._knots(tokens), tokens)
 
     def efficient(self, most: int, within: float = 1.5) -> int:
         """The shortest piece (whole WKV chunks, at most `most` tokens) whose estimated seconds a
@@ -114,7 +118,8 @@ class PieceCosts:
         if not self._points:
             return min(most, WKV_CHUNK)
         lengths = range(WKV_CHUNK, max(most, WKV_CHUNK) + 1, WKV_CHUNK)
-        per_token = {n: self.seconds(n) / n for n in lengths}
+        knots = self._knots(lengths[-1])  # (once for every length)
+        per_token = {n: _on(knots, n) / n for n in lengths}
         best = min(per_token.values())
         return min(n for n, t in per_token.items() if t <= within * best)
 

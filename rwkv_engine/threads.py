@@ -69,8 +69,8 @@ T = TypeVar("T")
 
 
 @functools.cache
-def _pause_all() -> Callable[[int], int] | None:
-    """The OpenMP runtime's omp_pause_resource_all (OpenMP 5.0), or None where there is none."""
+def _runtime_libraries() -> tuple[ctypes.CDLL, ...]:
+    """The process's own symbols and the OpenMP runtimes torch mapped (Linux)."""
     candidates: list[ctypes.CDLL] = []
     try:
         candidates.append(ctypes.CDLL(None))  # the runtime torch loaded, when its symbols are global
@@ -86,12 +86,66 @@ def _pause_all() -> Callable[[int], int] | None:
                 pass
     except OSError:
         pass
-    for lib in candidates:
-        fn = getattr(lib, "omp_pause_resource_all", None)
+    return tuple(candidates)
+
+
+def _function(name: str, argtypes: list, restype) -> Callable | None:
+    """The C function `name` of the OpenMP runtime (or of torch's MKL), or None where there is none."""
+    for lib in _runtime_libraries():
+        fn = getattr(lib, name, None)
         if fn is not None:
-            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+            fn.argtypes, fn.restype = argtypes, restype
             return fn
     return None
+
+
+@functools.cache
+def _pause_all() -> Callable[[int], int] | None:
+    """The OpenMP runtime's omp_pause_resource_all (OpenMP 5.0), or None where there is none."""
+    return _function("omp_pause_resource_all", [ctypes.c_int], ctypes.c_int)
+
+
+@functools.cache
+def _thread_setters() -> tuple[Callable, Callable | None] | None:
+    """(omp_set_num_threads, MKL's mkl_set_num_threads_local or None), or None without OpenMP."""
+    import torch
+
+    if not torch.backends.openmp.is_available():
+        return None
+    omp = _function("omp_set_num_threads", [ctypes.c_int], None)
+    if omp is None:
+        return None
+    mkl = None
+    if torch.backends.mkl.is_available():
+        torch_cpu = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        try:
+            mkl = getattr(ctypes.CDLL(torch_cpu), "MKL_Set_Num_Threads_Local", None)  # (C calling convention)
+        except OSError:
+            mkl = None
+        if mkl is not None:
+            mkl.argtypes, mkl.restype = [ctypes.c_int], ctypes.c_int
+    return omp, mkl
+
+
+def use_threads(n: int) -> None:
+    """Run the calling thread's tensor work on n threads from now on, other threads unchanged.
+
+    OpenMP's thread count (which PyTorch's operators, oneDNN and the native kernels' pool read)
+    is a setting of each thread; `torch.set_num_threads` sets it for the caller too, but also
+    MKL's count for every thread, and clears oneDNN's cache of built GEMM kernels (tens of ms a
+    row count to build again). Here: OpenMP's and MKL's thread-local counts only. Where the
+    runtime has no such calls, `torch.set_num_threads`."""
+    import torch
+
+    torch.get_num_threads()  # PyTorch sets a thread's count at its first parallel work: do that first
+    setters = _thread_setters()
+    if setters is None:
+        torch.set_num_threads(n)
+        return
+    omp, mkl = setters
+    omp(n)
+    if mkl is not None:
+        mkl(n)
 
 
 def release_openmp_threads() -> bool:

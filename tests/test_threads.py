@@ -177,3 +177,35 @@ def test_openmp_env_is_the_spin_unless_the_environment_chooses(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("GOMP_SPINCOUNT", "5")
     assert openmp_env() == {}
+
+
+def test_use_threads_sets_the_calling_threads_count_only():
+    """`use_threads(n)` sets the calling thread's OpenMP and MKL counts and no other thread's
+    (the engine thread decodes on some threads while the prefill thread reads on the others):
+    a helper's regions then start no worker, while the main thread's still do; and it does not
+    go through torch.set_num_threads, which clears oneDNN's cache of built GEMM kernels."""
+    out = run(
+        """
+        import ctypes
+        from rwkv_engine import threads
+        cleared = []
+        real = torch.set_num_threads
+        torch.set_num_threads = lambda n: (cleared.append(n), real(n))
+        mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")).MKL_Get_Max_Threads
+        seen = {}
+
+        def helper():
+            threads.use_threads(1)
+            before = tids()
+            region()
+            seen.update(omp=torch.get_num_threads(), mkl=mkl(), new=len(tids() - before))
+
+        t = threading.Thread(target=helper)
+        t.start()
+        t.join()
+        before = tids()
+        region()
+        print(seen["omp"], seen["mkl"], seen["new"], torch.get_num_threads(), mkl(), len(tids() - before), cleared)
+        """
+    )
+    assert out == "1 1 0 2 2 1 []", out

@@ -130,6 +130,10 @@ class EngineConfig:
     # While rows decode, a turn's prefill takes about this many times a decode step's time (at
     # least one 32-token piece, at most prefill_chunk); 0: always prefill_chunk (serve/pace.py).
     prefill_share: float = 1.0
+    # On the CPU, threads that read prompt pieces beside the decode steps (the others decode), while
+    # both kinds of work wait; None: half the threads where there are at least two, 0: never
+    # (prefill and decode take turns on all threads; serve/beside.py).
+    prefill_threads: int | None = None
     state_cache_bytes: int = 1 << 30  # prompt-state cache capacity (0 = no cache)
     state_store: str | None = None  # a directory the prompt-cache states spill to (None: memory only)
     state_store_bytes: int = 8 << 30  # its capacity (least recently used files go first)
@@ -149,6 +153,9 @@ class EngineConfig:
         share = self.prefill_share
         if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share < float("inf"):
             raise InputError(f"prefill_share must be a number >= 0, got {share!r}")
+        threads = self.prefill_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+            raise InputError(f"prefill_threads must be an integer >= 0 (or None: automatic), got {threads!r}")
         for name in ("state_cache_bytes", "state_store_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

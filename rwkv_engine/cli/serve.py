@@ -276,10 +276,21 @@ def add_engine_arguments(parser) -> None:
         type=_share,
         metavar="R",
         default=EngineConfig.prefill_share,
-        help="while streams decode, prefill between two decode steps for about R times a decode step's "
-        "time (measured as the engine runs; at least a 32-token piece, at most --prefill-chunk), so "
-        "streams get their tokens at an even pace while new prompts are read; 0 = always "
-        "--prefill-chunk tokens (default: %(default)s)",
+        help="where prefill and decode take turns (--prefill-threads 0, one thread, a GPU): while streams "
+        "decode, prefill between two decode steps for about R times a decode step's time (measured as "
+        "the engine runs; at least a 32-token piece, at most --prefill-chunk), so streams get their "
+        "tokens at an even pace while new prompts are read; 0 = always --prefill-chunk tokens "
+        "(default: %(default)s)",
+    )
+    e.add_argument(
+        "--prefill-threads",
+        type=_non_negative,
+        metavar="N",
+        default=None,
+        help="on the CPU, while streams decode and prompts wait, read the prompts on N of the threads "
+        "beside the decode steps on the others, so the streams' tokens never wait for a prompt; 0 = "
+        "prefill and decode take turns on all threads (default: half the threads, where there are at "
+        "least two)",
     )
     e.add_argument(
         "--state-cache-mb",
@@ -386,6 +397,7 @@ def engine_config(args) -> EngineConfig:
         max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk,
         prefill_share=args.prefill_share,
+        prefill_threads=args.prefill_threads,
         state_cache_bytes=args.state_cache_mb << 20,
         state_store=state_store(args.state_store),
         state_store_bytes=args.state_store_mb << 20,

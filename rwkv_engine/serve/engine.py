@@ -34,7 +34,14 @@ One thread, the engine thread, owns the model and is the scheduler. Each turn of
    acceptance (speculative.py), both drawing from `Sampler.prepare`.
 
 So new prompts delay the running requests by at most one turn's prefill budget per decode step
-(tests/test_engine_fairness.py counts it); they are never paused for a whole prompt. A row
+(tests/test_engine_fairness.py counts it); they are never paused for a whole prompt.
+
+On the CPU with at least two threads, prompts are read beside the decode steps instead (beside.py,
+`prefill_threads`): while rows decode and prefill work waits, step 2 hands the next piece (a whole
+chunk, the same `_next_work` order) to the prefill thread (`_hand_over`) and the turn goes on to
+its decode step on the engine thread's share of the threads; a later turn takes the piece back
+(`_collect`) and does what step 2 does after a piece. The decoding rows then wait for no prompt
+at all. Where only one kind of work waits, the turn runs it on all the threads as above. A row
 leaves the batch when its `TextStream` ends (stop token, stop string, max_tokens) or when it is
 cancelled; the batch state drops it.
 
@@ -85,7 +92,8 @@ Where the next steps attach (none of them is built here):
   `_feeds` gives the decode rows' tokens, `passes` runs their forwards and `_decide` takes
   their logits. On the CPU it needs a kernel that runs the decode rows' GEMV (their bits, the
   rows alone) and the piece's GEMM over one pass of each weight: the GEMM over both would give
-  the decode rows batch-dependent bits.
+  the decode rows batch-dependent bits. (On the CPU, reading the piece beside the decode steps
+  on other cores took the decode steps' wait for prompts away instead: beside.py.)
 
 Log-probabilities (`Request.logprobs`, `Request.echo`; see `logprobs.py`): each sampled token's
 `Delta` carries its `TokenLogprob` (also for a stop token, which adds no text). An echo request
@@ -125,7 +133,8 @@ from ..settings import MAX_CHOICES, MAX_PASS_TOKENS, SPECULATIVE_KINDS, EngineCo
 from ..speculative import SpeculativeRow, SpeculativeStats, drafter_for, make_drafter
 from ..state import State
 from ..structured import grammar_for
-from ..threads import release_openmp_threads
+from ..threads import release_openmp_threads, use_threads
+from .beside import Piece, PieceWorker
 from .decode import DecodeBatch, token_entries
 from .logprobs import MAX_TOP_LOGPROBS
 from .messages import Delta, EngineStopped, Finished, InputsRequest, Prompt, QueueFull, Read, Request, Sink
@@ -206,6 +215,12 @@ class Engine:
         self._ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._warm = False  # warmed up (see _warm_up)
+        # Prompt pieces beside the decode steps (beside.py; set up by `_warm_up`): the worker, the
+        # piece in flight (its work is the worker's until `_collect`), the engine thread's thread
+        # count alone and beside a piece, and the count it runs on now.
+        self._worker: PieceWorker | None = None
+        self._piece: Piece | None = None
+        self._threads = self._decode_threads = self._using = 0
         self.speculative = SpeculativeStats()  # of every speculating row (engine thread)
         self._draft = None  # the draft model's DraftModel, loaded at the first request that needs it
 
@@ -257,6 +272,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._worker is not None:
+            self._worker.stop(timeout)
         if self.cache.store is not None:  # the states queued for the disk are written first
             self.cache.store.close(timeout)
 
@@ -406,8 +423,52 @@ class Engine:
         # The 16-bit GEMM's kernels for every padded row count a prompt piece can have: built on
         # first use, 20-30 ms a new length on the 0.1B shape (quant.linear.GEMM_ROW_STEP).
         warm_gemms(self.model, cfg.prefill_chunk + GEMV_MAX_ROWS)
+        self._set_up_beside()
         self._measure_pieces()
         print(f"{self.config.name}: ready (warm-up {time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+
+    def _set_up_beside(self) -> None:
+        """Start the prefill worker (beside.py) where it can run: a CPU model that generates, and
+        `prefill_threads` (default half the engine thread's) in [1, threads). A piece's bits must
+        not depend on the thread count that reads it (a request's answer would then depend on
+        the load): a piece is read on both counts and compared, and where the logits differ the
+        worker stays off, with a note."""
+        cfg, model = self.config, self.model
+        self._threads = self._using = torch.get_num_threads()
+        threads = cfg.prefill_threads if cfg.prefill_threads is not None else self._threads // 2
+        if not threads or model.device.type != "cpu" or not model.config.lm_head:
+            return
+        if threads >= self._threads:
+            print(
+                f"{cfg.name}: --prefill-threads {threads} leaves no thread to decode on "
+                f"({self._threads} in all): prefill and decode take turns",
+                file=sys.stderr,
+            )
+            return
+        ids = list(range(WKV_CHUNK + GEMV_MAX_ROWS))  # the GEMM / chunked-WKV path
+        alone = model.forward(ids)[0]
+        self._use(threads)
+        try:
+            warm_gemms(model, cfg.prefill_chunk + GEMV_MAX_ROWS)  # (built per thread count)
+            beside = model.forward(ids)[0]
+        finally:
+            self._use(self._threads)
+        if not torch.equal(alone, beside):
+            print(
+                f"{cfg.name}: a prompt piece read on {threads} threads differs from the same piece on "
+                f"{self._threads}: prefill and decode take turns (--prefill-threads 0)",
+                file=sys.stderr,
+            )
+            return
+        self._decode_threads = self._threads - threads
+        self._worker = PieceWorker(threads, cfg.name)
+        self._worker.start()
+
+    def _use(self, threads: int) -> None:
+        """Run the engine thread's tensor work on `threads` threads (threads.use_threads)."""
+        if threads != self._using:
+            use_threads(threads)
+            self._using = threads
 
     def _measure_pieces(self) -> None:
         """Time prompt pieces of 32, 64, 128, ... tokens up to the chunk, for the pace's cost
@@ -460,25 +521,87 @@ class Engine:
 
         (Each part is its own method so that a turn can be arranged differently, e.g. a prefill
         piece and the decode step's passes run as one forward under one token budget.)"""
+        beside = self._beside()
+        if self._piece is not None and (self._piece.done or not beside):
+            self._collect()  # (waits for it where the engine thread has nothing else to do)
         if self._prefilling:
-            t0 = self.clock()
-            jobs_only = all(isinstance(w, InputsPrefill) for w in self._prefilling)
-            prompts = sum(not isinstance(w, InputsPrefill) for w in self._prefilling) + len(self._waiting)
-            self.budget = self.pace.budget(len(self._batch.rows), jobs_only=jobs_only, prompts=prompts)
-            self._prefill(self.budget, t0)
-            self.metrics.inc("engine_seconds_total", self.clock() - t0, phase="prefill")
+            if beside:
+                self._hand_over()
+            else:
+                self._use(self._threads)
+                t0 = self.clock()
+                jobs_only = all(isinstance(w, InputsPrefill) for w in self._prefilling)
+                prompts = sum(not isinstance(w, InputsPrefill) for w in self._prefilling) + len(self._waiting)
+                self.budget = self.pace.budget(len(self._batch.rows), jobs_only=jobs_only, prompts=prompts)
+                self._prefill(self.budget, t0)
+                self.metrics.inc("engine_seconds_total", self.clock() - t0, phase="prefill")
         if self._starting:
             self._start_choices()
         if self._joining:
             self._batch.join(self._joining)
             self._joining = []
         if self._batch.rows:
+            alone = self._piece is None
+            self._use(self._threads if alone else self._decode_threads)
             t0 = self.clock()
             self._decode_step()
-            self.pace.decoded(self.clock() - t0)
+            if alone:  # (the pace's budgets are for turns on all threads)
+                self.pace.decoded(self.clock() - t0)
+
+    def _beside(self) -> bool:
+        """Whether this turn's prefill runs beside the decode steps (beside.py): a worker, rows
+        decoding, and no draft catching up (a draft's catch-up reads its row's context, which the
+        decode step extends: it runs on the engine thread, between two steps)."""
+        return (
+            self._worker is not None
+            and bool(self._batch.rows)
+            and not any(isinstance(w, DraftPrefill) for w in self._prefilling)
+        )
+
+    def _hand_over(self) -> None:
+        """Give the prefill worker the next piece (`_next_work`'s, a whole chunk) if it is free."""
+        if self._piece is not None:
+            return
+        work = self._next_work([])
+        if work is None:
+            return
+        if isinstance(work, InputsPrefill) and self._starting:
+            self._start_choices()  # first tokens from the prompts read, before the job's piece
+        if work.done:
+            self._requeue(work)
+            return
+        chunk = self.config.prefill_chunk
+        self._piece = self._worker.submit(work, lambda: self._step(work, chunk, chunk))
+
+    def _collect(self) -> None:
+        """Take back the piece in flight (waiting for it if need be) and do what `_prefill` does
+        after a piece: count it, and requeue its work or finish it."""
+        piece, self._piece = self._piece, None
+        piece.wait()
+        work = piece.work
+        self.metrics.inc("prefill_beside_seconds_total", piece.seconds)
+        if piece.error is not None:
+            if work in self._prefilling:
+                self._prefilling.remove(work)
+            self._fail(work.rows, piece.error)
+            return
+        if piece.n:
+            self.metrics.inc("prefill_pieces_total")
+            if isinstance(work, PromptPrefill):
+                self._prompt_tokens_read += piece.n
+        for other in self._prefilling:
+            if isinstance(other, InputsPrefill):
+                other.starved = other is not work
+        if any(r.cancelled for r in work.rows):  # cancelled while it was read: no next piece
+            self._drop(work)
+            return
+        self._requeue(work)
 
     def _clear(self) -> list[Row]:
-        """Forget every admitted request; returns their rows."""
+        """Forget every admitted request (after the piece in flight); returns their rows."""
+        if self._piece is not None:
+            self._piece.wait()
+            self._piece = None
         rows = [r for w in self._prefilling if isinstance(w, (PromptPrefill, InputsPrefill)) for r in w.rows]
         rows += [r for g in self._starting for r in g.to_start]
         rows += self._batch.clear() + [r for r, _ in self._joining]
@@ -506,11 +629,16 @@ class Engine:
             self._prefilling.append(work)
             self.metrics.inc("prompt_tokens_total", len(group.request.prompt_ids))
 
+    def _drop(self, work: Prefill) -> None:
+        """Take cancelled (or stale) prefill work out of line; its requests end "cancelled"."""
+        self._prefilling.remove(work)
+        for r in work.rows:
+            r.finish("cancelled")
+
     def _drop_cancelled(self) -> None:
-        for work in [w for w in self._prefilling if w.done or any(r.cancelled for r in w.rows)]:
-            self._prefilling.remove(work)
-            for r in work.rows:
-                r.finish("cancelled")
+        flying = self._piece.work if self._piece is not None else None  # dropped once it is back
+        for work in [w for w in self._prefilling if w is not flying and (w.done or any(r.cancelled for r in w.rows))]:
+            self._drop(work)
         for group in [g for g in self._starting if g.cancelled]:
             self._starting.remove(group)
             for r in group.to_start:
@@ -538,7 +666,7 @@ class Engine:
         job, and the choices of the prompts read start (their first tokens go out) before the
         job's piece runs; an inputs work that read nothing in its last turn goes first, so a
         stream of chats does not stall the job either."""
-        chunk, left, total = self.config.prefill_chunk, budget, 0
+        left, total = budget, 0
         tried: list[Prefill] = []  # work whose piece did not fit this turn
         read: list[Prefill] = []
         while left > 0:
@@ -550,9 +678,7 @@ class Engine:
             if not work.done:
                 try:
                     t = self.clock()
-                    n = work.step(chunk, left)
-                    if n == 0 and left == budget:  # no shorter piece is allowed: the natural one
-                        n = work.step(chunk, chunk + GEMV_MAX_ROWS)
+                    n = self._step(work, left, budget)
                     if n:
                         self.pace.prefilled(n, self.clock() - t)
                         self.metrics.inc("prefill_pieces_total")
@@ -568,18 +694,32 @@ class Engine:
                 left = self.pace.left(left - max(1, n), self.clock() - t0)
                 if isinstance(work, PromptPrefill):
                     self._prompt_tokens_read += n
-            self._prefilling.remove(work)
-            if not work.done:
-                self._prefilling.append(work)  # to the back of the line
-                continue
-            try:
-                self._prefilled(work)
-            except Exception as e:
-                self._fail(work.rows, e)
+            self._requeue(work)
         for work in self._prefilling:
             if isinstance(work, InputsPrefill):
                 work.starved = work not in read
         return total
+
+    def _step(self, work: Prefill, left: int, budget: int) -> int:
+        """`work`'s next piece of at most `left` tokens; where none that short is allowed and
+        `left` is the whole `budget`, its natural piece (at most GEMV_MAX_ROWS past the chunk).
+        The tokens read."""
+        chunk = self.config.prefill_chunk
+        n = work.step(chunk, left)
+        if n == 0 and left == budget:  # no shorter piece is allowed: the natural one
+            n = work.step(chunk, chunk + GEMV_MAX_ROWS)
+        return n
+
+    def _requeue(self, work: Prefill) -> None:
+        """After a piece of `work`: to the back of the line, or, read, on to what follows."""
+        self._prefilling.remove(work)
+        if not work.done:
+            self._prefilling.append(work)  # to the back of the line
+            return
+        try:
+            self._prefilled(work)
+        except Exception as e:
+            self._fail(work.rows, e)
 
     def _next_work(self, tried: list[Prefill]) -> Prefill | None:
         """The prefill work whose piece comes next (not one of `tried`): an inputs work that read

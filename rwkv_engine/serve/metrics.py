@@ -40,6 +40,11 @@ METRICS: dict[str, tuple[str, str]] = {
         "first tokens), forward (decode steps' model forward), sample (decode steps' "
         "sampling), stream (detokenizing, stop strings, handing text to the server).",
     ),
+    "prefill_beside_seconds_total": (
+        "counter",
+        "Seconds the prefill thread spent reading prompt pieces beside the decode steps "
+        "(--prefill-threads; not a part of engine_seconds_total, whose thread decodes meanwhile).",
+    ),
     "prompt_cache_hits_total": ("counter", "Prompts that resumed from a cached prefix state."),
     "prompt_cache_misses_total": ("counter", "Prompts with no cached prefix state."),
     "prompt_cache_hit_tokens_total": ("counter", "Prompt tokens skipped thanks to the prompt-state cache."),

@@ -1,5 +1,7 @@
 """How many prompt tokens a turn of the engine may prefill (`Engine._turn`), from how long its
-work takes: the decoding streams wait for a turn's prefill between two of their tokens.
+work takes: the decoding streams wait for a turn's prefill between two of their tokens. (Where
+the engine reads prompts beside the decode steps, on a prefill thread of their own (beside.py),
+nobody waits for a piece and it is a whole chunk; this pace is for turns that do both.)
 
 While no row decodes, a turn prefills the whole `--prefill-chunk`: nobody waits for it but the
 prompts themselves. While rows decode, a turn's prefill gets about `share` times the time of a

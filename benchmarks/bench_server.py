@@ -452,6 +452,7 @@ def engine_counters(url: str) -> dict:
     names = {ph: f'rwkv_engine_engine_seconds_total{{phase="{ph}"}}' for ph in ENGINE_PHASES}
     names |= {"steps": "rwkv_engine_decode_steps_total", "rows": "rwkv_engine_decode_rows_total"}
     names |= {"pieces": "rwkv_engine_prefill_pieces_total", "prefilled": "rwkv_engine_prefill_tokens_total"}
+    names |= {"beside": "rwkv_engine_prefill_beside_seconds_total"}  # the prefill thread's (--prefill-threads)
     return {k: metric(url, n) for k, n in names.items()}
 
 
@@ -574,10 +575,12 @@ def run_mixed(args, work: Path) -> None:
             phases = ", ".join(f"{ph} {d[ph]:.1f}" for ph in ENGINE_PHASES)
             batch = d["rows"] / d["steps"] if d["steps"] else 0.0
             piece = d["prefilled"] / d["pieces"] if d.get("pieces") else math.nan  # (an older engine has no count)
-            rate = d["prefilled"] / d["prefill"] if d["prefill"] else math.nan
+            beside = d.get("beside") or 0.0  # (an older engine has no prefill thread)
+            rate = d["prefilled"] / (d["prefill"] + beside) if d["prefill"] + beside else math.nan
             print(
                 f"  {c} streams: {phases} of {wall:.1f} s; mean batch {batch:.1f} over {d['steps']:.0f} steps; "
-                f"prefill {d['prefilled']:.0f} tokens in pieces of {piece:.0f} on average, {rate:.0f} tok/s"
+                f"prefill {d['prefilled']:.0f} tokens in pieces of {piece:.0f} on average, {rate:.0f} tok/s "
+                f"(of it beside the decode steps, on the prefill thread: {beside:.1f} s)"
             )
 
 

@@ -492,37 +492,41 @@ class DecodePlan {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The kernels run without the GIL (arguments are converted before, results after): the
+  // serving engine reads prompt pieces on one thread while another decodes, and a K-quant
+  // prefill GEMV of a 256-token piece runs for tens of milliseconds.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.doc() = "rwkv_engine native CPU kernels (AVX2/FMA/F16C GEMV and dequantization)";
   m.def("use_kernels", &use_kernels, py::arg("path"),
         "load the kernel library at `path` (built for one ISA level) and use it from now on; returns its level");
   m.def("isa", &isa, "the ISA level of the kernels in use");
-  m.def("gemv_dense", &gemv_dense, "y[B,N] = x[B,K] @ w[N,K]^T, w fp32/bf16/fp16; y in x's dtype");
-  m.def("gemv_q8", &gemv_q8,
+  m.def("gemv_dense", &gemv_dense, nogil, "y[B,N] = x[B,K] @ w[N,K]^T, w fp32/bf16/fp16; y in x's dtype");
+  m.def("gemv_q8", &gemv_q8, nogil,
         "y = x @ (qweight * scales * col_scales)^T; qweight int8 [N,K], scales fp16 [N,G], col_scales fp16 [K] or None",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("col_scales") = py::none());
-  m.def("gemv_q4", &gemv_q4,
+  m.def("gemv_q4", &gemv_q4, nogil,
         "y = x @ ((codes * scales + biases) * col_scales)^T; qweight uint8 [N,K/2], scales/biases fp16 [N,G]",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("biases"), py::arg("col_scales") = py::none());
-  m.def("dequant_q8", &dequant_q8, "rows [r0, r1) of an int8 weight as a dense tile of `dtype` (into `out` if given)",
+  m.def("dequant_q8", &dequant_q8, nogil, "rows [r0, r1) of an int8 weight as a dense tile of `dtype` (into `out` if given)",
         py::arg("qweight"), py::arg("scales"), py::arg("r0"), py::arg("r1"), py::arg("dtype"), py::arg("out") = py::none());
-  m.def("dequant_q4", &dequant_q4, "rows [r0, r1) of an int4 weight as a dense tile of `dtype` (into `out` if given)",
+  m.def("dequant_q4", &dequant_q4, nogil, "rows [r0, r1) of an int4 weight as a dense tile of `dtype` (into `out` if given)",
         py::arg("qweight"), py::arg("scales"), py::arg("biases"), py::arg("r0"), py::arg("r1"), py::arg("dtype"),
         py::arg("out") = py::none());
-  m.def("gemv_kq", &gemv_kq,
+  m.def("gemv_kq", &gemv_kq, nogil,
         "y = x @ (W * col_scales)^T for W [N, K] in ggml K-quant blocks uint8 [N, K/256*bytes] of type 12 / 13 / 14 "
         "(Q4_K / Q5_K / Q6_K)",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("K"), py::arg("col_scales") = py::none());
-  m.def("dequant_kq", &dequant_kq,
+  m.def("dequant_kq", &dequant_kq, nogil,
         "rows [r0, r1) of a K-quant weight [N, K] as a dense tile of `dtype` (into `out` if given): ggml's values",
         py::arg("blocks"), py::arg("type"), py::arg("K"), py::arg("r0"), py::arg("r1"), py::arg("dtype"),
         py::arg("out") = py::none());
-  m.def("quantize_q4", &quantize_q4,
+  m.def("quantize_q4", &quantize_q4, nogil,
         "(qweight, scales, biases) of primitives.quantize_int4(w, group_size) with the given range shrink factors",
         py::arg("weight"), py::arg("group_size"), py::arg("shrinks"), py::arg("col_scales") = py::none());
-  m.def("column_scales", &column_scales, "fp16 [K] of primitives.column_scales(w)", py::arg("weight"));
-  m.def("quantize_q8", &quantize_q8, "(qweight, scales) of primitives.quantize_int8(w, group_size, col_scales)",
+  m.def("column_scales", &column_scales, nogil, "fp16 [K] of primitives.column_scales(w)", py::arg("weight"));
+  m.def("quantize_q8", &quantize_q8, nogil, "(qweight, scales) of primitives.quantize_int8(w, group_size, col_scales)",
         py::arg("weight"), py::arg("group_size") = py::none(), py::arg("col_scales") = py::none());
-  m.def("wkv7", &wkv7,
+  m.def("wkv7", &wkv7, nogil,
         "RWKV-7 WKV over a sequence, token by token: (y [B,T,H,N], new state [B,H,N,N]) from r, k, v, w = exp(log_w), "
         "a, b [B,T,H,N] and state, all fp32 (kernels/wkv7.py wkv7_naive)",
         py::arg("r"), py::arg("k"), py::arg("v"), py::arg("w"), py::arg("a"), py::arg("b"), py::arg("state"));

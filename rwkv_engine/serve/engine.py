@@ -585,10 +585,7 @@ class Engine:
                 self._prefilling.remove(work)
             self._fail(work.rows, piece.error)
             return
-        if piece.n:
-            self.metrics.inc("prefill_pieces_total")
-            if isinstance(work, PromptPrefill):
-                self._prompt_tokens_read += piece.n
+        self._count_piece(work, piece.n)
         for other in self._prefilling:
             if isinstance(other, InputsPrefill):
                 other.starved = other is not work
@@ -681,7 +678,6 @@ class Engine:
                     n = self._step(work, left, budget)
                     if n:
                         self.pace.prefilled(n, self.clock() - t)
-                        self.metrics.inc("prefill_pieces_total")
                 except Exception as e:  # one request's failure must not stop the others
                     self._prefilling.remove(work)
                     self._fail(work.rows, e)
@@ -692,13 +688,19 @@ class Engine:
                 read.append(work)
                 total += n
                 left = self.pace.left(left - max(1, n), self.clock() - t0)
-                if isinstance(work, PromptPrefill):
-                    self._prompt_tokens_read += n
+                self._count_piece(work, n)
             self._requeue(work)
         for work in self._prefilling:
             if isinstance(work, InputsPrefill):
                 work.starved = work not in read
         return total
+
+    def _count_piece(self, work: Prefill, n: int) -> None:
+        """Count a piece of `n` tokens read (none: nothing), for the metrics and `_urgency`."""
+        if n:
+            self.metrics.inc("prefill_pieces_total")
+            if isinstance(work, PromptPrefill):
+                self._prompt_tokens_read += n
 
     def _step(self, work: Prefill, left: int, budget: int) -> int:
         """`work`'s next piece of at most `left` tokens; where none that short is allowed and

@@ -113,17 +113,18 @@ def decode_rows(
     new state is written into (`RWKV.forward_into`; returned), else it is new tensors."""
     B, T = tokens.shape
     G = max(1, GEMV_MAX_ROWS // T)
-    if out is not None:
-        if B <= G or model.device.type != "cpu":
-            return model.forward_into(tokens, batch, out, all_logits), out
-        parts = [
-            model.forward_into(tokens[i : i + G], batch[i : i + G], out[i : i + G], all_logits) for i in range(0, B, G)
-        ]
-        return torch.cat(parts), out
+
+    def run(rows: slice | None) -> tuple[Tensor, State]:  # one forward of `rows` (None: all)
+        t, b = (tokens, batch) if rows is None else (tokens[rows], batch[rows])
+        if out is None:
+            return model.forward(t, state=b, all_logits=all_logits)
+        o = out if rows is None else out[rows]
+        return model.forward_into(t, b, o, all_logits), o
+
     if B <= G or model.device.type != "cpu":
-        return model.forward(tokens, state=batch, all_logits=all_logits)
-    parts = [model.forward(tokens[i : i + G], state=batch[i : i + G], all_logits=all_logits) for i in range(0, B, G)]
-    return torch.cat([p[0] for p in parts]), State.cat([p[1] for p in parts])
+        return run(None)
+    parts = [run(slice(i, i + G)) for i in range(0, B, G)]
+    return torch.cat([p[0] for p in parts]), out if out is not None else State.cat([p[1] for p in parts])
 
 
 def check_tokens(tokens, vocab_size: int, device) -> tuple[Tensor, bool]:

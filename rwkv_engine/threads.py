@@ -89,9 +89,9 @@ def _runtime_libraries() -> tuple[ctypes.CDLL, ...]:
     return tuple(candidates)
 
 
-def _function(name: str, argtypes: list, restype) -> Callable | None:
-    """The C function `name` of the OpenMP runtime (or of torch's MKL), or None where there is none."""
-    for lib in _runtime_libraries():
+def _function(name: str, argtypes: list, restype, libraries=None) -> Callable | None:
+    """The C function `name` of the OpenMP runtime (or of `libraries`), or None where there is none."""
+    for lib in _runtime_libraries() if libraries is None else libraries:
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.argtypes, fn.restype = argtypes, restype
@@ -107,7 +107,7 @@ def _pause_all() -> Callable[[int], int] | None:
 
 @functools.cache
 def _thread_setters() -> tuple[Callable, Callable | None] | None:
-    """(omp_set_num_threads, MKL's mkl_set_num_threads_local or None), or None without OpenMP."""
+    """(omp_set_num_threads, MKL's thread-local count setter or None), or None without OpenMP."""
     import torch
 
     if not torch.backends.openmp.is_available():
@@ -116,14 +116,13 @@ def _thread_setters() -> tuple[Callable, Callable | None] | None:
     if omp is None:
         return None
     mkl = None
-    if torch.backends.mkl.is_available():
-        torch_cpu = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    if torch.backends.mkl.is_available():  # (MKL is linked into libtorch_cpu)
         try:
-            mkl = getattr(ctypes.CDLL(torch_cpu), "MKL_Set_Num_Threads_Local", None)  # (C calling convention)
+            torch_cpu = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
         except OSError:
-            mkl = None
-        if mkl is not None:
-            mkl.argtypes, mkl.restype = [ctypes.c_int], ctypes.c_int
+            torch_cpu = None
+        if torch_cpu is not None:  # the C entry point (the lower-case symbol is the Fortran one here)
+            mkl = _function("MKL_Set_Num_Threads_Local", [ctypes.c_int], ctypes.c_int, [torch_cpu])
     return omp, mkl
 
 
@@ -132,9 +131,9 @@ def use_threads(n: int) -> None:
 
     OpenMP's thread count (which PyTorch's operators, oneDNN and the native kernels' pool read)
     is a setting of each thread; `torch.set_num_threads` sets it for the caller too, but also
-    MKL's count for every thread, and clears oneDNN's cache of built GEMM kernels (tens of ms a
-    row count to build again). Here: OpenMP's and MKL's thread-local counts only. Where the
-    runtime has no such calls, `torch.set_num_threads`."""
+    sets the process-wide count PyTorch gives threads that start later and clears its cache of
+    oneDNN computations. Here: OpenMP's and MKL's thread-local counts only. Where the runtime
+    has no such calls, `torch.set_num_threads`."""
     import torch
 
     torch.get_num_threads()  # PyTorch sets a thread's count at its first parallel work: do that first

@@ -183,7 +183,8 @@ def test_use_threads_sets_the_calling_threads_count_only():
     """`use_threads(n)` sets the calling thread's OpenMP and MKL counts and no other thread's
     (the engine thread decodes on some threads while the prefill thread reads on the others):
     a helper's regions then start no worker, while the main thread's still do; and it does not
-    go through torch.set_num_threads, which clears oneDNN's cache of built GEMM kernels."""
+    go through torch.set_num_threads, which also changes the count later threads get and clears
+    PyTorch's cache of oneDNN computations."""
     out = run(
         """
         import ctypes

@@ -16,7 +16,6 @@ import rwkv_engine
 from rwkv_engine import SamplingParams
 from rwkv_engine.errors import InputError
 from rwkv_engine.serve.engine import Delta, Engine, EngineConfig, Finished, Request
-from rwkv_engine.testing import random_state_dict, save_pth
 
 CHUNK = 32
 MARK = 9  # the first token of the prompts whose pieces the tests hold
@@ -25,12 +24,8 @@ pytestmark = pytest.mark.skipif(torch.get_num_threads() < 2, reason="a prefill t
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer(tmp_path_factory):
-    d = tmp_path_factory.mktemp("beside")
-    path = save_pth(
-        random_state_dict(version="7", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=11), d / "m.pth"
-    )
-    model = rwkv_engine.load(path)
+def model_and_tokenizer(make_pth):
+    model = rwkv_engine.load(make_pth("7", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=11))
     return model, rwkv_engine.load_tokenizer(model)
 
 
@@ -114,6 +109,21 @@ class Collect:
         return sink
 
 
+def stream_decodes(engine: Engine, out: Collect, tokens: int) -> None:
+    """Request 0: a stream of `tokens` greedy tokens, decoding when this returns (its first token
+    is out), so that a prompt submitted next is read beside its decode steps."""
+    engine.submit(Request([5, 6, 7], SamplingParams(temperature=0, max_tokens=tokens, stop_token_ids=())), out.sink(0))
+    assert out.decoding.wait(60)
+
+
+def serves_again(engine: Engine) -> None:
+    """The engine answers a new request to its end."""
+    again = Collect()
+    again.expect = 1
+    engine.submit(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3)), again.sink(0))
+    assert again.done.wait(60) and again.finished[0].reason == "length"
+
+
 def test_streams_decode_while_the_prefill_thread_reads_a_prompt(model_and_tokenizer):
     """A stream decodes; a 3-chunk prompt arrives. Its pieces go to the prefill thread, and each
     waits there until the engine thread has run 3 more decode steps: with prefill and decode
@@ -126,9 +136,7 @@ def test_streams_decode_while_the_prefill_thread_reads_a_prompt(model_and_tokeni
     out.expect = 2
     try:
         assert engine._worker is not None
-        endless = SamplingParams(temperature=0, max_tokens=400, stop_token_ids=())
-        engine.submit(Request([5, 6, 7], endless), out.sink(0))
-        assert out.decoding.wait(60)  # a stream decodes before the prompt arrives
+        stream_decodes(engine, out, 400)
         long_ids = [MARK] + [(13 * i) % 3000 + 1 for i in range(3 * CHUNK)]
         engine.submit(Request(long_ids, SamplingParams(temperature=0, max_tokens=4, stop_token_ids=())), out.sink(1))
         assert out.done.wait(120)
@@ -180,8 +188,7 @@ def test_a_request_cancelled_while_its_piece_is_read_ends_alone(model_and_tokeni
     out = Collect()
     out.expect = 2
     try:
-        engine.submit(Request([5, 6, 7], SamplingParams(temperature=0, max_tokens=60, stop_token_ids=())), out.sink(0))
-        assert out.decoding.wait(60)  # a stream decodes before the held prompt arrives
+        stream_decodes(engine, out, 60)
         ids = [MARK] + [3] * (4 * CHUNK)
         handle = engine.submit(Request(ids, SamplingParams(temperature=0, max_tokens=4)), out.sink(1))
         assert held.held.wait(60)
@@ -190,10 +197,7 @@ def test_a_request_cancelled_while_its_piece_is_read_ends_alone(model_and_tokeni
         assert out.done.wait(120)
         assert out.finished[1].reason == "cancelled" and out.finished[0].reason == "length"
         assert out.finished[0].completion_tokens == 60
-        again = Collect()
-        again.expect = 1
-        engine.submit(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3)), again.sink(0))
-        assert again.done.wait(60) and again.finished[0].reason == "length"
+        serves_again(engine)
     finally:
         engine.stop()
 
@@ -208,8 +212,7 @@ def test_a_piece_that_fails_on_the_prefill_thread_fails_only_its_request(model_a
     out = Collect()
     out.expect = 2
     try:
-        engine.submit(Request([5, 6, 7], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=())), out.sink(0))
-        assert out.decoding.wait(60)  # a stream decodes before the held prompt arrives
+        stream_decodes(engine, out, 40)
         engine.submit(Request([MARK] + [4] * (2 * CHUNK), SamplingParams(temperature=0, max_tokens=4)), out.sink(1))
         assert held.held.wait(60)
         held.release.set()
@@ -217,10 +220,7 @@ def test_a_piece_that_fails_on_the_prefill_thread_fails_only_its_request(model_a
         assert out.finished[1].reason == "error" and "RuntimeError" in (out.finished[1].message or "")
         assert out.finished[0].reason == "length" and out.finished[0].completion_tokens == 40
         held.fail = None
-        again = Collect()
-        again.expect = 1
-        engine.submit(Request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3)), again.sink(0))
-        assert again.done.wait(60) and again.finished[0].reason == "length"
+        serves_again(engine)
     finally:
         engine.stop()
 

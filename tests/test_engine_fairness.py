@@ -15,18 +15,13 @@ import pytest
 import rwkv_engine
 from rwkv_engine import SamplingParams
 from rwkv_engine.serve.engine import Delta, Engine, EngineConfig, Finished, Prompt, Request
-from rwkv_engine.testing import random_state_dict, save_pth
 
 CHUNK = 32
 
 
 @pytest.fixture(scope="module")
-def model_and_tokenizer(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fair")
-    path = save_pth(
-        random_state_dict(version="7", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=5), d / "m.pth"
-    )
-    model = rwkv_engine.load(path)
+def model_and_tokenizer(make_pth):
+    model = rwkv_engine.load(make_pth("7", n_layer=2, n_embd=64, vocab_size=65536, head_size=16, seed=5))
     return model, rwkv_engine.load_tokenizer(model)
 
 

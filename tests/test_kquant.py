@@ -15,7 +15,7 @@ import torch
 from rwkv_engine.errors import InputError
 from rwkv_engine.kernels import native
 from rwkv_engine.quant import primitives as P
-from rwkv_engine.quant.kquant_linear import KQUANT_TYPES, KQuantLinear, block_bytes, ktype_id
+from rwkv_engine.quant.kquant_linear import KQUANT_TYPES, KQuantLinear, block_bytes, ktype_id, x_group
 from rwkv_engine.quant.linear import prefill_dtype
 
 from .conftest import rel_rms
@@ -45,10 +45,11 @@ def gguf_weight(qtype: str, blocks: torch.Tensor, K: int) -> torch.Tensor:
     return torch.from_numpy(gq.dequantize(blocks.numpy(), GT[qtype]).reshape(blocks.shape[0], K))
 
 
-def spec(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
-    """The decode GEMV's math: x times the column scales, rounded to int8 per 32 columns, times w (fp64)."""
+def spec(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None, block: int = 32) -> torch.Tensor:
+    """The integer kernel's math: x times the column scales, rounded to int8 per `block` columns
+    (the decode GEMV's 32; kq_x_group), times w (fp64)."""
     xs = x.float() if c is None else x.float() * c.float()
-    return P.round_activations_int8(xs).double() @ w.double().T
+    return P.round_activations_int8(xs, block).double() @ w.double().T
 
 
 @needs_native
@@ -93,7 +94,9 @@ def test_gemv_kq_matches_reference(qtype, N, K):
         x = torch.randn(B, K, generator=g).to(xdt)
         y = ops.gemv_kq(x, blocks, ktype_id(qtype), K, cs)
         assert y.dtype == xdt and y.shape == (B, N)
-        assert rel_rms(y, spec(x, w, cs)) < TOL[xdt], (B, xdt, cs is None)
+        block = ops.kq_x_group(ktype_id(qtype), B)
+        assert block == 32 or B > native.GEMV_MAX_ROWS, (qtype, B)  # decode batches: per 32 everywhere
+        assert rel_rms(y, spec(x, w, cs, block)) < TOL[xdt], (B, xdt, cs is None)
         # and the rounding of x is small next to any 4-6 bit format's own error
         xs = x.double() if cs is None else x.double() * cs.double()
         assert rel_rms(y, xs @ w.double().T) < 2e-2
@@ -116,6 +119,28 @@ def test_gemv_kq_rows_of_a_batch_equal_each_row_alone():
         y = f(x)
         for a, b in ((0, 17), (3, 40), (20, 57), (17, 34)):
             assert torch.equal(f(x[a:b]), y[a:b]), (qtype, a, b)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", KQUANT_TYPES)
+def test_prefill_on_the_avx2_level_rounds_x_per_256_columns(qtype):
+    """The AVX2 level's K-quant prefill (more than GEMV_MAX_ROWS rows) rounds x per 256 columns, as
+    ggml's Q8_K (kernels.cpp gemv_kq_prefill); its decode batches keep 32."""
+    why = dict((lv.name, why) for lv, why in native.supported_levels()).get("avx2", "not an x86 machine")
+    if why:
+        pytest.skip(f"avx2 level: {why}")
+    N, K, B, t = 37, 1024, 41, ktype_id(qtype)
+    blocks = random_blocks(qtype, N, K, seed=11)
+    w = gguf_weight(qtype, blocks, K)
+    x = torch.randn(B, K, generator=torch.Generator().manual_seed(12))
+    x[:, 5] *= 30  # an outlier column, where the two roundings differ most
+    with native.using("avx2"):
+        assert ops.kq_x_group(t, B) == 256 and ops.kq_x_group(t, native.GEMV_MAX_ROWS) == 32
+        y = ops.gemv_kq(x, blocks, t, K)
+        alone = ops.gemv_kq(x[3:4], blocks, t, K)
+    assert rel_rms(y, spec(x, w, None, 256)) < 2e-5
+    assert rel_rms(y, spec(x, w, None, 32)) > 1e-3  # not the decode kernel's rounding
+    assert rel_rms(alone, spec(x[3:4], w)) < 2e-5
 
 
 @needs_native
@@ -195,15 +220,23 @@ def test_module_paths_agree(qtype, monkeypatch):
         y = m(x)
         assert y.shape == (*shape[:-1], N)
         x2 = x.reshape(-1, K)
-        # prefill where the GEMM would be fp32: the decode kernel's math (kquant_linear docstring)
+        # prefill where the GEMM would be fp32: the integer kernel's math (kquant_linear docstring),
+        # x rounded per kq_x_group columns of the kernels in use (32 without them)
         rounded = x2.shape[0] <= native.GEMV_MAX_ROWS or prefill_dtype(torch.bfloat16) == torch.float32
-        want = spec(x2, w / c.float(), c) if rounded else x2.double() @ w.double().T
-        assert rel_rms(y.reshape(-1, N), want) < 2e-5, shape
-        with monkeypatch.context() as mp:  # the plain path
+        exact = x2.double() @ w.double().T
+
+        def want(block):
+            return spec(x2, w / c.float(), c, block) if rounded else exact
+
+        block = x_group(qtype, x2.shape[0])
+        assert rel_rms(y.reshape(-1, N), want(block)) < 2e-5, shape
+        with monkeypatch.context() as mp:  # the plain path, with and without the kernels' rounding
+            mp.setattr(m, "_native_ok", lambda: False)
+            assert rel_rms(m(x).reshape(-1, N), want(block)) < 2e-5, shape
             mp.setattr(native, "load", lambda *a, **k: None)
-            assert rel_rms(m(x).reshape(-1, N), want) < 2e-5, shape
+            assert rel_rms(m(x).reshape(-1, N), want(32)) < 2e-5, shape
         yb = m(x.bfloat16())
-        assert yb.dtype == torch.bfloat16 and rel_rms(yb.reshape(-1, N), want) < 1e-2
+        assert yb.dtype == torch.bfloat16 and rel_rms(yb.reshape(-1, N), want(block)) < 1e-2
     # state dict round trip into an empty module of the same type
     empty = KQuantLinear(K, N, qtype)
     empty.load_state_dict(m.state_dict())

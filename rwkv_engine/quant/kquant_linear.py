@@ -22,15 +22,17 @@ own alike:
 Decode (at most GEMV_MAX_ROWS rows of x on the CPU) runs the native K-quant GEMV
 (kernels/native/kernels.cpp, KQuantKernel): x rounded to int8 per 32 columns
 (primitives.round_activations_int8, as for Int4Linear), exact integer sums per 16 columns, one
-float scaling per group. Prefill (more rows) runs the same integer kernel, 8 rows of x per pass
-over the weight, where the CPU's GEMM would be fp32 (`prefill_dtype`: no bf16 matrix
-instructions); with AVX512-BF16 / AMX it dequantizes tiles of rows with the native decoder
-(ggml's values bit for bit) into the bf16 GEMM, as Int4Linear does. On a Zen 3 (AVX2, one
+float scaling per group. Prefill (more rows) runs an integer kernel too where the CPU's GEMM would
+be fp32 (`prefill_dtype`: no bf16 matrix instructions): on the AVX2 level with x rounded per 256
+columns instead (ggml's Q8_K, `x_group`), each block's sums kept in the integers, a tile of weight
+rows unpacked once for 64 rows of x (kernels.cpp gemv_kq_prefill); on the other levels the decode
+kernel, 8 rows of x per pass. With AVX512-BF16 / AMX it dequantizes tiles of rows with the native
+decoder (ggml's values bit for bit) into the bf16 GEMM, as Int4Linear does. On a Zen 3 (AVX2, one
 thread, thread CPU time, best of 40 alternating calls; benchmarks/bench_kernels.py --only
 kprefill) the integer kernel took 0.43-0.58x the time of tiles + fp32 GEMM at 64 rows and
 0.74-1.02x at 512. Without the native kernels, the plain path below is the specification: the
-blocks dequantized by quant/ggml_quants.py (gguf.quants' values), with x rounded as above for
-decode-sized inputs on the CPU.
+blocks dequantized by quant/ggml_quants.py (gguf.quants' values), with x rounded as the kernels in
+use round it (per 32 columns without them) where they would run the integer kernel.
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def _integer_prefill() -> bool:
     """Whether prefill runs the integer kernel (x rounded as in decode): where the CPU has no
     bf16 matrix instructions, so that the dense GEMM would be fp32."""
     return prefill_dtype(torch.bfloat16) == torch.float32
+
+
+def x_group(qtype: str | int, rows: int) -> int:
+    """Columns of x per int8 step in the integer K-quant kernel for `rows` rows of x: 32 (as for
+    int4), except where the kernels in use report otherwise (prefill on the AVX2 level: 256, as
+    ggml's Q8_K, see kernels.cpp gemv_kq_prefill); 32 without native kernels."""
+    from rwkv_engine.kernels import native
+
+    ops = native.load()
+    return 32 if ops is None else ops.kq_x_group(ktype_id(qtype), rows)
 
 
 class KQuantLinear(_QuantLinearBase):
@@ -127,7 +139,8 @@ class KQuantLinear(_QuantLinearBase):
         return ops.dequant_kq(self.qweight, self.type_id, self.in_features, r0, r1, dtype, out)
 
     def _reference(self, x2: Tensor) -> Tensor:
-        return _int8_x_reference(self, x2, x2.shape[0] <= GEMV_MAX_ROWS or _integer_prefill())
+        rows = x2.shape[0]
+        return _int8_x_reference(self, x2, rows <= GEMV_MAX_ROWS or _integer_prefill(), x_group(self.type_id, rows))
 
     def _native_ok(self) -> bool:
         return self.qweight.dtype == torch.uint8 and self.qweight.is_contiguous()
@@ -140,4 +153,4 @@ class KQuantLinear(_QuantLinearBase):
         return QK_K
 
 
-__all__ = ["KQUANT_TYPES", "KQuantLinear", "block_bytes", "ktype_id"]
+__all__ = ["KQUANT_TYPES", "KQuantLinear", "block_bytes", "ktype_id", "x_group"]

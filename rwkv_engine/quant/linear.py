@@ -420,16 +420,16 @@ class DenseLinear(nn.Linear):
 _NATIVE_DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _int8_x_reference(m: _QuantLinearBase, x2: Tensor, rounded: bool | None = None) -> Tensor:
+def _int8_x_reference(m: _QuantLinearBase, x2: Tensor, rounded: bool | None = None, block: int = 32) -> Tensor:
     """The plain path of a format whose native kernel rounds x to int8 (int4, K-quants): where
     `rounded` (default: on the CPU, for at most GEMV_MAX_ROWS rows) as that kernel computes it: x
-    times the column scales, rounded to int8 per 32 columns (primitives.round_activations_int8),
+    times the column scales, rounded to int8 per `block` columns (primitives.round_activations_int8),
     times the weight in fp32; else the plain reference (`F.linear` with the weight in x's dtype)."""
     if rounded is None:
         rounded = x2.shape[0] <= GEMV_MAX_ROWS
     if not rounded or x2.device.type != "cpu":
         return F.linear(x2, m.dequantize(x2.dtype))
-    xs = P.round_activations_int8(x2.float() * m.col_scales.float())
+    xs = P.round_activations_int8(x2.float() * m.col_scales.float(), block)
     return F.linear(xs, m.dequantize(torch.float32, col_scales=False)).to(x2.dtype)
 
 

@@ -340,13 +340,14 @@ def round_activations_int16(x: Tensor) -> Tensor:
     return _round_blocks(x, X_BLOCK, 32767.0)
 
 
-def round_activations_int8(x: Tensor) -> Tensor:
+def round_activations_int8(x: Tensor, block: int = X_BLOCK_INT8) -> Tensor:
     """x [..., K] as the native int4 GEMV uses it (part of the int4 format's decode math): each
     full block of 32 columns rounded to int8 steps of absmax / 127 (symmetric, nearest even; a
-    last partial block is left exact); fp32 result.
+    last partial block is left exact); fp32 result. `block`: other widths (the K-quant prefill on
+    the AVX2 level rounds per 256 columns, as ggml's Q8_K).
 
     `F.linear(round_activations_int8(x), dequantize_int4(...))` is the reference that kernel
     matches to float rounding; the rounding changes outputs by about 0.5% relative (random x),
     well below int4's own error (~8%).
     """
-    return _round_blocks(x, X_BLOCK_INT8, 127.0)
+    return _round_blocks(x, block, 127.0)

@@ -12,7 +12,7 @@
 namespace rwkv_native {
 
 // Bumped whenever Api changes, so that a library and bindings of different versions never meet.
-inline constexpr int kApiVersion = 6;
+inline constexpr int kApiVersion = 7;
 
 struct Api {
   int version;
@@ -31,6 +31,7 @@ struct Api {
   decltype(&rwkv_native::wkv7_sequence) wkv7_sequence;
   decltype(&rwkv_native::gemv_kq) gemv_kq;
   decltype(&rwkv_native::dequant_kq) dequant_kq;
+  decltype(&rwkv_native::kq_x_group) kq_x_group;
 };
 
 }  // namespace rwkv_native

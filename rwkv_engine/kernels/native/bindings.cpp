@@ -157,6 +157,11 @@ at::Tensor gemv_kq(const at::Tensor& x, const at::Tensor& blocks, int64_t type, 
   return y;
 }
 
+int64_t kq_x_group(int64_t type, int64_t B) {
+  TORCH_CHECK(rwkv_native::is_ktype(type), "ggml type must be 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K), got ", type);
+  return api().kq_x_group(static_cast<rwkv_native::KType>(type), B);
+}
+
 void check_rows(int64_t r0, int64_t r1, int64_t N) {
   TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= N, "bad row range [", r0, ", ", r1, ") for ", N, " rows");
 }
@@ -516,6 +521,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ (W * col_scales)^T for W [N, K] in ggml K-quant blocks uint8 [N, K/256*bytes] of type 12 / 13 / 14 "
         "(Q4_K / Q5_K / Q6_K)",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("K"), py::arg("col_scales") = py::none());
+  m.def("kq_x_group", &kq_x_group,
+        "columns per int8 step of x in gemv_kq of B rows of ggml type `type` (32, or 256 for prefill on the AVX2 level)",
+        py::arg("type"), py::arg("B"));
   m.def("dequant_kq", &dequant_kq, nogil,
         "rows [r0, r1) of a K-quant weight [N, K] as a dense tile of `dtype` (into `out` if given): ggml's values",
         py::arg("blocks"), py::arg("type"), py::arg("K"), py::arg("r0"), py::arg("r1"), py::arg("dtype"),

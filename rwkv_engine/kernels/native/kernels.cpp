@@ -1226,6 +1226,206 @@ void run_part(const Prepared& p, int64_t B, int64_t b0, int64_t r0, int64_t r1) 
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// K-quant prefill on the AVX2 level (more than kKqGemvMaxRows rows of x): llama.cpp's arithmetic,
+// with x rounded to int8 per 256 columns (one step per block and row of x, as ggml's Q8_K) so that
+// a block's sums stay in the integers to its end: per 32-column piece one vpmaddubsw (x + 128 as
+// the unsigned operand, the codes as the signed one: Q6_K's less 32) and one vpmaddwd by the
+// scales of its groups, added in int32, with no transposes; the +128 comes off as one integer per
+// weight row and block, and Q4_K / Q5_K's mins as sum_j min_j * (sum of x over sub-block j).
+// The codes of kKTileRows weight rows are unpacked once per block into a tile that stays in L1
+// while a chunk of kKTileChunk rows of x passes over it (the per-32 kernel above decodes a block
+// once per 8 rows of x and spends most of its time transposing sums). Exact integer sums; each
+// block adds step * (d * sum - dmin * mins) to the fp32 result. Limited to AVX2, 2 threads, 512
+// rows, G multiply-adds a second against the per-32 kernel: Zen 5 Q6_K 185-205 against 137-157;
+// Xeon (family 6 model 167) Q6_K 92-106 against 78-86, Q5_K 91-106 against 83-86, Q4_K level
+// (docs/performance.md). Decode batches (at most kKqGemvMaxRows rows) keep the per-32 kernel.
+constexpr int64_t kKqGemvMaxRows = 16;  // kernels/native/__init__.py GEMV_MAX_ROWS
+
+#if defined(RWKV_KQ_AVX2)
+constexpr int kKTileRows = 16;       // weight rows of a tile
+constexpr int64_t kKTileChunk = 64;  // rows of x that pass over a tile (a multiple of 8)
+
+// x [B, K] rounded per 256 columns: q = round(x / step) + 128 (unsigned), rows padded to a multiple
+// of 8 with zeros (q = 128, step 0), and the sums of the rounded x per 32-column sub-block. Block-
+// major: a block's rows of x lie together (rows K bytes apart fell into a few L1 sets and evicted
+// each other), and 8 rows' steps or sums load as one vector.
+struct XK256 {
+  int64_t Bp;
+  std::vector<uint8_t> q;  // [K / 256, Bp, 256]
+  std::vector<float> dx;   // [K / 256, Bp]
+  std::vector<float> sub;  // [K / 256, 8, Bp] (exact: at most 32 * 127)
+};
+
+XK256 prepare_xk256(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs) {
+  const int64_t nb = K / 256;
+  XK256 r;
+  r.Bp = (B + 7) / 8 * 8;
+  r.q.assign(static_cast<size_t>(nb * r.Bp * 256), 128);
+  r.dx.assign(static_cast<size_t>(nb * r.Bp), 0.f);
+  r.sub.assign(static_cast<size_t>(nb * 8 * r.Bp), 0.f);
+  std::vector<float> c;
+  if (cs != nullptr) {
+    c.resize(static_cast<size_t>(K));
+    to_float(cs, DType::kF16, 0, K, c.data());
+  }
+  parallel_for(B, [&](int64_t b) {
+    std::vector<float> xf(static_cast<size_t>(K));
+    int8_t q[256];
+    float xh[256];
+    to_float(x, xt, b * K, K, xf.data());
+    if (cs != nullptr)
+      for (int64_t k = 0; k < K; ++k) xf[k] *= c[k];
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      r.dx[blk * r.Bp + b] = round_block(xf.data() + blk * 256, 256, 127.f, q, xh);
+      uint8_t* o = r.q.data() + (blk * r.Bp + b) * 256;
+      for (int i = 0; i < 256; ++i) o[i] = static_cast<uint8_t>(q[i] + 128);
+      for (int j = 0; j < 8; ++j) {
+        int s = 0;
+        for (int i = 0; i < 32; ++i) s += q[32 * j + i];
+        r.sub[(blk * 8 + j) * r.Bp + b] = static_cast<float>(s);
+      }
+    }
+  });
+  return r;
+}
+
+// One 256-column block of kKTileRows weight rows: the codes (signed: Q6_K's less 32), each
+// piece's scale lanes (Q6_K: group 2p in the low 128 bits, 2p + 1 in the high; Q4_K / Q5_K: the
+// piece's sub-block in all), d, dmin and the mins (Q4_K / Q5_K), and 128 * sum_g scale_g *
+// sum(codes of group g).
+struct KTile {
+  alignas(32) int8_t w[kKTileRows][256];
+  alignas(32) int16_t s[kKTileRows][8][16];
+  float d[kKTileRows], dmin[kKTileRows], m[kKTileRows][8];
+  int32_t bias[kKTileRows];
+};
+
+template <typename Fmt>
+void unpack_tile(const uint8_t* W, int64_t rb, int64_t n0, int rows, int64_t blk, KTile& t) {
+  constexpr bool kQ6 = Fmt::kType == KType::kQ6K;
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int r = 0; r < kKTileRows; ++r) {
+    if (r >= rows) {  // past the last weight row: zeros, never stored
+      std::memset(t.w[r], 0, 256), std::memset(t.s[r], 0, sizeof t.s[r]), std::memset(t.m[r], 0, sizeof t.m[r]);
+      t.d[r] = t.dmin[r] = 0.f, t.bias[r] = 0;
+      continue;
+    }
+    const uint8_t* b = W + (n0 + r) * rb + blk * Fmt::kBytes;
+    kq::KP codes[8];
+    Fmt::pieces(b, codes);
+    int16_t sc[16];
+    if constexpr (kQ6) {
+      for (int g = 0; g < 16; ++g) sc[g] = reinterpret_cast<const int8_t*>(b + 192)[g];
+      t.d[r] = half_at(b + 208), t.dmin[r] = 0.f;
+    } else {
+      uint64_t s8, m8;
+      k_scales_mins(b, s8, m8);
+      for (int j = 0; j < 8; ++j) sc[2 * j] = sc[2 * j + 1] = byte_of(s8, j), t.m[r][j] = byte_of(m8, j);
+      t.d[r] = half_at(b), t.dmin[r] = half_at(b + 2);
+    }
+    __m256i bias = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+      const __m256i w = kQ6 ? _mm256_sub_epi8(codes[p], _mm256_set1_epi8(32)) : codes[p];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t.w[r] + 32 * p), w);
+      const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * p + 1]), _mm_set1_epi16(sc[2 * p]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t.s[r][p]), s);
+      bias = _mm256_add_epi32(bias, _mm256_madd_epi16(_mm256_maddubs_epi16(ones, w), s));
+    }
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), bias);
+    int32_t sum = 0;
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+    t.bias[r] = 128 * sum;
+  }
+}
+
+// lane i of the result: the sum of the 8 lanes of a[i].
+inline __m256i sum_lanes8(const __m256i* a) {
+  auto pair = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi32(u, v), _mm256_unpackhi_epi32(u, v)); };
+  auto quad = [](__m256i u, __m256i v) { return _mm256_add_epi32(_mm256_unpacklo_epi64(u, v), _mm256_unpackhi_epi64(u, v)); };
+  const __m256i lo = quad(pair(a[0], a[1]), pair(a[2], a[3])), hi = quad(pair(a[4], a[5]), pair(a[6], a[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+// Rows [t0, t0 + tc) of x (tc a multiple of 8) times the weight rows of tile t, block blk, added
+// to acc [kKTileRows][kKTileChunk].
+template <bool kMins>
+inline void tile_rows(const KTile& t, int rows, const XK256& x, int64_t blk, int64_t t0, int64_t tc, float* acc) {
+  for (int r = 0; r < rows; ++r) {
+    const __m256 d = _mm256_set1_ps(t.d[r]);
+    const __m256i bias = _mm256_set1_epi32(t.bias[r]);
+    for (int64_t i0 = 0; i0 < tc; i0 += 8) {
+      const uint8_t* xq = x.q.data() + (blk * x.Bp + t0 + i0) * 256;
+      __m256i s[8];
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) s[i] = _mm256_setzero_si256();
+      // a piece at a time (its codes and scales live, 8 sums: 11 of the 16 registers; unrolled,
+      // the compiler hoisted every piece's codes and spilled: 1.3x slower)
+#pragma GCC unroll 1
+      for (int p = 0; p < 8; ++p) {
+        const __m256i w = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.w[r] + 32 * p));
+        const __m256i sc = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.s[r][p]));
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * 256 + 32 * p));
+          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(xv, w), sc));
+        }
+      }
+      __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum_lanes8(s), bias)), d);
+      if constexpr (kMins) {  // less dmin * sum_j m_j * (sum of x over sub-block j), exact before dmin
+        __m256 mins = _mm256_setzero_ps();
+        for (int j = 0; j < 8; ++j)
+          mins = _mm256_fmadd_ps(_mm256_set1_ps(t.m[r][j]), _mm256_loadu_ps(x.sub.data() + (blk * 8 + j) * x.Bp + t0 + i0), mins);
+        v = _mm256_fnmadd_ps(_mm256_set1_ps(t.dmin[r]), mins, v);
+      }
+      float* a = acc + r * kKTileChunk + i0;
+      _mm256_storeu_ps(a, _mm256_fmadd_ps(v, _mm256_loadu_ps(x.dx.data() + blk * x.Bp + t0 + i0), _mm256_loadu_ps(a)));
+    }
+  }
+}
+
+template <typename Fmt>
+void gemv_kq_prefill(const uint8_t* W, const uint16_t* cs, int64_t N, int64_t K, const void* x, DType xt, int64_t B,
+                     void* y) {
+  const XK256 xk = prepare_xk256(x, xt, B, K, cs);
+  const Out out{y, xt};
+  const int64_t rb = K / 256 * Fmt::kBytes, nb = K / 256, tiles = (N + kKTileRows - 1) / kKTileRows;
+  parallel_for(tiles, [&](int64_t ti) {
+    const int64_t n0 = ti * kKTileRows;
+    const int rows = static_cast<int>(std::min<int64_t>(kKTileRows, N - n0));
+    KTile tile;
+    alignas(32) float acc[kKTileRows * kKTileChunk];
+    for (int64_t t0 = 0; t0 < xk.Bp; t0 += kKTileChunk) {
+      const int64_t tc = std::min(kKTileChunk, xk.Bp - t0);
+      std::fill(acc, acc + kKTileRows * kKTileChunk, 0.f);
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        unpack_tile<Fmt>(W, rb, n0, rows, blk, tile);
+        tile_rows<Fmt::kType != KType::kQ6K>(tile, rows, xk, blk, t0, tc, acc);
+      }
+      for (int64_t i = 0; i < tc && t0 + i < B; ++i) {  // row i of x: the tile's outputs lie together
+        float v[kKTileRows];
+        for (int r = 0; r < rows; ++r) v[r] = acc[r * kKTileChunk + i];
+        const int64_t o = (t0 + i) * N + n0;
+        if (xt == DType::kF32) std::memcpy(static_cast<float*>(y) + o, v, sizeof(float) * rows);
+        else for (int r = 0; r < rows; ++r) out.put(o + r, v[r]);
+      }
+    }
+  });
+}
+#endif
+
+// The columns per int8 step of x in a K-quant GEMV of B rows of type t (kernels.h kq_x_group).
+int x_group_kq(KType t, int64_t B) {
+  (void)t;
+#if defined(RWKV_KQ_AVX2)
+  if (B > kKqGemvMaxRows) return 256;
+#else
+  (void)B;
+#endif
+  return 32;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -1307,11 +1507,19 @@ void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint1
 
 void gemv_kq(KType t, const uint8_t* blocks, const uint16_t* cs, int64_t N, int64_t K, const void* x, DType xt,
              int64_t B, void* y) {
+#if defined(RWKV_KQ_AVX2)
+  if (x_group_kq(t, B) == 256) {
+    with_ktype(t, [&]<typename Fmt>() { gemv_kq_prefill<Fmt>(blocks, cs, N, K, x, xt, B, y); });
+    return;
+  }
+#endif
   Linear l;
   l.kind = Linear::Kind::kKQuant, l.N = N, l.K = K, l.kq = blocks, l.kt = t, l.cs = cs;
   const GemvCall c{&l, x, y, xt};
   gemv_many(&c, 1, B);
 }
+
+int kq_x_group(KType t, int64_t B) { return x_group_kq(t, B); }
 
 // Dequantization for prefill: the tile is then multiplied by the GEMM.
 

@@ -32,10 +32,13 @@ constexpr int64_t ktype_bytes(KType t) { return t == KType::kQ4K ? 144 : t == KT
 inline bool is_ktype(int64_t t) { return t == 12 || t == 13 || t == 14; }
 
 // w[n, k] = the value ggml decodes for column k of row n, times cs[k]; blocks [N, K / 256 *
-// ktype_bytes(t)], K a multiple of 256. x is rounded to int8 per 32 columns (as for gemv_q4) and
-// the products summed exactly per 16 columns.
+// ktype_bytes(t)], K a multiple of 256. x is rounded to int8 per kq_x_group(t, B) columns (32, as
+// for gemv_q4: the products summed exactly per 16 columns; or 256, as ggml's Q8_K: per block).
 void gemv_kq(KType t, const uint8_t* blocks, const uint16_t* cs, int64_t N, int64_t K, const void* x, DType xt,
              int64_t B, void* y);
+// Columns per int8 step of x in gemv_kq of B rows of type t: 256 for prefill (more than 16 rows)
+// on the AVX2 level, else 32.
+int kq_x_group(KType t, int64_t B);
 
 // A linear layer y = x W^T in one of the formats above.
 struct Linear {

@@ -19,8 +19,9 @@ llama.cpp divided by llama.cpp vs the .pth (the type's own error).
 The target: every quantized type's scaled agreement at most F16's. The two engines read the same
 weights and differ in their arithmetic: llama.cpp multiplies quantized matrices with activations
 rounded to 8 bits per 256 columns (per 32 for Q8_0), we round them per 32 columns (int4 and
-K-quants; int16 per 64 for q8) or keep fp32 (dense), so a type's difference from llama.cpp is a
-fraction of its own error. Measured with the 0.1B shape (12 x 768): docs/checkpoints.md.
+K-quants; K-quant prefill on the AVX2 level per 256, as llama.cpp; int16 per 64 for q8) or keep
+fp32 (dense, and K-quant prefill through dequantized tiles where the CPU has bf16 matrix
+instructions), so a type's difference from llama.cpp is a fraction of its own error. Measured with the 0.1B shape (12 x 768): docs/checkpoints.md.
 Without llama.cpp's build tools (cmake, a compiler) the script says so and stops.
 """
 

@@ -225,6 +225,58 @@ def test_a_piece_that_fails_on_the_prefill_thread_fails_only_its_request(model_a
         engine.stop()
 
 
+class ThreadBoundModel(HeldModel):
+    """The model, with a prompt piece's logits moved by its thread count (as oneDNN's AMX GEMMs
+    move their bits, a little), and the thread count of every piece recorded once `watch` is set."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.watch, self.counts = False, []
+
+    def forward(self, tokens, *args, **kw):
+        logits, state = super().forward(tokens, *args, **kw)
+        if isinstance(tokens, list) and len(tokens) > 1:
+            if self.watch:
+                self.counts.append(torch.get_num_threads())
+            logits = logits + 1e-3 * torch.get_num_threads()  # (the same greedy token)
+        return logits, state
+
+    def prefill(self, tokens, *args, **kw):
+        if self.watch and len(tokens) > 1:
+            self.counts.append(torch.get_num_threads())
+        return super().prefill(tokens, *args, **kw)
+
+
+def test_where_bits_depend_on_the_thread_count_every_prompt_is_read_on_the_prefill_threads(model_and_tokenizer, capfd):
+    """The warm-up finds a piece's logits differ between the prefill thread's count and all
+    threads: the worker still runs, and every prompt piece, beside the decode steps or in turns
+    with nothing decoding, is read on the prefill thread's count, so no answer depends on the
+    load; the answers are each request's alone."""
+    model, tok = model_and_tokenizer
+    bound = ThreadBoundModel(model)
+    engine = started(bound)
+    greedy = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=())
+    prompts = [[(5 * i + n) % 4000 + 1 for i in range(n)] for n in (90, 7, 150, 40)]
+    out = Collect()
+    out.expect = len(prompts)
+    try:
+        threads = torch.get_num_threads() // 2
+        assert f"every prompt is read on {threads}" in capfd.readouterr().err
+        assert engine._worker is not None
+        bound.watch = True
+        engine.submit(Request(list(prompts[0]), greedy), out.sink(0))  # alone: read in turns
+        assert out.decoding.wait(60)
+        for i, ids in enumerate(prompts[1:], 1):  # beside request 0's decode steps
+            engine.submit(Request(list(ids), greedy), out.sink(i))
+        assert out.done.wait(120)
+    finally:
+        engine.stop()
+    assert bound.counts and set(bound.counts) == {threads}, bound.counts
+    for i, ids in enumerate(prompts):
+        alone = "".join(rwkv_engine.generate(model, tok, ids, greedy))
+        assert "".join(out.texts.get(i, [])) == alone, f"request {i} ({len(ids)} prompt tokens)"
+
+
 @pytest.mark.parametrize("threads", [0, 2, 5])
 def test_no_prefill_thread_when_asked_for_none_or_none_is_left_to_decode(model_and_tokenizer, threads, capfd):
     """--prefill-threads 0: prefill and decode take turns; a count that leaves the decode steps no

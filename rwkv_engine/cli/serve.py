@@ -290,7 +290,8 @@ def add_engine_arguments(parser) -> None:
         help="on the CPU, while streams decode and prompts wait, read the prompts on N of the threads "
         "beside the decode steps on the others, so the streams' tokens never wait for a prompt; 0 = "
         "prefill and decode take turns on all threads (default: half the threads, where there are at "
-        "least two)",
+        "least two). Where a prompt's bits depend on the thread count (checked at start-up: AMX "
+        "GEMMs), every prompt is read on N threads, so that no answer depends on the load",
     )
     e.add_argument(
         "--state-cache-mb",

@@ -17,8 +17,10 @@ The worker only runs a piece's forward (`Prefill.step`); the engine thread hands
 takes the piece back and does all the bookkeeping, so the scheduler's structures stay the
 engine thread's own. The work in flight is the worker's until it comes back (`Engine._piece`).
 A piece's bits do not depend on which thread or how many threads read it where the model's
-operators give the same bits on any thread count; `Engine` checks that at warm-up and reads
-every piece on its own thread where they do not.
+operators give the same bits on any thread count; `Engine` checks that at warm-up, and where
+they do not (oneDNN's AMX bf16 GEMMs: their blocking follows the thread count), the engine
+thread reads its pieces in turns on this worker's count as well, so that no answer depends on
+the load.
 """
 
 from __future__ import annotations

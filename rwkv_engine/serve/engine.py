@@ -217,10 +217,11 @@ class Engine:
         self._warm = False  # warmed up (see _warm_up)
         # Prompt pieces beside the decode steps (beside.py; set up by `_warm_up`): the worker, the
         # piece in flight (its work is the worker's until `_collect`), the engine thread's thread
-        # count alone and beside a piece, and the count it runs on now.
+        # count alone and beside a piece, the count it reads prompts on in turns (all, or the
+        # worker's where the bits depend on the count), and the count it runs on now.
         self._worker: PieceWorker | None = None
         self._piece: Piece | None = None
-        self._threads = self._decode_threads = self._using = 0
+        self._threads = self._decode_threads = self._turn_prefill_threads = self._using = 0
         self.speculative = SpeculativeStats()  # of every speculating row (engine thread)
         self._draft = None  # the draft model's DraftModel, loaded at the first request that needs it
 
@@ -431,10 +432,11 @@ class Engine:
         """Start the prefill worker (beside.py) where it can run: a CPU model that generates, and
         `prefill_threads` (default half the engine thread's) in [1, threads). A piece's bits must
         not depend on the thread count that reads it (a request's answer would then depend on
-        the load): a piece is read on both counts and compared, and where the logits differ the
-        worker stays off, with a note."""
+        the load): a piece is read on both counts and compared, and where the logits differ
+        (oneDNN's AMX GEMMs: their blocking depends on the thread count) every prompt piece is
+        read on the worker's count, in turns too, with a note."""
         cfg, model = self.config, self.model
-        self._threads = self._using = torch.get_num_threads()
+        self._threads = self._turn_prefill_threads = self._using = torch.get_num_threads()
         threads = cfg.prefill_threads if cfg.prefill_threads is not None else self._threads // 2
         if not threads or model.device.type != "cpu" or not model.config.lm_head:
             return
@@ -456,10 +458,11 @@ class Engine:
         if not torch.equal(alone, beside):
             print(
                 f"{cfg.name}: a prompt piece read on {threads} threads differs from the same piece on "
-                f"{self._threads}: prefill and decode take turns (--prefill-threads 0)",
+                f"{self._threads}: every prompt is read on {threads} (--prefill-threads 0: all threads, "
+                "taking turns with decode)",
                 file=sys.stderr,
             )
-            return
+            self._turn_prefill_threads = threads
         self._decode_threads = self._threads - threads
         self._worker = PieceWorker(threads, cfg.name)
         self._worker.start()
@@ -476,9 +479,11 @@ class Engine:
         it learns what longer pieces cost only from pieces it has read; from a start with a queue
         of prompts the turns' time bought only short pieces, which then was all it knew (issue
         38: 64 streams read their prompts in pieces of 45-50 tokens). About the time of two
-        chunks' prefill (0.3 s on the 0.1B shape on two cores)."""
+        chunks' prefill (0.3 s on the 0.1B shape on two cores). On the thread count that turns
+        read prompts on."""
         if not self.config.prefill_share or not self.model.config.lm_head:
             return
+        self._use(self._turn_prefill_threads)
         n, chunk = WKV_CHUNK, self.config.prefill_chunk
         while n <= chunk:
             t = self.clock()
@@ -528,7 +533,7 @@ class Engine:
             if beside:
                 self._hand_over()
             else:
-                self._use(self._threads)
+                self._use(self._turn_prefill_threads)
                 t0 = self.clock()
                 jobs_only = all(isinstance(w, InputsPrefill) for w in self._prefilling)
                 prompts = sum(not isinstance(w, InputsPrefill) for w in self._prefilling) + len(self._waiting)

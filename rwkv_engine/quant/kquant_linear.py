@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from rwkv_engine.errors import InputError
+from rwkv_engine.kernels import native
 from rwkv_engine.kernels.native import GEMV_MAX_ROWS
 from rwkv_engine.quant.ggml_quants import BY_NAME, KQUANT, QK_K, TYPES, dequantize
 from rwkv_engine.quant.linear import _int8_x_reference, _QuantLinearBase, prefill_dtype
@@ -72,8 +73,6 @@ def x_group(qtype: str | int, rows: int) -> int:
     """Columns of x per int8 step in the integer K-quant kernel for `rows` rows of x: 32 (as for
     int4), except where the kernels in use report otherwise (prefill on the AVX2 level: 256, as
     ggml's Q8_K, see kernels.cpp gemv_kq_prefill); 32 without native kernels."""
-    from rwkv_engine.kernels import native
-
     ops = native.load()
     return 32 if ops is None else ops.kq_x_group(ktype_id(qtype), rows)
 

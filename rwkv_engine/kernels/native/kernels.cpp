@@ -105,6 +105,23 @@ void to_float(const void* x, DType xt, int64_t off, int64_t n, float* d) {
   for (; i < n; ++i) d[i] = load_elem(x, xt, off + i);
 }
 
+// The fp16 column scales cs [K] in fp32 (empty without them), and row b of x [B, K] in fp32 times
+// them: the x that the integer kernels round (see kernels.h).
+std::vector<float> col_scales_f32(const uint16_t* cs, int64_t K) {
+  std::vector<float> c;
+  if (cs != nullptr) {
+    c.resize(static_cast<size_t>(K));
+    to_float(cs, DType::kF16, 0, K, c.data());
+  }
+  return c;
+}
+
+void scaled_row(const void* x, DType xt, int64_t b, int64_t K, const std::vector<float>& c, float* d) {
+  to_float(x, xt, b * K, K, d);
+  if (!c.empty())
+    for (int64_t k = 0; k < K; ++k) d[k] *= c[k];
+}
+
 // Row stride of a prepared x [B, K] with `line` elements per 64-byte cache line: K rounded up
 // to whole lines, plus one: rows a multiple of 4 KB apart (K = 2048, 7168) would fall into the
 // same L1 sets, and the rows of an x tile would evict each other.
@@ -462,13 +479,8 @@ XQ prepare_xq(const void* x, DType xt, int64_t B, int64_t K, bool int8, const ui
   const int64_t C = K / 64;
   XQ r;
   r.xf.resize(static_cast<size_t>(B * K));
-  to_float(x, xt, 0, B * K, r.xf.data());
-  if (cs != nullptr) {
-    std::vector<float> c(static_cast<size_t>(K));
-    to_float(cs, DType::kF16, 0, K, c.data());
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t k = 0; k < K; ++k) r.xf[b * K + k] *= c[k];
-  }
+  const std::vector<float> c = col_scales_f32(cs, K);
+  for (int64_t b = 0; b < B; ++b) scaled_row(x, xt, b, K, c, r.xf.data() + b * K);
   r.xh = r.xf;
   if (!int8) {
     r.q.resize(static_cast<size_t>(B * padded_stride(K, 32)));
@@ -745,11 +757,7 @@ struct XK {
 // 32-column sub-block instead, in lanes 0-7 (sm: the sum of its 32 rounded x), and sm of Q6_K is
 // -32 times the group's sum (exact), so that its code offset folds into one fma.
 XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs, bool rows_parallel, KType kt) {
-  std::vector<float> c;
-  if (cs != nullptr) {
-    c.resize(static_cast<size_t>(K));
-    to_float(cs, DType::kF16, 0, K, c.data());
-  }
+  const std::vector<float> c = col_scales_f32(cs, K);
   XK r;
   const int64_t nb = K / 256;
   r.q.resize(static_cast<size_t>(B * K));
@@ -758,9 +766,7 @@ XK prepare_xk(const void* x, DType xt, int64_t B, int64_t K, const uint16_t* cs,
   auto row = [&](int64_t b) {
     std::vector<float> xf(static_cast<size_t>(K));
     float xh[32];
-    to_float(x, xt, b * K, K, xf.data());
-    if (cs != nullptr)
-      for (int64_t k = 0; k < K; ++k) xf[k] *= c[k];
+    scaled_row(x, xt, b, K, c, xf.data());
     for (int64_t blk = 0; blk < nb; ++blk) {
       float* st = r.st.data() + (b * nb + blk) * 16;
       float* sm = r.sm.data() + (b * nb + blk) * 16;
@@ -1264,18 +1270,12 @@ XK256 prepare_xk256(const void* x, DType xt, int64_t B, int64_t K, const uint16_
   r.q.assign(static_cast<size_t>(nb * r.Bp * 256), 128);
   r.dx.assign(static_cast<size_t>(nb * r.Bp), 0.f);
   r.sub.assign(static_cast<size_t>(nb * 8 * r.Bp), 0.f);
-  std::vector<float> c;
-  if (cs != nullptr) {
-    c.resize(static_cast<size_t>(K));
-    to_float(cs, DType::kF16, 0, K, c.data());
-  }
+  const std::vector<float> c = col_scales_f32(cs, K);
   parallel_for(B, [&](int64_t b) {
     std::vector<float> xf(static_cast<size_t>(K));
     int8_t q[256];
     float xh[256];
-    to_float(x, xt, b * K, K, xf.data());
-    if (cs != nullptr)
-      for (int64_t k = 0; k < K; ++k) xf[k] *= c[k];
+    scaled_row(x, xt, b, K, c, xf.data());
     for (int64_t blk = 0; blk < nb; ++blk) {
       r.dx[blk * r.Bp + b] = round_block(xf.data() + blk * 256, 256, 127.f, q, xh);
       uint8_t* o = r.q.data() + (blk * r.Bp + b) * 256;
@@ -1415,17 +1415,6 @@ void gemv_kq_prefill(const uint8_t* W, const uint16_t* cs, int64_t N, int64_t K,
 }
 #endif
 
-// The columns per int8 step of x in a K-quant GEMV of B rows of type t (kernels.h kq_x_group).
-int x_group_kq(KType t, int64_t B) {
-  (void)t;
-#if defined(RWKV_KQ_AVX2)
-  if (B > kKqGemvMaxRows) return 256;
-#else
-  (void)B;
-#endif
-  return 32;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -1505,10 +1494,20 @@ void gemv_q4(const uint8_t* q, const uint16_t* s, const uint16_t* z, const uint1
   gemv_many(&c, 1, B);
 }
 
+int kq_x_group(KType t, int64_t B) {
+  (void)t;
+#if defined(RWKV_KQ_AVX2)
+  if (B > kKqGemvMaxRows) return 256;
+#else
+  (void)B;
+#endif
+  return 32;
+}
+
 void gemv_kq(KType t, const uint8_t* blocks, const uint16_t* cs, int64_t N, int64_t K, const void* x, DType xt,
              int64_t B, void* y) {
 #if defined(RWKV_KQ_AVX2)
-  if (x_group_kq(t, B) == 256) {
+  if (kq_x_group(t, B) == 256) {
     with_ktype(t, [&]<typename Fmt>() { gemv_kq_prefill<Fmt>(blocks, cs, N, K, x, xt, B, y); });
     return;
   }
@@ -1518,8 +1517,6 @@ void gemv_kq(KType t, const uint8_t* blocks, const uint16_t* cs, int64_t N, int6
   const GemvCall c{&l, x, y, xt};
   gemv_many(&c, 1, B);
 }
-
-int kq_x_group(KType t, int64_t B) { return x_group_kq(t, B); }
 
 // Dequantization for prefill: the tile is then multiplied by the GEMM.
 
@@ -1618,11 +1615,7 @@ inline float code_of(float t) { return std::min(std::max(std::nearbyint(t), 0.f)
 
 void quantize_q4(const void* w, DType wt, const uint16_t* cs, int64_t N, int64_t K, int64_t gs, const float* shrinks,
                  int nshrink, uint8_t* q, uint16_t* s, uint16_t* z) {
-  std::vector<float> c;
-  if (cs != nullptr) {
-    c.resize(static_cast<size_t>(K));
-    to_float(cs, DType::kF16, 0, K, c.data());
-  }
+  const std::vector<float> c = col_scales_f32(cs, K);
   const int64_t G = K / gs;
   for_rows(N, K * 8 * nshrink, 1, [&](int64_t a, int64_t b) {
     std::vector<float> row(static_cast<size_t>(K));
